@@ -1,0 +1,70 @@
+# rankscope: set-up, tests, benchmarks, demo. GNU make.
+#
+#   make test        install what is missing, then the whole test suite
+#   make test-fast   the same without the tests marked slow
+#   make bench       every benchmarks/*.py in turn
+#   make demo        the demo
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+# Installed before anything else: this machine has a local CPU wheel of torch 2.13.0, while a
+# bare torch requirement would pull the newest CUDA build (GBs). Override on machines with
+# another torch, e.g. make TORCH='torch==2.11.0'.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+BENCHMARKS := $(sort $(wildcard benchmarks/*.py))
+
+.PHONY: venv install browser test test-fast bench demo clean distclean
+
+venv: $(PY)
+
+install: $(STAMP)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# Reinstalls only when the package metadata changed (editable install: code changes need none).
+$(STAMP): pyproject.toml setup.py | $(PY)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q numpy
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+# Debian's chromium for the browser tests (they skip themselves without it). Silent when present.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's chromium for the browser tests"; \
+	  log=$$(mktemp); \
+	  if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } >"$$log" 2>&1; then \
+	    tail -n 20 "$$log" >&2; \
+	    echo "warning: could not install chromium: browser tests will be skipped" >&2; \
+	  fi; \
+	  rm -f "$$log"; \
+	else \
+	  echo "warning: /usr/bin/chromium is missing and we are not root: browser tests will be skipped" >&2; \
+	fi
+
+test: install browser
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	@for b in $(BENCHMARKS); do echo "== $$b"; $(PY) "$$b"; echo; done
+
+demo: install
+	$(VENV)/bin/rankscope train --inject "straggler:rank=5,factor=1.5,from_step=5"
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache test-artifacts .whl
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

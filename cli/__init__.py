@@ -1,0 +1,1 @@
+"""The ``rankscope`` command: thin subcommands that call into the other parts."""

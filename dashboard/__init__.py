@@ -1,0 +1,1 @@
+"""Streamlit dashboard with Plotly figures, reading through the collector's query API or straight from ClickHouse."""

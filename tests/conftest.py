@@ -1,0 +1,246 @@
+"""Shared test infrastructure: child processes that can never outlive their test.
+
+Every multi-process test starts its processes through the ``proc_runner`` fixture (or the
+``torchrun`` fixture built on it). Each child gets its own process group
+(``start_new_session=True``); at teardown, which also runs when the test fails or
+pytest-timeout fires (method "signal", set in pyproject.toml), the runner sends SIGTERM to the
+group and to every descendant (torchrun puts each worker in a session of its own, so killing
+torchrun's group alone would miss them), waits up to 5 s, then sends SIGKILL. Output goes to
+files under ``tmp_path``, so a chatty child never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ("pytester",)  # tests/test_infra.py runs pytest inside a test.
+
+TERM_GRACE_S = 5.0
+
+
+class Proc:
+    """One started child: its exit status and the output it has written so far."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], name: str, stdout_path: Path, stderr_path: Path, runner: ProcRunner):
+        self.popen = popen
+        self.runner = runner
+        self.name = name
+        self.stdout_path = stdout_path
+        self.stderr_path = stderr_path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status, or None while the process runs (negative: killed by that signal)."""
+        return self.popen.poll()
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def output(self, tail: int | None = 8000) -> str:
+        """stdout and stderr so far, labelled, the last `tail` characters of each: for assertion messages."""
+        out, err = self.stdout, self.stderr
+        if tail is not None:
+            out, err = out[-tail:], err[-tail:]
+        return f"--- {self.name} stdout ---\n{out}\n--- {self.name} stderr ---\n{err}"
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for exit and return the status; TimeoutError (with the output) if it runs on."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{self.name} still running after {timeout} s\n{self.output()}") from None
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        """Wait until `text` appears in stdout or stderr (e.g. a server's "listening" line)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if text in self.stdout or text in self.stderr:
+                return
+            if self.returncode is not None:
+                raise AssertionError(f"{self.name} exited ({self.returncode}) before printing {text!r}\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not print {text!r} in {timeout} s\n{self.output()}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGTERM the process, its group and its descendants; SIGKILL what is left after the grace time."""
+        _terminate_tree(self.popen, self.runner.term_grace_s)
+
+
+class ProcRunner:
+    """Starts children in their own process groups and kills them all at teardown."""
+
+    def __init__(self, tmp_path: Path):
+        self.log_dir = tmp_path / "procs"
+        self.procs: list[Proc] = []
+        self.term_grace_s = TERM_GRACE_S  # seconds between SIGTERM and SIGKILL at teardown
+
+    def start(
+        self,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        name: str | None = None,
+    ) -> Proc:
+        """Start `args`; `env` is added to (not instead of) os.environ; output goes to files."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        name = name or f"{Path(args[0]).name}-{len(self.procs)}"
+        stdout_path = self.log_dir / f"{name}.out"
+        stderr_path = self.log_dir / f"{name}.err"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+            popen = subprocess.Popen(
+                list(args),
+                env=full_env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        proc = Proc(popen, name, stdout_path, stderr_path, self)
+        self.procs.append(proc)
+        return proc
+
+    def torchrun(
+        self,
+        args: Sequence[str],
+        nproc: int,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> Proc:
+        """``torchrun --standalone --nproc-per-node N args...`` with this interpreter.
+
+        --standalone makes torchrun pick a free rendezvous port itself, so parallel tests do
+        not collide. OMP_NUM_THREADS=1 keeps N ranks from oversubscribing the two cores.
+        """
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+        return self.start(cmd, env={"OMP_NUM_THREADS": "1", **(env or {})}, name=name or f"torchrun-{len(self.procs)}")
+
+    def cleanup(self) -> None:
+        """Kill every started process tree (idempotent; the fixture calls it at teardown)."""
+        for proc in self.procs:
+            _terminate_tree(proc.popen, self.term_grace_s)
+
+
+@pytest.fixture
+def proc_runner(tmp_path: Path) -> Iterator[ProcRunner]:
+    """A ProcRunner whose processes are all killed when the test ends, however it ends."""
+    runner = ProcRunner(tmp_path)
+    try:
+        yield runner
+    finally:
+        runner.cleanup()
+
+
+@pytest.fixture
+def torchrun(proc_runner: ProcRunner) -> Callable[..., Proc]:
+    """``torchrun(args, nproc, env=None) -> Proc``: ProcRunner.torchrun bound to this test."""
+    return proc_runner.torchrun
+
+
+# --- process-tree killing (Linux /proc) -------------------------------------------------------
+
+
+def _proc_table() -> dict[int, tuple[int, int, str, int]]:
+    """pid -> (ppid, pgid, state, start time) for every process, from /proc/<pid>/stat."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
+    return table
+
+
+def _tree(root: int) -> dict[int, int]:
+    """pid -> start time of the live (non-zombie) processes in root's group or below root."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found = {pid for pid, (_, pgid, _, _) in table.items() if pgid == root}
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        found.add(pid)
+        stack.extend(children.get(pid, []))
+    return {pid: table[pid][3] for pid in found if pid in table and table[pid][2] != "Z"}
+
+
+def _alive(pids: dict[int, int]) -> dict[int, int]:
+    """Those of `pids` still running (same start time, so a reused pid is not mistaken)."""
+    table = _proc_table()
+    return {pid: start for pid, start in pids.items() if pid in table and table[pid][3] == start and table[pid][2] != "Z"}
+
+
+def _signal(pids: dict[int, int], pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in _alive(pids):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _terminate_tree(popen: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM popen's group and descendants, wait up to `grace_s`, then SIGKILL the rest.
+
+    The tree is read before any signal: once a parent dies its children are re-parented and
+    can no longer be found from it.
+    """
+    pids = _tree(popen.pid)
+    if not pids:
+        popen.poll()  # reap a zombie leader
+        return
+    _signal(pids, popen.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        popen.poll()
+        pids = _alive(pids)
+        if not pids:
+            return
+        time.sleep(0.05)
+    # Also whatever the tree started during the grace period.
+    _signal({**pids, **_tree(popen.pid)}, popen.pid, signal.SIGKILL)
+    try:
+        popen.wait(5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@pytest.fixture(scope="module")
+def module_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcRunner]:
+    """A ProcRunner shared by a module's tests (runs shared between assertions), cleaned up after the module."""
+    runner = ProcRunner(tmp_path_factory.mktemp("module-procs"))
+    try:
+        yield runner
+    finally:
+        runner.cleanup()

@@ -1,0 +1,48 @@
+"""The rankscope command: version, help without heavy imports, `train` forwarding."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+import rankscope
+from rankscope.cli.main import main
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rankscope {rankscope.__version__}"
+
+
+def test_help_lists_train_and_imports_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "from rankscope.cli.main import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in ('torch', 'chdb', 'streamlit', 'grpc') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "train" in out
+    assert "HEAVY []" in out
+
+
+def test_train_forwards_every_argument_unparsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("rankscope.trainer.launch")
+    fake.main = lambda argv: seen.append(argv) or 7  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "rankscope.trainer.launch", fake)
+    argv = ["--help", "--inject", "straggler:rank=5,factor=1.5", "--", "-x", "pos"]
+    assert main(["train", *argv]) == 7
+    assert main(["train"]) == 7
+    assert seen == [argv, []]
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out

@@ -1,0 +1,135 @@
+"""The process-safety fixtures in conftest.py really leave no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+# A child that starts three grandchildren: one in its own process group, one in a new session
+# (as torchrun starts its workers), one that ignores SIGTERM (needs the SIGKILL), then writes
+# all their pids to a file and waits.
+SPAWNER = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ignoring', flush=True); time.sleep(1000)")
+    kids = [
+        subprocess.Popen(["sleep", "1000"]),
+        subprocess.Popen(["sleep", "1000"], start_new_session=True),
+        subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE),
+    ]
+    kids[2].stdout.readline()  # SIGTERM is ignored from here on
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        json.dump([os.getpid()] + [k.pid for k in kids], f)
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    print("ready", flush=True)
+    time.sleep(1000)
+    """
+)
+
+
+def _running(pid: int) -> bool:
+    """True while pid exists and is not a zombie (orphans may stay zombies a while)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _wait_for_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} not written in {timeout} s"
+        time.sleep(0.05)
+
+
+def test_cleanup_kills_group_and_escaped_descendants(proc_runner, tmp_path: Path) -> None:
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    pidfile = tmp_path / "pids.json"
+    proc_runner.term_grace_s = 0.5
+    proc = proc_runner.start([sys.executable, str(script), str(pidfile)])
+    proc.wait_for("ready", timeout=30)
+    pids = json.loads(pidfile.read_text())
+    assert all(_running(pid) for pid in pids)
+    assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)  # its own process group
+
+    start = time.monotonic()
+    proc_runner.cleanup()
+    assert [pid for pid in pids if _running(pid)] == []
+    assert proc.returncode is not None
+    assert time.monotonic() - start < 5  # SIGTERM, 0.5 s grace, SIGKILL
+    proc_runner.cleanup()  # idempotent
+
+
+def test_output_goes_to_files_and_wait_reports_status(proc_runner) -> None:
+    code = "import sys; print('x' * 200_000); print('err', file=sys.stderr); sys.exit(3)"
+    proc = proc_runner.start([sys.executable, "-c", code], name="chatty")
+    assert proc.wait(timeout=30) == 3  # 200 kB would fill a pipe; files do not
+    assert proc.returncode == 3
+    assert len(proc.stdout) == 200_001 and proc.stderr == "err\n"
+    assert "--- chatty stderr ---\nerr" in proc.output()
+    with pytest.raises(TimeoutError, match="still running"):
+        proc_runner.start(["sleep", "1000"]).wait(timeout=0.1)
+
+
+def test_pytest_timeout_still_kills_children(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """A test killed by pytest-timeout (method "signal") still runs the fixture teardown."""
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    pidfile = tmp_path / "pids.json"
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeini("[pytest]\ntimeout_method = signal\n")
+    pytester.makepyfile(
+        f"""
+        import sys, time, pytest
+
+        @pytest.mark.timeout(2)
+        def test_hangs(proc_runner):
+            proc_runner.term_grace_s = 0.5
+            proc = proc_runner.start([sys.executable, {str(script)!r}, {str(pidfile)!r}])
+            proc.wait_for("ready", timeout=30)
+            time.sleep(1000)
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*Timeout*"])
+    _wait_for_file(pidfile, timeout=1)
+    pids = json.loads(pidfile.read_text())
+    assert len(pids) == 4
+    assert [pid for pid in pids if _running(pid)] == []
+
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    rank = os.environ["RANK"]
+    with open(os.path.join(sys.argv[1], f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    print(f"rank {rank} of {os.environ['WORLD_SIZE']} threads {os.environ['OMP_NUM_THREADS']}", flush=True)
+    time.sleep(1000)
+    """
+)
+
+
+@pytest.mark.slow
+def test_torchrun_workers_die_with_the_test(torchrun, proc_runner, tmp_path: Path) -> None:
+    """torchrun puts each worker in a session of its own: teardown must still reach them."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    proc = torchrun([str(script), str(tmp_path)], nproc=2)
+    for rank in (0, 1):
+        _wait_for_file(tmp_path / f"rank{rank}.pid", timeout=120)
+    pids = [int((tmp_path / f"rank{rank}.pid").read_text()) for rank in (0, 1)]
+    assert all(_running(pid) for pid in pids)
+    assert os.getpgid(pids[0]) != proc.pid  # really outside torchrun's group
+    proc_runner.cleanup()
+    assert [pid for pid in pids if _running(pid)] == []

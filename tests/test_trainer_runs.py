@@ -1,0 +1,168 @@
+"""Real multi-process training runs (torchrun, gloo on CPU): parity across layouts, checkpoints, faults.
+
+Models are tiny and steps few: 8 ranks on 2 cores take about 7 s just to start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Proc, ProcRunner
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "256",
+        "--micro-batch", "2", "--global-batch", "8", "--steps", "5", "--timeout", "60"]  # fmt: skip
+VARIANT = ["--parallel-block", "--window", "8"]
+SP_DO = ["--sequence-parallel", "--distributed-optimizer"]
+
+
+def layout(tp: int, pp: int, dp: int) -> list[str]:
+    return ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp)]
+
+
+def start(runner: ProcRunner, name: str, flags: list[str], metrics: Path, env: dict[str, str] | None = None) -> Proc:
+    nproc = math.prod(int(flags[flags.index(f"--{k}") + 1]) for k in ("tp", "pp", "dp"))
+    return runner.torchrun(["-m", "rankscope.trainer", *flags, "--metrics-json", str(metrics)], nproc, env=env, name=name)
+
+
+def records(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def train(runner: ProcRunner, name: str, flags: list[str], timeout: float = 240) -> list[dict]:
+    """Run to completion and return the metrics lines; fails with the output if the run fails."""
+    metrics = runner.log_dir / f"{name}.jsonl"
+    proc = start(runner, name, flags, metrics)
+    assert proc.wait(timeout) == 0, proc.output()
+    return records(metrics)
+
+
+def losses(lines: list[dict]) -> list[float]:
+    return [line["loss"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def reference(module_runner: ProcRunner) -> dict[str, list[float]]:
+    """Losses of the single-process model, plain and with the block/attention variant."""
+    return {
+        "plain": losses(train(module_runner, "ref-plain", [*layout(1, 1, 1), *TINY])),
+        "variant": losses(train(module_runner, "ref-variant", [*layout(1, 1, 1), *TINY, *VARIANT])),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "flags", "variant"),
+    [
+        ("tp2pp2dp2", layout(2, 2, 2), "plain"),
+        ("tp2", layout(2, 1, 1), "plain"),
+        ("pp4", layout(1, 4, 1), "plain"),
+        ("dp2-zero1", [*layout(1, 1, 2), "--distributed-optimizer"], "plain"),
+        ("tp2pp2dp2-sp-zero1", [*layout(2, 2, 2), *SP_DO], "plain"),
+        ("tp2pp2dp2-sp-zero1-variant", [*layout(2, 2, 2), *SP_DO, *VARIANT], "variant"),
+    ],
+)
+def test_parallel_layouts_match_the_single_process_model(
+    module_runner: ProcRunner, reference: dict[str, list[float]], name: str, flags: list[str], variant: str
+) -> None:
+    extra = VARIANT if variant == "variant" else []
+    lines = train(module_runner, name, [*flags, *TINY, *extra])
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert losses(lines) == pytest.approx(reference[variant], abs=1e-5)
+    assert reference["plain"][-1] < reference["plain"][0]  # it learns
+    for line in lines:
+        assert line["mfu"] is None and line["step_time_s"] > 0
+        assert line["tokens_per_s"] == pytest.approx(8 * 32 / line["step_time_s"])
+
+
+def test_rankscope_train_launches_torchrun(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    exe = str(Path(sys.executable).parent / "rankscope")
+    metrics = tmp_path / "m.jsonl"
+    proc = proc_runner.start([exe, "train", *layout(1, 1, 2), *TINY, "--steps", "2", "--metrics-json", str(metrics)])
+    assert proc.wait(120) == 0, proc.output()
+    assert "step     2/2 | loss" in proc.stdout
+    assert [line["step"] for line in records(metrics)] == [1, 2]
+
+
+def test_rankscope_train_refuses_bad_sizes_before_starting(proc_runner: ProcRunner) -> None:
+    exe = str(Path(sys.executable).parent / "rankscope")
+    started = time.monotonic()
+    proc = proc_runner.start([exe, "train", "--heads", "6", "--tp", "4", "--inject", "hang:rank=1"])
+    assert proc.wait(30) == 2
+    assert "--heads 6 is not divisible by --tp 4" in proc.stderr
+    assert "hang: missing step" in proc.stderr and "straggler:rank=R" in proc.stderr
+    assert "torch.distributed.run" not in proc.stdout + proc.stderr
+    assert time.monotonic() - started < 20
+
+
+def test_checkpoint_resume_reproduces_the_losses(module_runner: ProcRunner, tmp_path: Path) -> None:
+    flags = [*layout(2, 2, 2), *SP_DO, *TINY, "--steps", "6", "--ckpt-dir", str(tmp_path / "ckpt")]
+    straight_metrics = tmp_path / "straight.jsonl"
+    proc = start(module_runner, "ckpt-straight", [*flags, "--ckpt-every", "3"], straight_metrics)
+    assert proc.wait(240) == 0, proc.output()
+    straight = records(straight_metrics)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003", "step-00000006"]
+    # Pretend the run died after step 4: the last complete checkpoint is step 3.
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000006")
+    resumed_metrics = tmp_path / "resumed.jsonl"
+    resumed_metrics.write_text("".join(json.dumps(line) + "\n" for line in straight[:4]))
+    proc = start(module_runner, "ckpt-resumed", [*flags, "--resume"], resumed_metrics)
+    assert proc.wait(240) == 0, proc.output()
+    assert "resuming from step 3" in proc.stdout
+    resumed = records(resumed_metrics)
+    assert [line["step"] for line in resumed] == [1, 2, 3, 4, 5, 6]  # steps 1-3 kept, 4-6 trained again
+    assert losses(resumed) == losses(straight)  # bit for bit on CPU
+
+
+def test_crash_exits_non_zero_at_its_step(module_runner: ProcRunner, tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    proc = start(module_runner, "crash", [*layout(2, 2, 2), *TINY, "--inject", "crash:rank=3,step=3"], metrics)
+    assert proc.wait(120) != 0
+    assert "rankscope injected crash: rank 3 at step 3" in proc.output(None)
+    assert [line["step"] for line in records(metrics)] == [1, 2]
+
+
+def test_hang_blocks_until_the_run_timeout(module_runner: ProcRunner, tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    flags = [*layout(2, 2, 2), *TINY, "--timeout", "8", "--inject", "hang:rank=6,step=2"]
+    started = time.monotonic()
+    proc = start(module_runner, "hang", flags, metrics)
+    assert proc.wait(180) != 0
+    output = proc.output(None)
+    assert "injected hang: rank 6 stops at step 2" in output
+    assert "Timed out" in output  # the peers gave up after --timeout, not before
+    assert time.monotonic() - started > 8
+    assert [line["step"] for line in records(metrics)] == [1]
+
+
+def test_nan_and_slow_link(module_runner: ProcRunner, tmp_path: Path) -> None:
+    """NaN injected into a first-stage rank's activations reaches the loss at that step; a slow link delays every step."""
+    metrics = tmp_path / "m.jsonl"
+    spec = "nan:rank=2,step=3;slow_link:src=1,dst=5,delay_ms=150"
+    proc = start(module_runner, "nan-link", [*layout(2, 2, 2), *TINY, "--steps", "4", "--inject", spec], metrics)
+    assert proc.wait(180) == 0, proc.output()
+    lines = records(metrics)
+    assert [math.isfinite(line["loss"]) for line in lines] == [True, True, False, False]
+    # Rank 1 sends both micro-batches' activations to rank 5 every step: 2 x 150 ms at least.
+    assert all(line["step_time_s"] >= 0.3 for line in lines), lines
+
+
+def test_straggler_compute_really_slows(module_runner: ProcRunner, tmp_path: Path) -> None:
+    """Two ranks on two cores (nothing masks the sleep): the dp all-reduce waits for the straggler."""
+    metrics = tmp_path / "m.jsonl"
+    flags = [*layout(1, 1, 2), "--layers", "2", "--hidden", "128", "--heads", "4", "--seq", "128", "--vocab", "512",
+             "--micro-batch", "4", "--global-batch", "16", "--steps", "8",
+             "--inject", "straggler:rank=1,factor=4,from_step=5"]  # fmt: skip
+    proc = start(module_runner, "straggler", flags, metrics)
+    assert proc.wait(180) == 0, proc.output()
+    times = [line["step_time_s"] for line in records(metrics)]
+    before, after = statistics.median(times[1:4]), statistics.median(times[5:8])
+    assert after > 2.0 * before, times

@@ -1,0 +1,238 @@
+"""Fast, in-process checks of the trainer's parts: configuration, fault grammar, layout, layers, data, FLOPs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rankscope.trainer import faults
+from rankscope.trainer.config import ConfigError, TrainConfig, parse_args
+from rankscope.trainer.data import MicroBatches, TokenSource
+from rankscope.trainer.flops import flops_per_token, mfu, peak_flops
+from rankscope.trainer.layers import TPContext, vocab_parallel_cross_entropy
+from rankscope.trainer.model import Attention, GPTStage, ModelArgs, count_parameters, init_weights
+from rankscope.trainer.parallel_state import Layout
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A one-rank gloo world, so the model's layers run in this process."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"heads": 6, "tp": 4}, "--heads 6 is not divisible by --tp 4"),
+        ({"layers": 3}, "--layers 3 is not divisible by --pp 2"),
+        ({"global_batch": 12}, "--global-batch 12 is not divisible by --micro-batch 4 x --dp 2 = 8"),
+        ({"vocab": 1001}, "--vocab 1001 is not divisible by --tp 2"),
+        ({"hidden": 100}, "--hidden 100 is not divisible by --heads 8"),
+        ({"nproc": 4}, "--nproc 4 does not equal tp*pp*dp"),
+        ({"sequence_parallel": True, "seq": 127}, "--sequence-parallel needs --seq 127 divisible by --tp 2"),
+        ({"ckpt_every": 5}, "--ckpt-every and --resume need --ckpt-dir"),
+        ({"tp": 0}, "--tp must be at least 1"),
+        ({"inject": "hang:rank=8,step=2"}, "rank=8 is not a rank of this 8-rank job"),
+        ({"inject": "crash:rank=1,step=21"}, "step=21 is not a step of this 20-step run"),
+    ],
+)
+def test_config_refuses_what_cannot_run(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace("+", r"\+")):
+        TrainConfig(**overrides).validate()
+
+
+def test_default_config_is_the_8_rank_job() -> None:
+    cfg = TrainConfig().validate()
+    assert (cfg.tp, cfg.pp, cfg.dp, cfg.world_size) == (2, 2, 2, 8)
+    assert cfg.num_microbatches * cfg.micro_batch * cfg.dp == cfg.global_batch
+
+
+def test_parse_args_maps_every_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANKSCOPE_INJECT", raising=False)
+    cfg = parse_args(["--tp", "1", "--pp", "4", "--dp", "2", "--micro-batch", "2", "--global-batch", "8",
+                      "--sequence-parallel", "--window", "16", "--metrics-json", "m.json"])  # fmt: skip
+    assert (cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch, cfg.window) == (1, 4, 2, 2, 16)
+    assert cfg.sequence_parallel and not cfg.distributed_optimizer
+    assert cfg.metrics_json == Path("m.json")
+
+
+def test_parse_args_takes_inject_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANKSCOPE_INJECT", "nan:rank=3,step=4")
+    assert parse_args([]).inject == "nan:rank=3,step=4"
+    assert parse_args(["--inject", "crash:rank=1,step=2"]).inject == "crash:rank=1,step=2"
+
+
+def test_parse_args_exits_2_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--heads", "3"])
+    assert exc.value.code == 2
+    assert "--heads 3 is not divisible by --tp 2" in capsys.readouterr().err
+
+
+# --- fault grammar ------------------------------------------------------------------------------
+
+
+def test_fault_spec_parses_every_kind() -> None:
+    parsed = faults.parse(
+        "straggler:rank=5,factor=1.3,from_step=4; hang:rank=2,step=9;crash:rank=1,step=3;"
+        "nan:rank=0,step=2;slow_link:src=1,dst=5,delay_ms=20"
+    )
+    assert [f.kind for f in parsed] == ["straggler", "hang", "crash", "nan", "slow_link"]
+    assert parsed[0].rank == 5 and parsed[0].factor == 1.3 and parsed[0].from_step == 4
+    assert (parsed[4].src, parsed[4].dst, parsed[4].delay_ms) == (1, 5, 20.0)
+    assert faults.parse("") == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ("slow:rank=1", "does not start with a known fault kind"),
+        ("hang:rank=1", "hang: missing step"),
+        ("hang:rank=1,step=x", "step='x' is not a int"),
+        ("crash:rank=1,step=2,factor=2", "'factor=2' is not one of rank=, step="),
+        ("crash:rank=1,rank=2,step=2", "rank given twice"),
+        ("straggler:rank=1,factor=0.5,from_step=1", "must be a number above 1"),
+        ("slow_link:src=1,dst=1,delay_ms=5", "src and dst must differ"),
+    ],
+)
+def test_fault_spec_errors_show_the_grammar(spec: str, problem: str) -> None:
+    with pytest.raises(faults.FaultSpecError) as exc:
+        faults.parse(spec)
+    assert problem in str(exc.value)
+    assert "straggler:rank=R,factor=F,from_step=S" in str(exc.value)
+
+
+def test_injector_applies_only_this_ranks_faults() -> None:
+    spec = faults.parse("crash:rank=1,step=3;straggler:rank=1,factor=2,from_step=2;nan:rank=0,step=2;"
+                        "slow_link:src=1,dst=5,delay_ms=30")  # fmt: skip
+    one, zero = faults.Injector(spec, rank=1), faults.Injector(spec, rank=0)
+    one.begin_step(1)
+    assert not one.stretching
+    one.begin_step(2)
+    assert one.stretching and not one.poison(2) and zero.poison(2)
+    assert one.link_delay(5) == pytest.approx(0.03) and one.link_delay(4) == 0.0 and zero.link_delay(5) == 0.0
+    with pytest.raises(RuntimeError, match="injected crash: rank 1 at step 3"):
+        one.begin_step(3)
+    zero.begin_step(3)  # rank 0 has no crash
+
+
+# --- layout -------------------------------------------------------------------------------------
+
+
+def test_layout_follows_megatron_order() -> None:
+    layout = Layout(tp=2, pp=2, dp=2)
+    for rank in range(8):
+        c = layout.coords(rank)
+        assert layout.rank_of(c.tp, c.pp, c.dp) == rank
+        assert rank == c.tp + c.dp * 2 + c.pp * 4
+    groups = layout.groups()
+    assert [groups[f"tp[{i}]"] for i in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [groups[f"dp[{i}]"] for i in range(4)] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [groups[f"pp[{i}]"] for i in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.group_names(5) == ("tp[2]", "pp[1]", "dp[3]")
+    for rank in range(8):
+        assert all(rank in groups[name] for name in layout.group_names(rank))
+
+
+# --- model pieces -------------------------------------------------------------------------------
+
+ARGS = ModelArgs(vocab=64, hidden=32, heads=4, ffn=64, layers=2, seq=16)
+
+
+@pytest.mark.parametrize("parallel_block", [False, True])
+def test_parameter_count_matches_the_model(one_rank: None, parallel_block: bool) -> None:
+    args = ModelArgs(**{**vars(ARGS), "parallel_block": parallel_block})
+    model = GPTStage(args, TPContext(None, False), 0, 1)
+    real = sum(p.numel() for name, p in model.named_parameters() if name != "pos")
+    assert count_parameters(args) == real
+
+
+def test_weights_do_not_depend_on_the_stage_split(one_rank: None) -> None:
+    whole = GPTStage(ARGS, TPContext(None, False), 0, 1)
+    second = GPTStage(ARGS, TPContext(None, False), 1, 2)
+    init_weights(whole, seed=7, num_layers=2)
+    init_weights(second, seed=7, num_layers=2)
+    for name, p in second.named_parameters():
+        assert torch.equal(p, whole.get_parameter(name)), name
+
+
+def test_sliding_window_attention(one_rank: None) -> None:
+    tp = TPContext(None, False)
+    x = torch.randn(2, ARGS.seq, ARGS.hidden)
+    causal, wide = Attention(ARGS, tp), Attention(ModelArgs(**{**vars(ARGS), "window": ARGS.seq}), tp)
+    for p in causal.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    wide.load_state_dict(causal.state_dict())
+    torch.testing.assert_close(wide(x), causal(x))  # a window as long as the sequence is plain causal
+    narrow = Attention(ModelArgs(**{**vars(ARGS), "window": 1}), tp)
+    narrow.load_state_dict(causal.state_dict())
+    b, s, h = x.shape  # window 1: every token attends to itself only, so the output is its own value
+    v = causal.qkv(x).view(b, s, ARGS.heads, 3, ARGS.head_dim)[:, :, :, 2].reshape(b, s, h)
+    torch.testing.assert_close(narrow(x), causal.proj(v))
+
+
+def test_vocab_parallel_cross_entropy_matches_torch(one_rank: None) -> None:
+    logits = torch.randn(5, 7, 64, requires_grad=True)
+    target = torch.randint(64, (5, 7))
+    ours = vocab_parallel_cross_entropy(logits, target, TPContext(None, False)).mean()
+    (grad_ours,) = torch.autograd.grad(ours, logits)
+    ref = F.cross_entropy(logits.view(-1, 64), target.view(-1))
+    (grad_ref,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grad_ours, grad_ref)
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+
+def test_dp_replicas_split_the_same_global_batch() -> None:
+    source = TokenSource(vocab=100, seq=8, seed=3)
+    whole = MicroBatches(source, global_batch=8, micro_batch=2, dp_rank=0, dp=1)
+    halves = [MicroBatches(source, global_batch=8, micro_batch=2, dp_rank=r, dp=2) for r in range(2)]
+    expected = torch.cat([whole.get(step=3, microbatch=m)[0] for m in range(4)])
+    got = torch.cat([h.get(step=3, microbatch=m)[0] for h in halves for m in range(2)])
+    assert torch.equal(got, expected)
+    inputs, targets = whole.get(step=3, microbatch=0)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert not torch.equal(whole.get(step=4, microbatch=0)[0], inputs)
+
+
+def test_token_file_windows(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    window = TokenSource(vocab=1000, seq=16, seed=1, path=path).sample(5)
+    assert window.shape == (17,) and torch.equal(window, torch.arange(int(window[0]), int(window[0]) + 17))
+    with pytest.raises(ValueError, match="outside --vocab 500"):
+        for i in range(50):
+            TokenSource(vocab=500, seq=16, seed=1, path=path).sample(i)
+
+
+# --- FLOPs --------------------------------------------------------------------------------------
+
+
+def test_peak_flops_by_device_name() -> None:
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("Some Future GPU") is None
+    assert mfu(1e6, ARGS, 8, None) is None
+
+
+def test_flops_per_token_is_palm_6n_plus_attention() -> None:
+    n = count_parameters(ARGS)
+    assert flops_per_token(ARGS) == 6 * n + 12 * ARGS.layers * ARGS.heads * ARGS.head_dim * ARGS.seq
+    assert math.isclose(mfu(1000.0, ARGS, 2, 1e12), 1000.0 * flops_per_token(ARGS) / 2e12)

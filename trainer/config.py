@@ -1,0 +1,159 @@
+"""The trainer's configuration: one dataclass, one help text per field, validated before any process starts.
+
+The command line is generated from the fields, so ``rankscope train`` and
+``torchrun -m rankscope.trainer`` accept exactly the same flags and cannot drift from this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rankscope.trainer import faults
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+def _opt(default: object, help: str, **extra: object) -> object:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs. Defaults give an 8-rank TP2xPP2xDP2 CPU job."""
+
+    nproc: int | None = _opt(None, "processes to launch on this machine (default: tp*pp*dp); launcher only")
+    tp: int = _opt(2, "tensor-parallel size: attention heads, MLP and vocabulary split across this many ranks")
+    pp: int = _opt(2, "pipeline-parallel size: layers split into this many stages, run with the 1F1B schedule")
+    dp: int = _opt(2, "data-parallel size: replicas whose gradients are averaged")
+    layers: int = _opt(4, "transformer blocks (divisible by --pp)")
+    hidden: int = _opt(256, "model width (divisible by --heads)")
+    heads: int = _opt(8, "attention heads (divisible by --tp)")
+    ffn: int | None = _opt(None, "MLP width (default 4*hidden; divisible by --tp)")
+    seq: int = _opt(128, "sequence length in tokens")
+    vocab: int = _opt(2048, "vocabulary size (divisible by --tp)")
+    micro_batch: int = _opt(4, "sequences per micro-batch")
+    global_batch: int = _opt(32, "sequences per step over all data-parallel replicas")
+    steps: int = _opt(20, "total steps of the run (also when resuming); steps are numbered from 1")
+    lr: float = _opt(1e-3, "AdamW learning rate (constant)")
+    weight_decay: float = _opt(0.1, "AdamW weight decay, applied to matrices only")
+    clip_grad: float = _opt(1.0, "clip the global gradient norm to this value (0 disables)")
+    seed: int = _opt(1234, "seed for weights and synthetic data")
+    sequence_parallel: bool = _opt(False, "shard norms and dropout-free regions along the sequence across tp ranks")
+    distributed_optimizer: bool = _opt(False, "ZeRO-1: reduce-scatter gradients, shard optimizer state over dp, all-gather parameters")
+    parallel_block: bool = _opt(False, "MegaScale's parallel block: attention and MLP from one normalised input, summed")
+    window: int | None = _opt(None, "sliding-window attention: each token sees at most this many tokens (itself included)")
+    bucket_mb: float = _opt(4.0, "data-parallel gradient bucket size in MiB (buckets reduce while backward runs)")
+    timeout: float = _opt(300.0, "process-group timeout in seconds, so a hung run ends by itself")
+    data: Path | None = _opt(None, "token file (uint16, nanoGPT-style .bin) instead of the synthetic stream", type=Path)
+    ckpt_dir: Path | None = _opt(None, "directory for torch.distributed.checkpoint checkpoints", type=Path)
+    ckpt_every: int = _opt(0, "save a checkpoint every N steps (0: never)")
+    resume: bool = _opt(False, "continue from the latest complete checkpoint in --ckpt-dir")
+    inject: str = _opt("", "faults to inject, e.g. 'straggler:rank=5,factor=1.5,from_step=5' (also env RANKSCOPE_INJECT)")
+    metrics_json: Path | None = _opt(None, "write one JSON line per step (written by the first rank of the last stage)", type=Path)
+    log_every: int = _opt(1, "print a progress line every N steps")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.ffn if self.ffn is not None else 4 * self.hidden
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+    def validate(self) -> TrainConfig:
+        """Refuse sizes that do not divide and options that contradict each other; returns self."""
+        problems: list[str] = []
+        for name in ("tp", "pp", "dp", "layers", "hidden", "heads", "seq", "vocab", "micro_batch", "global_batch", "steps"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if self.nproc is not None and self.nproc != self.world_size:
+            problems.append(f"--nproc {self.nproc} does not equal tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size}")
+        if self.heads % self.tp:
+            problems.append(f"--heads {self.heads} is not divisible by --tp {self.tp}")
+        if self.hidden % self.heads:
+            problems.append(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+        if self.layers % self.pp:
+            problems.append(f"--layers {self.layers} is not divisible by --pp {self.pp}")
+        if self.vocab % self.tp:
+            problems.append(f"--vocab {self.vocab} is not divisible by --tp {self.tp}")
+        if self.ffn_hidden % self.tp:
+            problems.append(f"--ffn {self.ffn_hidden} is not divisible by --tp {self.tp}")
+        if self.global_batch % (self.micro_batch * self.dp):
+            problems.append(
+                f"--global-batch {self.global_batch} is not divisible by --micro-batch {self.micro_batch} "
+                f"x --dp {self.dp} = {self.micro_batch * self.dp}"
+            )
+        if self.sequence_parallel and self.seq % self.tp:
+            problems.append(f"--sequence-parallel needs --seq {self.seq} divisible by --tp {self.tp}")
+        if self.window is not None and self.window < 1:
+            problems.append(f"--window must be at least 1 (got {self.window})")
+        if self.ckpt_every < 0:
+            problems.append(f"--ckpt-every must be 0 or more (got {self.ckpt_every})")
+        if (self.ckpt_every or self.resume) and self.ckpt_dir is None:
+            problems.append("--ckpt-every and --resume need --ckpt-dir")
+        if self.timeout <= 0:
+            problems.append(f"--timeout must be positive (got {self.timeout})")
+        if self.bucket_mb <= 0:
+            problems.append(f"--bucket-mb must be positive (got {self.bucket_mb})")
+        if self.log_every < 1:
+            problems.append(f"--log-every must be at least 1 (got {self.log_every})")
+        if self.data is not None and not self.data.is_file():
+            problems.append(f"--data {self.data}: no such file")
+        try:
+            for fault in faults.parse(self.inject):
+                fault.check_ranks(self.world_size, self.steps)
+        except faults.FaultSpecError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return self
+
+
+def build_parser(prog: str = "rankscope train") -> argparse.ArgumentParser:
+    """The command line, one flag per ``TrainConfig`` field (``--micro-batch`` for ``micro_batch``)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Megatron-style GPT training with tensor, pipeline and data parallelism.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = str(f.metadata["help"])
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_text)
+            continue
+        base = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], None)
+        parser.add_argument(flag, type=f.metadata.get("type", base), default=f.default, help=help_text)
+    return parser
+
+
+def parse_args(argv: list[str], prog: str = "rankscope train") -> TrainConfig:
+    """Parse and validate a command line; ``RANKSCOPE_INJECT`` is used when --inject is absent.
+
+    Exits with status 2 and a clear message on a bad value, as argparse does.
+    """
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    values = vars(args)
+    values["inject"] = values["inject"] or os.environ.get("RANKSCOPE_INJECT", "")
+    try:
+        return TrainConfig(**values).validate()
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

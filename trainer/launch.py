@@ -1,0 +1,34 @@
+"""``rankscope train``: validate the configuration, then launch torchrun on this machine.
+
+Sizes that do not divide and malformed fault specs are refused here, before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from rankscope.trainer.config import parse_args
+
+
+def torchrun_command(argv: list[str], nproc: int) -> list[str]:
+    """The torchrun command line that runs ``argv`` on ``nproc`` local ranks."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "rankscope.trainer", *argv,
+    ]  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    """Launch a standalone torchrun job for ``argv`` (trainer flags) and return its exit status."""
+    cfg = parse_args(argv)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if cfg.inject:  # make the spec visible to the ranks even when it came from RANKSCOPE_INJECT
+        env["RANKSCOPE_INJECT"] = cfg.inject
+    process = subprocess.Popen(torchrun_command(argv, cfg.world_size), env=env)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:  # torchrun got the same SIGINT and stops its ranks; wait for it
+        return process.wait()
