@@ -4,6 +4,7 @@
 #   make test-fast   the same without the tests marked slow
 #   make bench       every benchmarks/*.py in turn
 #   make demo        the demo
+#   make protos      regenerate protos/rankscope/v1/*_pb2*.py from the .proto files
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -19,7 +20,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 BENCHMARKS := $(sort $(wildcard benchmarks/*.py))
 
-.PHONY: venv install browser test test-fast bench demo clean distclean
+.PHONY: venv install browser test test-fast bench demo protos clean distclean
 
 venv: $(PY)
 
@@ -61,6 +62,10 @@ bench: install
 
 demo: install
 	$(VENV)/bin/rankscope train --inject "straggler:rank=5,factor=1.5,from_step=5"
+
+# Regenerate the wire contract's Python code after editing protos/rankscope/v1/*.proto.
+protos: install
+	$(PY) -m rankscope.protos.generate
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache test-artifacts .whl

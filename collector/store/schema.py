@@ -1,0 +1,281 @@
+"""rankscope's tables, described once as data.
+
+The DDL for the embedded store (chDB), a ClickHouse server and a ClickHouse cluster is generated
+from these descriptions (``ddl.py``), and the collector's ingest builds Arrow tables whose columns
+are exactly a table's ``insert_columns`` in order. Times are DateTime64(9) (nanoseconds, UTC),
+carried in Arrow as ``timestamp[ns]``. Every table starts with ``run_id``; per-rank tables
+continue with ``rank``.
+
+Bump ``SCHEMA_VERSION`` and add a migration in ``migrations.py`` when a table changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+
+TIME = "DateTime64(9)"
+TIME_CODEC = "CODEC(Delta, ZSTD(1))"
+NAME = "LowCardinality(String)"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str
+    codec: str = ""
+    #: computed by the server from other columns (not inserted)
+    materialized: str = ""
+    comment: str = ""
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A second sort order kept inside the table (ClickHouse projection)."""
+
+    name: str
+    select: str  # e.g. "SELECT * ORDER BY (run_id, group, seq)"
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    doc: str
+    columns: tuple[Column, ...]
+    order_by: tuple[str, ...]
+    #: the time column used for daily partitions and for the retention TTL; "" for small tables
+    time_column: str = ""
+    #: ReplacingMergeTree version column: rows with the same ORDER BY key replace each other
+    version_column: str = ""
+    projections: tuple[Projection, ...] = field(default_factory=tuple)
+
+    @property
+    def insert_columns(self) -> tuple[Column, ...]:
+        """The columns a writer provides, in order (materialized columns are computed by the server)."""
+        return tuple(c for c in self.columns if not c.materialized)
+
+    def column(self, name: str) -> Column:
+        return next(c for c in self.columns if c.name == name)
+
+
+def _run_rank() -> tuple[Column, Column]:
+    return Column("run_id", NAME), Column("rank", "UInt32")
+
+
+TABLES: tuple[Table, ...] = (
+    Table(
+        "schema_version",
+        "Which schema version wrote this store (one row per migration applied).",
+        (Column("version", "UInt32"), Column("applied", TIME), Column("rankscope_version", "String")),
+        order_by=("version",),
+    ),
+    Table(
+        "runs",
+        "One row per run, replaced as its status changes (running, finished, failed, hung).",
+        (
+            Column("run_id", NAME),
+            Column("name", "String"),
+            Column("start_time", TIME),
+            Column("end_time", TIME, comment="1970-01-01 while the run is not over"),
+            Column("world_size", "UInt32"),
+            Column("tp", "UInt16"),
+            Column("pp", "UInt16"),
+            Column("dp", "UInt16"),
+            Column("config", "String", "CODEC(ZSTD(3))", comment="JSON"),
+            Column("status", NAME),
+            Column("updated", TIME),
+        ),
+        order_by=("run_id",),
+        version_column="updated",
+    ),
+    Table(
+        "ranks",
+        "Who each rank is: host, process, device, 3D-parallel coordinates, clock offset.",
+        (
+            *_run_rank(),
+            Column("host", NAME),
+            Column("pid", "UInt32"),
+            Column("local_rank", "Int32"),
+            Column("device", NAME),
+            Column("tp_rank", "Int32"),
+            Column("pp_rank", "Int32"),
+            Column("dp_rank", "Int32"),
+            Column("clock_offset_ns", "Int64"),
+            Column("agent_version", NAME),
+            Column("registered", TIME),
+        ),
+        order_by=("run_id", "rank"),
+        version_column="registered",
+    ),
+    Table(
+        "groups",
+        "Process groups by name, with their member ranks in group-rank order.",
+        (
+            Column("run_id", NAME),
+            Column("name", NAME),
+            Column("description", "String"),
+            Column("ranks", "Array(UInt32)"),
+            Column("registered", TIME),
+        ),
+        order_by=("run_id", "name"),
+        version_column="registered",
+    ),
+    Table(
+        "spans",
+        "Timed code segments: compute, comm, data, optimizer, user.",
+        (
+            *_run_rank(),
+            Column("step", "UInt32"),
+            Column("name", NAME),
+            Column("kind", NAME),
+            Column("start_time", TIME, TIME_CODEC),
+            Column("end_time", TIME, TIME_CODEC),
+            Column("microbatch", "Int32"),
+            Column("attributes", "String", "CODEC(ZSTD(1))", comment="JSON object, '' when none"),
+            Column("duration_ns", "Int64", materialized="toUnixTimestamp64Nano(end_time) - toUnixTimestamp64Nano(start_time)"),
+        ),
+        order_by=("run_id", "rank", "start_time"),
+        time_column="start_time",
+        projections=(Projection("by_step", "SELECT * ORDER BY (run_id, step, name, rank)"),),
+    ),
+    Table(
+        "collectives",
+        "Every collective and point-to-point operation of every rank.",
+        (
+            *_run_rank(),
+            Column("group_name", NAME),
+            Column("seq", "Int64", "CODEC(Delta, ZSTD(1))"),
+            Column("op", NAME),
+            Column("nbytes", "UInt64"),
+            Column("dtype", NAME),
+            Column("peer", "Int32"),
+            Column("issue_time", TIME, TIME_CODEC),
+            Column("start_time", TIME, TIME_CODEC),
+            Column("end_time", TIME, TIME_CODEC, comment="1970-01-01 when it never completed"),
+            Column("state", NAME),
+            Column("step", "UInt32"),
+        ),
+        order_by=("run_id", "rank", "issue_time"),
+        time_column="issue_time",
+        # Matching an operation across the members of its group: (run, group, seq).
+        projections=(Projection("by_group_seq", "SELECT * ORDER BY (run_id, group_name, seq, rank)"),),
+    ),
+    Table(
+        "heartbeats",
+        "Each rank's pulse every few seconds: step, phase, the collectives it is in.",
+        (
+            *_run_rank(),
+            Column("host", NAME),
+            Column("time", TIME, TIME_CODEC),
+            Column("step", "UInt32"),
+            Column("phase", NAME),
+            Column("status", NAME),
+            Column("last_progress", TIME),
+            Column("inflight_group", f"Array({NAME})"),
+            Column("inflight_seq", "Array(Int64)"),
+            Column("inflight_op", f"Array({NAME})"),
+            Column("inflight_peer", "Array(Int32)"),
+            Column("inflight_issue", f"Array({TIME})"),
+            Column("inflight_waiting", "Array(UInt8)"),
+            Column("events_dropped", "UInt64"),
+        ),
+        order_by=("run_id", "rank", "time"),
+        time_column="time",
+    ),
+    Table(
+        "metrics",
+        "Device and host gauges and counters (GPU utilisation, memory, temperature, NIC bytes, ...).",
+        (
+            Column("run_id", NAME),
+            Column("rank", "Int32", comment="the rank that reported it"),
+            Column("host", NAME),
+            Column("device", NAME),
+            Column("time", TIME, TIME_CODEC),
+            Column("name", NAME),
+            Column("value", "Float64", "CODEC(Gorilla, ZSTD(1))"),
+        ),
+        order_by=("run_id", "host", "name", "device", "time"),
+        time_column="time",
+    ),
+    Table(
+        "step_metrics",
+        "Training scalars per rank and step: loss, grad_norm, tokens_per_s, mfu, user values.",
+        (
+            *_run_rank(),
+            Column("step", "UInt32"),
+            Column("name", NAME),
+            Column("value", "Float64"),
+            Column("time", TIME, TIME_CODEC),
+        ),
+        order_by=("run_id", "rank", "step", "name"),
+        time_column="time",
+    ),
+    Table(
+        "stacks",
+        "Stack dumps (py-spy, or Python's own frames where ptrace is denied).",
+        (
+            *_run_rank(),
+            Column("host", NAME),
+            Column("time", TIME),
+            Column("reason", NAME),
+            Column("method", NAME),
+            Column("text", "String", "CODEC(ZSTD(3))"),
+        ),
+        order_by=("run_id", "rank", "time"),
+        time_column="time",
+    ),
+    Table(
+        "exits",
+        "How each rank ended: normally, with an exit code, an exception or a signal.",
+        (
+            *_run_rank(),
+            Column("host", NAME),
+            Column("time", TIME),
+            Column("reason", NAME, comment="normal, exit_code, exception, signal"),
+            Column("exit_code", "Int32"),
+            Column("signal", "Int32"),
+            Column("message", "String"),
+        ),
+        order_by=("run_id", "rank", "time"),
+        time_column="time",
+    ),
+    Table(
+        "incidents",
+        "One row per fault, replaced (higher version) while it lasts; read with FINAL or argMax.",
+        (
+            Column("run_id", NAME),
+            Column("incident_id", "String"),
+            Column("kind", NAME),
+            Column("severity", NAME),
+            Column("status", NAME, comment="open or closed"),
+            Column("ranks", "Array(UInt32)"),
+            Column("hosts", f"Array({NAME})"),
+            Column("first_seen", TIME),
+            Column("last_seen", TIME),
+            Column("summary", "String"),
+            Column("evidence", "String", comment="JSON"),
+            Column("sql", "String"),
+            Column("version", "UInt64"),
+        ),
+        order_by=("run_id", "incident_id"),
+        time_column="first_seen",
+        version_column="version",
+    ),
+    Table(
+        "batches",
+        "Ids of the batches already written, so a retried batch is acknowledged and not stored twice.",
+        (
+            Column("run_id", NAME),
+            Column("rank", "UInt32"),
+            Column("batch_id", "FixedString(16)"),
+            Column("kind", NAME),
+            Column("rows", "UInt32"),
+            Column("received", TIME),
+        ),
+        order_by=("run_id", "batch_id"),
+        time_column="received",
+    ),
+)
+
+BY_NAME: dict[str, Table] = {t.name: t for t in TABLES}

@@ -1,0 +1,236 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpanKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPAN_KIND_COMPUTE: _ClassVar[SpanKind]
+    SPAN_KIND_COMM: _ClassVar[SpanKind]
+    SPAN_KIND_DATA: _ClassVar[SpanKind]
+    SPAN_KIND_OPTIMIZER: _ClassVar[SpanKind]
+    SPAN_KIND_USER: _ClassVar[SpanKind]
+
+class CollectiveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLLECTIVE_STATE_COMPLETED: _ClassVar[CollectiveState]
+    COLLECTIVE_STATE_FAILED: _ClassVar[CollectiveState]
+    COLLECTIVE_STATE_PENDING: _ClassVar[CollectiveState]
+SPAN_KIND_COMPUTE: SpanKind
+SPAN_KIND_COMM: SpanKind
+SPAN_KIND_DATA: SpanKind
+SPAN_KIND_OPTIMIZER: SpanKind
+SPAN_KIND_USER: SpanKind
+COLLECTIVE_STATE_COMPLETED: CollectiveState
+COLLECTIVE_STATE_FAILED: CollectiveState
+COLLECTIVE_STATE_PENDING: CollectiveState
+
+class Group(_message.Message):
+    __slots__ = ("name", "description", "ranks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("world_size", "host", "pid", "local_rank", "device", "tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank", "groups", "run_name", "config_json", "start_time_ns", "agent_version")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RUN_NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    host: str
+    pid: int
+    local_rank: int
+    device: str
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    groups: _containers.RepeatedCompositeFieldContainer[Group]
+    run_name: str
+    config_json: str
+    start_time_ns: int
+    agent_version: str
+    def __init__(self, world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., run_name: _Optional[str] = ..., config_json: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., agent_version: _Optional[str] = ...) -> None: ...
+
+class SpanBatch(_message.Message):
+    __slots__ = ("count", "strings", "name", "kind", "step", "microbatch", "start_ns", "end_ns", "attributes")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    name: bytes
+    kind: bytes
+    step: bytes
+    microbatch: bytes
+    start_ns: bytes
+    end_ns: bytes
+    attributes: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., name: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., attributes: _Optional[bytes] = ...) -> None: ...
+
+class CollectiveBatch(_message.Message):
+    __slots__ = ("count", "strings", "group", "seq", "op", "nbytes", "dtype", "peer", "issue_ns", "start_ns", "end_ns", "state", "step")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    ISSUE_NS_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    group: bytes
+    seq: bytes
+    op: bytes
+    nbytes: bytes
+    dtype: bytes
+    peer: bytes
+    issue_ns: bytes
+    start_ns: bytes
+    end_ns: bytes
+    state: bytes
+    step: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., group: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., op: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., dtype: _Optional[bytes] = ..., peer: _Optional[bytes] = ..., issue_ns: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., state: _Optional[bytes] = ..., step: _Optional[bytes] = ...) -> None: ...
+
+class InFlight(_message.Message):
+    __slots__ = ("group", "seq", "op", "peer", "issue_ns", "waiting")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    ISSUE_NS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    seq: int
+    op: str
+    peer: int
+    issue_ns: int
+    waiting: bool
+    def __init__(self, group: _Optional[str] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., peer: _Optional[int] = ..., issue_ns: _Optional[int] = ..., waiting: _Optional[bool] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("time_ns", "step", "phase", "status", "last_progress_ns", "in_flight", "events_dropped")
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PROGRESS_NS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    time_ns: int
+    step: int
+    phase: str
+    status: str
+    last_progress_ns: int
+    in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
+    events_dropped: int
+    def __init__(self, time_ns: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., status: _Optional[str] = ..., last_progress_ns: _Optional[int] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., events_dropped: _Optional[int] = ...) -> None: ...
+
+class HeartbeatBatch(_message.Message):
+    __slots__ = ("heartbeats",)
+    HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
+    heartbeats: _containers.RepeatedCompositeFieldContainer[Heartbeat]
+    def __init__(self, heartbeats: _Optional[_Iterable[_Union[Heartbeat, _Mapping]]] = ...) -> None: ...
+
+class MetricBatch(_message.Message):
+    __slots__ = ("count", "strings", "time_ns", "name", "device", "value")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    time_ns: bytes
+    name: bytes
+    device: bytes
+    value: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., time_ns: _Optional[bytes] = ..., name: _Optional[bytes] = ..., device: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class StepMetricBatch(_message.Message):
+    __slots__ = ("count", "strings", "step", "name", "value", "time_ns")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    step: bytes
+    name: bytes
+    value: bytes
+    time_ns: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., step: _Optional[bytes] = ..., name: _Optional[bytes] = ..., value: _Optional[bytes] = ..., time_ns: _Optional[bytes] = ...) -> None: ...
+
+class StackDump(_message.Message):
+    __slots__ = ("time_ns", "reason", "method", "text")
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    time_ns: int
+    reason: str
+    method: str
+    text: str
+    def __init__(self, time_ns: _Optional[int] = ..., reason: _Optional[str] = ..., method: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class EndOfRank(_message.Message):
+    __slots__ = ("time_ns", "reason", "exit_code", "signal", "message")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_NORMAL: _ClassVar[EndOfRank.Reason]
+        REASON_EXIT_CODE: _ClassVar[EndOfRank.Reason]
+        REASON_EXCEPTION: _ClassVar[EndOfRank.Reason]
+        REASON_SIGNAL: _ClassVar[EndOfRank.Reason]
+    REASON_NORMAL: EndOfRank.Reason
+    REASON_EXIT_CODE: EndOfRank.Reason
+    REASON_EXCEPTION: EndOfRank.Reason
+    REASON_SIGNAL: EndOfRank.Reason
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    time_ns: int
+    reason: EndOfRank.Reason
+    exit_code: int
+    signal: int
+    message: str
+    def __init__(self, time_ns: _Optional[int] = ..., reason: _Optional[_Union[EndOfRank.Reason, str]] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
