@@ -29,6 +29,8 @@ import rankscope
 # entry here.
 COMMANDS: dict[str, str] = {
     "train": "rankscope.cli.train",
+    "collector": "rankscope.cli.collector",
+    "sql": "rankscope.cli.sql",
 }
 
 

@@ -1,0 +1,125 @@
+"""``rankscope collector``: receive every rank's stream, store it, answer read-only queries.
+
+With no arguments it listens on 127.0.0.1:7777 and stores in ./rankscope-data with the embedded
+chDB engine. Every flag value is checked here, so a typo exits 2 with the reason before any
+store is opened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+HELP = "run the collector: gRPC ingest from the agents, storage, read-only queries"
+
+DEFAULT_LISTEN = "127.0.0.1:7777"
+DEFAULT_STORE = "rankscope-data"
+
+
+def _listen(text: str) -> str:
+    from rankscope.collector.server import parse_listen  # light: no grpc call, no chdb
+
+    try:
+        parse_listen(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _count(minimum: int) -> type[int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse  # type: ignore[return-value]
+
+
+def _port(text: str) -> int:
+    value = _count(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def _window(text: str) -> tuple[float, float]:
+    past, sep, future = text.partition(",")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected PAST,FUTURE in seconds (e.g. 86400,3600), got {text!r}")
+    return _seconds(past), _seconds(future)
+
+
+def _clickhouse(text: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected http[s]://user:password@host:8123/database, got {text!r}")
+    return text
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--store", metavar="DIR", type=Path, default=Path(DEFAULT_STORE),
+                       help=f"embedded chDB store directory (default: ./{DEFAULT_STORE}); one collector per directory")
+    where.add_argument("--clickhouse", metavar="URL", type=_clickhouse,
+                       help="store in a ClickHouse server instead: http[s]://user:password@host:8123/database")
+    parser.add_argument("--listen", metavar="HOST:PORT", type=_listen, default=DEFAULT_LISTEN,
+                        help=f"gRPC address (default: {DEFAULT_LISTEN}; port 0 picks a free port, printed at start-up)")
+    parser.add_argument("--token", metavar="TOKEN", default=os.environ.get("RANKSCOPE_TOKEN") or None,
+                        help="require 'authorization: Bearer TOKEN' on every call (default: $RANKSCOPE_TOKEN; none if unset)")
+    parser.add_argument("--retention-days", metavar="N", type=_count(0),
+                        help="keep N days of data, 0 for ever (default: leave the store's retention as it is; a new store keeps everything)")
+    parser.add_argument("--metrics-port", metavar="PORT", type=_port,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST from --listen)")
+    parser.add_argument("--time-window", metavar="PAST,FUTURE", type=_window, default=(86_400.0, 3_600.0),
+                        help="refuse batches with times more than PAST seconds before or FUTURE seconds after the"
+                             " collector's clock (default: 86400,3600)")
+    parser.add_argument("--max-buffered-rows", metavar="N", type=_count(1), default=2_000_000,
+                        help="answer RESOURCE_EXHAUSTED (retry-after-ms) while more rows than N wait to be written"
+                             " (default: 2000000; tests set it tiny to provoke back-pressure)")
+    parser.add_argument("--flush-interval", metavar="SECONDS", type=_seconds, default=1.0,
+                        help="write a table's buffer once its oldest row is this old (default: 1); a batch is"
+                             " acknowledged once written, so this bounds the ack latency of a lone batch")
+    parser.add_argument("--query-max-rows", metavar="N", type=_count(1), default=1_000_000,
+                        help="largest query result in rows (default: 1000000); callers may ask for less")
+    parser.add_argument("--query-max-bytes", metavar="N", type=_count(1), default=512 * 2**20,
+                        help="largest query result in bytes (default: 512 MiB)")
+    parser.add_argument("--query-timeout", metavar="SECONDS", type=_seconds, default=60.0,
+                        help="longest a query may run (default: 60)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rankscope.collector.ingest import TimeWindow
+    from rankscope.collector.query import Limits
+    from rankscope.collector.server import ServerOptions, main
+
+    past, future = args.time_window
+    options = ServerOptions(
+        listen=args.listen,
+        store_dir=args.store,
+        clickhouse_url=args.clickhouse,
+        token=args.token,
+        retention_days=args.retention_days,
+        metrics_port=args.metrics_port,
+        time_window=TimeWindow(past, future),
+        max_buffered_rows=args.max_buffered_rows,
+        flush_interval_s=args.flush_interval,
+        limits=Limits(args.query_max_rows, args.query_max_bytes, args.query_timeout),
+    )
+    return main(options)

@@ -1,0 +1,317 @@
+"""The read-only guard: what every reader of the store (Query service, direct readers) runs through.
+
+Two layers, because neither is enough alone:
+
+1. The engine runs every statement with ``readonly=1`` and result limits. ``readonly`` stops
+   writes, DDL and table functions such as ``file()``, ``url()`` or chDB's ``python()``, but
+   (seen with chDB 4.4, engine 26.9) not ``INTO OUTFILE`` (it writes the file), not the scalar
+   function ``file('/etc/passwd')`` (it reads the file), and it runs ``SELECT 1; SELECT 2`` as
+   two statements.
+2. This module checks the statement text first: one statement, starting with SELECT, WITH,
+   SHOW, DESCRIBE, DESC or EXPLAIN; no INTO OUTFILE, no FORMAT or SETTINGS clause (results
+   travel as Arrow under the collector's limits); and no table function that reaches outside
+   the store.
+
+Table functions: an allow-list, not a deny-list. ClickHouse 26.9 has about 110 of them and every
+release adds more that reach outside (``filesystem``, ``arrowstream``, ``bigquery``, ``paimon*``,
+``ytsaurus``, ``prometheusQuery``...): a deny-list is out of date the day the engine is
+upgraded. So a call ``name(...)`` is refused when ``name`` is one of the engine's table
+functions (``system.table_functions``, read when a reader opens, merged with
+``OUTSIDE_TABLE_FUNCTIONS``) and is not one of the few that only compute or read tables of this
+store (``LOCAL_TABLE_FUNCTIONS``). The
+check matches names wherever they are called, not only after FROM: a position-based check
+would need ClickHouse's whole grammar (DESCRIBE, JOIN, comma joins, ``IN``, ``view()``...), and
+the only ordinary functions sharing a name with a table function are ``file`` (reads a server
+file: refused on purpose), ``format`` (allowed) and ``fuzzQuery`` (refused, no loss).
+
+The tokenizer follows ClickHouse's lexer (``'...'`` strings and ``"..."``/`` `...` ``
+identifiers with backslash and doubled-quote escapes, ``--`` and ``# `` comments to the end of
+the line, ``/* */`` comments). Where the two could disagree about what is code and what is
+text (a comment opened inside a comment, which ClickHouse nests; a ``$`` that may open a
+heredoc string), the statement is refused rather than guessed at: a divergence there could hide
+a second statement or an INTO OUTFILE from this check.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+
+from rankscope.collector.store.base import QueryError
+
+READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXPLAIN"})
+
+#: Table functions that compute rows or read tables of this store, and nothing else.
+LOCAL_TABLE_FUNCTIONS: tuple[str, ...] = (
+    "numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateSeries", "primes",
+    "generateRandom", "values", "SQLStandardValues", "null", "format", "view", "viewIfPermitted",
+    "viewExplain", "merge", "loop", "fuzzJSON", "mergeTreeIndex", "mergeTreeProjection",
+    "mergeTreeAnalyzeIndexes", "mergeTreeAnalyzeIndexesUUID", "mergeTreeCodecBlockCounts",
+    "mergeTreeTextIndex",
+)
+_LOCAL = frozenset(name.lower() for name in LOCAL_TABLE_FUNCTIONS)
+
+#: Table functions that reach outside the store (ClickHouse 26.9 and chDB 4.4), refused even
+#: when a reader could not read ``system.table_functions``.
+OUTSIDE_TABLE_FUNCTIONS = frozenset(
+    name.lower()
+    for name in (
+        "arrowstream", "azureBlobStorage", "azureBlobStorageCluster", "bigquery", "cluster",
+        "clusterAllReplicas", "cosn", "deltaLake", "deltaLakeAzure", "deltaLakeAzureCluster",
+        "deltaLakeCluster", "deltaLakeLocal", "deltaLakeS3", "deltaLakeS3Cluster", "dictionary", "eval",
+        "executable", "file", "fileCluster", "filesystem", "fuzzQuery", "gcs", "hdfs", "hdfsCluster",
+        "hudi", "hudiCluster", "iceberg", "icebergAzure", "icebergAzureCluster", "icebergCluster",
+        "icebergHDFS", "icebergHDFSCluster", "icebergLocal", "icebergLocalCluster", "icebergS3",
+        "icebergS3Cluster", "input", "jdbc", "mongodb", "mysql", "odbc", "oss", "paimon", "paimonAzure",
+        "paimonAzureCluster", "paimonCluster", "paimonHDFS", "paimonHDFSCluster", "paimonLocal",
+        "paimonS3", "paimonS3Cluster", "postgresql", "prometheusQuery", "prometheusQueryRange", "python",
+        "redis", "remote", "remoteSecure", "s3", "s3Cluster", "sqlite", "timeSeriesData",
+        "timeSeriesMetricFamilies", "timeSeriesMetrics", "timeSeriesSamples", "timeSeriesSelector",
+        "timeSeriesTags", "url", "urlCluster", "ytsaurus",
+    )
+)
+
+
+class QueryFailed(Exception):
+    """A query that did not produce a result; the subclasses say what a caller can do about it."""
+
+
+class QueryRefused(QueryFailed):
+    """The statement is refused by the guard, or invalid for the engine: the message says why."""
+
+
+class ResultTooLarge(QueryFailed):
+    """The result is over the row, byte or time limit: narrow the query or raise max_rows."""
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Token:
+    kind: str  # "word" (bare identifier or keyword), "quoted" (quoted identifier), "string", "punct"
+    text: str  # without quotes or escapes for "quoted" and "string"
+    start: int
+    end: int
+
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DIGITS = re.compile(r"[0-9]+")
+_QUOTES = {"'": "string", '"': "quoted", "`": "quoted"}
+
+
+def tokenize(sql: str) -> list[Token]:
+    """The significant tokens of ``sql`` (comments and whitespace dropped); QueryRefused if unsure.
+
+    Any non-ASCII character outside quotes counts as whitespace: wherever ClickHouse reads it
+    otherwise, this only makes the check see more words than the engine does, never fewer.
+    """
+    tokens: list[Token] = []
+    i, n = 0, len(sql)
+    while i < n:
+        c = sql[i]
+        if c.isspace() or not c.isascii():
+            i += 1
+        elif sql.startswith("--", i) or c == "#":
+            end = sql.find("\n", i)
+            i = n if end < 0 else end + 1
+        elif sql.startswith("/*", i):
+            end = sql.find("*/", i + 2)
+            if end < 0:
+                raise QueryRefused(f"unterminated /* comment at position {i}")
+            if "/*" in sql[i + 2 : end]:
+                raise QueryRefused(f"nested /* comments (at position {i}) are not accepted")
+            i = end + 2
+        elif c in _QUOTES:
+            text, end = _quoted(sql, i)
+            tokens.append(Token(_QUOTES[c], text, i, end))
+            i = end
+        elif c == "$":
+            raise QueryRefused(f"'$' outside quotes (position {i}): heredoc strings are not accepted, use '...'")
+        else:
+            m = _WORD.match(sql, i) or _DIGITS.match(sql, i)
+            end = m.end() if m else i + 1
+            tokens.append(Token("word" if m and not c.isdigit() else "punct", sql[i:end], i, end))
+            i = end
+    return tokens
+
+
+def _quoted(sql: str, start: int) -> tuple[str, int]:
+    """The text of the quoted string or identifier opening at ``start``, and the index after it."""
+    quote = sql[start]
+    out: list[str] = []
+    i = start + 1
+    while i < len(sql):
+        c = sql[i]
+        if c == "\\" and i + 1 < len(sql):
+            out.append(sql[i + 1])
+            i += 2
+        elif c == quote and sql.startswith(quote * 2, i):
+            out.append(quote)
+            i += 2
+        elif c == quote:
+            return "".join(out), i + 1
+        else:
+            out.append(c)
+            i += 1
+    raise QueryRefused(f"unterminated {quote} quote opened at position {start}")
+
+
+# --- the guard --------------------------------------------------------------------------------
+
+
+class ReadOnlyGuard:
+    """Checks that a statement only reads the store; see the module docstring for the rules."""
+
+    def __init__(self, table_functions: Iterable[str] = ()):
+        names = OUTSIDE_TABLE_FUNCTIONS | {name.lower() for name in table_functions}
+        self.refused_functions = frozenset(names - _LOCAL)
+
+    def check(self, sql: str) -> str:
+        """``sql`` without its trailing ``;``, or QueryRefused with the reason."""
+        tokens = tokenize(sql)
+        semis = [k for k, t in enumerate(tokens) if t.kind == "punct" and t.text == ";"]
+        if semis and semis[0] != len(tokens) - 1:
+            raise QueryRefused("only one statement is accepted (found text after ';')")
+        if semis:
+            tokens = tokens[:-1]
+        if not tokens:
+            raise QueryRefused("the statement is empty")
+        first = tokens[0]
+        if first.kind != "word" or first.text.upper() not in READ_STATEMENTS:
+            allowed = ", ".join(sorted(READ_STATEMENTS))
+            raise QueryRefused(f"only read statements are accepted ({allowed}); this one starts with {first.text!r}")
+        for k, tok in enumerate(tokens):
+            follows = tokens[k + 1] if k + 1 < len(tokens) else None
+            called = follows is not None and follows.kind == "punct" and follows.text == "("
+            if tok.kind in ("word", "quoted") and called and tok.text.lower() in self.refused_functions:
+                raise QueryRefused(
+                    f"table function {tok.text}() reaches outside the store and is not accepted"
+                    f" (those that stay inside it: {', '.join(LOCAL_TABLE_FUNCTIONS)})"
+                )
+            if tok.kind != "word" or called:
+                continue
+            word = tok.text.upper()
+            if word == "OUTFILE":
+                raise QueryRefused("INTO OUTFILE is not accepted: results come back to the caller")
+            if word in ("FORMAT", "SETTINGS") and not _is_name(tokens, k):
+                raise QueryRefused(
+                    f"a {word} clause is not accepted: results travel as Arrow under the collector's"
+                    f" settings and limits (a column named {tok.text} must be quoted: `{tok.text}`)"
+                )
+        # Cut after the last token: a trailing `-- comment` must not swallow what the engine
+        # appends (the store may add the SETTINGS that make it read-only).
+        return sql[: tokens[-1].end]
+
+
+def _is_name(tokens: list[Token], k: int) -> bool:
+    """Whether word ``k`` names something (``system.settings``, ``AS format``, ``SHOW SETTINGS``)."""
+    before = tokens[k - 1] if k else None
+    return before is not None and (before.text == "." or before.text.upper() in ("AS", "SHOW"))
+
+
+# --- running a statement under the guard -----------------------------------------------------
+
+
+class ArrowReadable(Protocol):
+    """The part of a store a reader needs (``store.base.Store`` has it)."""
+
+    def query_arrow(
+        self, sql: str, params: Mapping[str, object] | None = None, *, settings: Mapping[str, object] | None = None
+    ) -> pa.Table: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one read may cost; a caller's ``max_rows`` can lower ``max_rows``, never raise it."""
+
+    max_rows: int = 1_000_000
+    max_bytes: int = 512 * 2**20
+    max_execution_s: float = 60.0
+
+
+#: ClickHouse error names that mean "over a limit" rather than "wrong statement"
+_LIMIT_ERRORS = ("TOO_MANY_ROWS_OR_BYTES", "TIMEOUT_EXCEEDED", "MEMORY_LIMIT_EXCEEDED")
+
+
+def engine_settings(limits: Limits, max_rows: int = 0) -> dict[str, object]:
+    """The settings every read runs with; ``readonly`` comes last, since it forbids later changes."""
+    rows = min(max_rows, limits.max_rows) if max_rows > 0 else limits.max_rows
+    return {
+        "max_result_rows": rows,
+        "max_result_bytes": limits.max_bytes,
+        "result_overflow_mode": "throw",
+        "max_execution_time": limits.max_execution_s,
+        "timeout_overflow_mode": "throw",
+        "readonly": 1,
+    }
+
+
+def guard_for(store: ArrowReadable) -> ReadOnlyGuard:
+    """A guard that also knows the table functions of this store's engine version."""
+    names = store.query_arrow("SELECT name FROM system.table_functions", settings={"readonly": 1})
+    return ReadOnlyGuard(names["name"].to_pylist())
+
+
+def run_read_only(
+    store: ArrowReadable,
+    guard: ReadOnlyGuard,
+    sql: str,
+    params: Mapping[str, str] | None = None,
+    limits: Limits = Limits(),
+    max_rows: int = 0,
+) -> pa.Table:
+    """Check ``sql``, run it read-only under ``limits``; QueryRefused or ResultTooLarge otherwise.
+
+    Store errors other than the engine refusing the statement (an unreachable server, a closed
+    store) pass through unchanged: they are not the statement's fault.
+    """
+    statement = guard.check(sql)
+    try:
+        return store.query_arrow(statement, dict(params or {}), settings=engine_settings(limits, max_rows))
+    except QueryError as e:
+        message = str(e)
+        if any(f"({name})" in message for name in _LIMIT_ERRORS):
+            raise ResultTooLarge(message) from None
+        raise QueryRefused(message) from None
+
+
+def params_as_text(params: Mapping[str, object] | None) -> dict[str, str]:
+    """Parameter values as the text ClickHouse parses for a ``{name:Type}`` placeholder.
+
+    The text is not SQL and is never pasted into a statement: the engine parses it as a value
+    of the placeholder's type. Lists and tuples become array literals (``[1, 'a']``).
+    """
+    return {name: _param_text(value) for name, value in (params or {}).items()}
+
+
+def _param_text(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    return str(value)
+
+
+def _literal(value: object) -> str:
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return _param_text(value)
+
+
+def to_ipc(table: pa.Table) -> bytes:
+    """``table`` as one Arrow IPC stream (how results travel from the collector)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(data).read_all()

@@ -1,0 +1,319 @@
+"""The collector process: gRPC (grpc.aio) in front of the batching writer and the read-only guard.
+
+One event loop does all the gRPC work; store calls run on threads (the writer's own, and the
+default executor for queries and run look-ups), so a slow insert never stalls the acks of
+batches that are already stored. A batch is acknowledged only once written (``Writer.write``),
+and SIGTERM or SIGINT stops accepting calls, lets those in flight finish, flushes every buffer
+and closes the store: what was acknowledged survives a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import grpc
+
+from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
+
+from .control import PendingCommands
+from .ingest import IngestError, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
+from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, run_read_only, to_ipc
+from .store.base import Store, StoreError, open_store
+from .store.migrations import migrate
+from .telemetry import Telemetry
+from .writer import BatchKey, Writer
+
+MAX_MESSAGE_BYTES = 64 * 2**20
+DEFAULT_LISTEN = "127.0.0.1:7777"
+DEFAULT_STORE = Path("rankscope-data")
+#: seconds that calls in flight get to finish at shutdown before they are cancelled
+SHUTDOWN_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Everything ``rankscope collector`` can be told; the defaults are its defaults."""
+
+    listen: str = DEFAULT_LISTEN
+    #: the embedded store's directory; used when ``clickhouse_url`` is None
+    store_dir: Path = DEFAULT_STORE
+    #: http[s]://user:password@host:8123/database: a ClickHouse server instead of chDB
+    clickhouse_url: str | None = None
+    database: str = "rankscope"
+    #: when set, every call must carry ``authorization: Bearer <token>``
+    token: str | None = None
+    #: days of data kept; None leaves the store's retention as it is (a new store keeps all)
+    retention_days: int | None = None
+    #: serve Prometheus metrics on this port (same host as ``listen``); None: no metrics
+    metrics_port: int | None = None
+    time_window: TimeWindow = field(default_factory=TimeWindow)
+    #: batches are refused (RESOURCE_EXHAUSTED) while more rows than this wait to be written
+    max_buffered_rows: int = 2_000_000
+    #: a table's buffer is written when its oldest row is this old (or it holds flush_rows)
+    flush_interval_s: float = 1.0
+    flush_rows: int = 50_000
+    limits: Limits = field(default_factory=Limits)
+
+
+class _Refusal(Exception):
+    """A call answered with an error status (and optional trailing metadata)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailing: Sequence[tuple[str, str]] = ()):
+        super().__init__(message)
+        self.code = code
+        self.trailing = tuple(trailing)
+
+
+class Collector:
+    """The state the services share: store, writer, run registry, pending commands, metrics."""
+
+    def __init__(self, store: Store, writer: Writer, guard: ReadOnlyGuard, options: ServerOptions):
+        self.store = store
+        self.writer = writer
+        self.guard = guard
+        self.options = options
+        self.runs = RunRegistry()
+        self.commands = PendingCommands()
+        self.telemetry = Telemetry(writer)
+
+    async def refuse(self, context: grpc.aio.ServicerContext, refusal: _Refusal) -> NoReturn:
+        self.telemetry.rejected.labels(refusal.code.name).inc()
+        if refusal.trailing:
+            context.set_trailing_metadata(refusal.trailing)
+        await context.abort(refusal.code, str(refusal))
+        raise AssertionError("abort returned")  # abort always raises
+
+    async def know_run(self, run_id: str, rank: int) -> None:
+        """Read what the store knows about a run this process has not seen (after a restart)."""
+        now = time.monotonic()
+        if self.runs.needs_load(run_id, rank, now):
+            stored = await asyncio.to_thread(read_run, self.store.query_arrow, run_id)
+            self.runs.merge_loaded(run_id, stored, now)
+
+
+class IngestService(ingest_pb2_grpc.IngestServicer):
+    def __init__(self, collector: Collector):
+        self.c = collector
+
+    async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
+        received_ns = time.time_ns()
+        try:
+            written = await self._store(request, received_ns)
+        except _Refusal as refusal:
+            await self.c.refuse(context, refusal)
+        self.c.telemetry.seen(request.run_id, request.rank)
+        return ingest_pb2.Ack(
+            batch_id=request.batch_id,
+            duplicate=not written,
+            received_ns=received_ns,
+            commands=self.c.commands.take(request.run_id, request.rank),
+            replied_ns=time.time_ns(),
+        )
+
+    async def _store(self, batch: ingest_pb2.Batch, received_ns: int) -> bool:
+        c = self.c
+        try:
+            check_envelope(batch)
+            await c.know_run(batch.run_id, batch.rank)
+            decoded = decode(batch, c.runs, received_ns, c.options.time_window)
+        except UnsupportedSchemaVersion as e:
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        except IngestError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"batch refused: {e}") from None
+        except StoreError as e:
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {e}") from None
+        if c.writer.overloaded():
+            retry_ms = max(100, int(c.writer.flush_interval_s * 1000))
+            raise _Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"collector busy: {c.writer.buffered_rows} rows wait to be written; retry after {retry_ms} ms",
+                [("retry-after-ms", str(retry_ms))],
+            )
+        c.telemetry.batches_received.labels(decoded.kind).inc()
+        for table, rows in decoded.parts.items():
+            c.telemetry.rows_received.labels(table).inc(rows.num_rows)
+        key = BatchKey(batch.run_id, batch.rank, batch.batch_id, decoded.kind)
+        try:
+            return await c.writer.write(decoded.parts, key)
+        except StoreError as e:
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"batch not stored, send it again: {e}") from None
+
+
+class QueryService(query_pb2_grpc.QueryServicer):
+    def __init__(self, collector: Collector):
+        self.c = collector
+
+    async def Query(self, request: query_pb2.QueryRequest, context: grpc.aio.ServicerContext) -> query_pb2.QueryResponse:
+        started = time.perf_counter()
+        c = self.c
+        try:
+            table = await asyncio.to_thread(
+                run_read_only, c.store, c.guard, request.sql, dict(request.params), c.options.limits, request.max_rows
+            )
+            data = await asyncio.to_thread(to_ipc, table)
+        except QueryRefused as e:
+            await c.refuse(context, _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+        except ResultTooLarge as e:
+            await c.refuse(context, _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"result over the limit: {e}"))
+        except StoreError as e:
+            await c.refuse(context, _Refusal(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {e}"))
+        return query_pb2.QueryResponse(arrow_ipc=data, rows=table.num_rows, elapsed_s=time.perf_counter() - started)
+
+    async def RequestStack(self, request: query_pb2.StackRequest, context: grpc.aio.ServicerContext) -> query_pb2.StackRequestReply:
+        c = self.c
+        if not request.run_id or request.rank < 0:
+            await c.refuse(context, _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a stack request names a run_id and a rank >= 0"))
+        try:
+            await c.know_run(request.run_id, request.rank)
+        except StoreError as e:
+            await c.refuse(context, _Refusal(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {e}"))
+        if c.runs.has_ended(request.run_id, request.rank):
+            return query_pb2.StackRequestReply(queued=False)
+        c.commands.request_stack(request.run_id, request.rank, request.reason or "requested")
+        return query_pb2.StackRequestReply(queued=True)
+
+
+class _TokenAuth(grpc.aio.ServerInterceptor):
+    """Every method of every service needs ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str, on_refusal: Callable[[], None]):
+        self._expected = f"Bearer {token}".encode()
+        self._on_refusal = on_refusal
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        sent = dict(details.invocation_metadata or ()).get("authorization")
+        if sent is not None and hmac.compare_digest(str(sent).encode(), self._expected):
+            return await continuation(details)
+        self._on_refusal()
+        problem = "no token was sent" if sent is None else "the token is wrong"
+        message = f"{problem}: send metadata 'authorization: Bearer <token>' with the collector's token (--token / RANKSCOPE_TOKEN)"
+
+        async def deny(_request: object, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """("host", port) from HOST:PORT ([v6]:PORT too); ValueError with the reason."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port 0-65535, got {text!r}")
+    return host, int(port)
+
+
+def _where(options: ServerOptions, store: Store) -> str:
+    if options.clickhouse_url is None:
+        return f"{options.store_dir.resolve()} (chDB)"
+    return store.describe()
+
+
+async def serve(options: ServerOptions, ready: Callable[[str], None] | None = None) -> None:
+    """Run the collector until SIGINT or SIGTERM; ``ready`` gets the start-up line (default: print).
+
+    Raises StoreError (store unusable or held by another collector) or OSError (cannot listen).
+    """
+    host, port = parse_listen(options.listen)
+    if options.clickhouse_url is None:
+        store = open_store(store_dir=options.store_dir, database=options.database)
+    else:
+        store = open_store(clickhouse_url=options.clickhouse_url, database=options.database)
+    try:
+        await _run(store, options, host, port, ready or _print_line)
+    finally:
+        store.close()
+
+
+async def _run(store: Store, options: ServerOptions, host: str, port: int, ready: Callable[[str], None]) -> None:
+    await asyncio.to_thread(migrate, store, store.database, options.retention_days)
+    guard = await asyncio.to_thread(guard_for, store)
+    writer = Writer(
+        store, store.database, flush_rows=options.flush_rows, flush_interval_s=options.flush_interval_s,
+        max_buffered_rows=options.max_buffered_rows,
+    )
+    await writer.start()
+    collector = Collector(store, writer, guard, options)
+    telemetry = collector.telemetry
+    interceptors = [_TokenAuth(options.token, telemetry.rejected.labels("UNAUTHENTICATED").inc)] if options.token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", -1),
+            # gRPC sets SO_REUSEPORT by default: a second collector on the port would then start
+            # and silently take half of the agents' calls.
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    ingest_pb2_grpc.add_IngestServicer_to_server(IngestService(collector), server)
+    query_pb2_grpc.add_QueryServicer_to_server(QueryService(collector), server)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    ticker = asyncio.create_task(_tick(telemetry, stop))
+    try:
+        bound = _bind(server, host, port)
+        await server.start()
+        metrics = ""
+        if options.metrics_port is not None:
+            metrics = f", metrics on http://{host}:{telemetry.serve(host, options.metrics_port)}/metrics"
+        ready(f"rankscope collector listening on {host}:{bound}, storing in {_where(options, store)}{metrics}")
+        await stop.wait()
+    finally:
+        # Stop taking calls at once and write every buffer now: the calls in flight get their
+        # acks while the server waits for them (up to the grace time).
+        stop.set()
+        stopping = asyncio.create_task(server.stop(SHUTDOWN_GRACE_S))
+        await writer.close()
+        await stopping
+        await ticker
+        telemetry.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on host:port; the port bound (port 0 picks a free one). OSError when it cannot."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")
+    return bound
+
+
+async def _tick(telemetry: Telemetry, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        telemetry.tick()
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def main(options: ServerOptions) -> int:
+    """Run the collector in this process; the exit status (0 after SIGTERM, 1 if it cannot start)."""
+    try:
+        asyncio.run(serve(options))
+    except (StoreError, OSError) as e:
+        print(f"rankscope collector: {e}", file=sys.stderr)
+        return 1
+    return 0

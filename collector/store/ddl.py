@@ -1,0 +1,99 @@
+"""The CREATE statements for rankscope's tables, generated from ``schema.TABLES``.
+
+One description gives three layouts: the embedded store and a single server get one MergeTree
+table per name; a cluster gets a replicated table ``<name>_local`` on every node plus a
+Distributed table ``<name>`` over them, so readers and writers use the same names everywhere.
+Rows of one run (and rank) land on one shard, which keeps ReplacingMergeTree's replacement and
+per-rank scans local to a shard.
+"""
+
+from __future__ import annotations
+
+from .schema import TABLES, Column, Table
+
+#: where each replicated table keeps its state in ClickHouse Keeper (macros filled in per node)
+REPLICA_PATH = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"
+
+
+def create_statements(database: str = "rankscope", *, retention_days: int | None = None, cluster: str | None = None) -> list[str]:
+    """CREATE DATABASE and every CREATE TABLE, all IF NOT EXISTS (safe to run again)."""
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    statements = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
+    for table in TABLES:
+        if cluster:
+            statements += [
+                _create_table(table, database, retention_days, cluster),
+                f"CREATE TABLE IF NOT EXISTS {database}.{table.name}{on_cluster} AS {database}.{table.name}_local "
+                f"ENGINE = Distributed({cluster}, {database}, {table.name}_local, {sharding_key(table)})",
+            ]
+        else:
+            statements.append(_create_table(table, database, retention_days, None))
+    return statements
+
+
+def ttl_clause(table: Table, retention_days: int) -> str:
+    """The TTL expression that drops a day's partition ``retention_days`` after it ended."""
+    return f"toDateTime({table.time_column}) + INTERVAL {retention_days} DAY"
+
+
+def storage_table(table: Table, cluster: str | None) -> str:
+    """The name of the table that holds the rows (and the TTL): ``<name>_local`` on a cluster."""
+    return f"{table.name}_local" if cluster else table.name
+
+
+def sharding_key(table: Table) -> str:
+    """Which shard a row goes to: per rank for per-rank tables, else per run."""
+    names = [c.name for c in table.columns]
+    if names[:2] == ["run_id", "rank"]:
+        return "cityHash64(run_id, rank)"
+    if names[0] == "run_id":
+        return "cityHash64(run_id)"
+    return "rand()"
+
+
+def _create_table(table: Table, database: str, retention_days: int | None, cluster: str | None) -> str:
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    body = [f"    {_column(c)}" for c in table.columns]
+    body += [f"    PROJECTION {p.name} ({p.select})" for p in table.projections]
+    lines = [
+        f"CREATE TABLE IF NOT EXISTS {database}.{storage_table(table, cluster)}{on_cluster}",
+        "(",
+        ",\n".join(body),
+        ")",
+        f"ENGINE = {_engine(table, cluster)}",
+    ]
+    if table.time_column:
+        lines.append(f"PARTITION BY toDate({table.time_column})")
+    order_by = ", ".join(table.order_by)
+    lines.append(f"ORDER BY {order_by if len(table.order_by) == 1 else f'({order_by})'}")
+    if table.time_column:
+        if retention_days is not None:
+            lines.append(f"TTL {ttl_clause(table, retention_days)}")
+        # Whole day partitions expire at once instead of being rewritten row by row; set
+        # even without retention so that a TTL added later behaves the same.
+        lines.append("SETTINGS ttl_only_drop_parts = 1")
+    lines.append(f"COMMENT {_quote(table.doc)}")
+    return "\n".join(lines)
+
+
+def _engine(table: Table, cluster: str | None) -> str:
+    family = "ReplacingMergeTree" if table.version_column else "MergeTree"
+    args = [REPLICA_PATH] if cluster else []
+    if table.version_column:
+        args.append(table.version_column)
+    return f"{'Replicated' if cluster else ''}{family}({', '.join(args)})"
+
+
+def _column(column: Column) -> str:
+    parts = [column.name, column.type]
+    if column.materialized:
+        parts.append(f"MATERIALIZED {column.materialized}")
+    if column.comment:
+        parts.append(f"COMMENT {_quote(column.comment)}")
+    if column.codec:
+        parts.append(column.codec)
+    return " ".join(parts)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -1,0 +1,116 @@
+"""Bring a store to this rankscope's schema version, and keep its retention as asked.
+
+Every step is recorded as a row of ``schema_version`` once its statements succeeded, so the
+table is the store's history and its highest version is the store's version. A step's
+statements must be safe to run again (IF NOT EXISTS, ADD COLUMN IF NOT EXISTS, ...): a collector
+stopped half-way through a step runs it again at its next start.
+
+When a table's shape changes: bump ``schema.SCHEMA_VERSION``, describe the new shape in
+``schema.py`` (new stores are created from it by step 1) and append a step that brings older
+stores there (ALTER TABLE ... ADD COLUMN IF NOT EXISTS, MATERIALIZE PROJECTION, ...).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from rankscope import __version__
+
+from .base import Store, StoreVersionError, arrow_schema
+from .ddl import create_statements, storage_table, ttl_clause
+from .schema import BY_NAME, TABLES
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step forward: the statements that bring a store from version - 1 to ``version``."""
+
+    version: int
+    doc: str
+    #: (database, retention_days, cluster) -> statements
+    statements: Callable[[str, int | None, str | None], list[str]]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "create the tables", lambda db, days, cluster: create_statements(db, retention_days=days, cluster=cluster)),
+)
+
+
+def migrate(
+    store: Store,
+    database: str,
+    retention_days: int | None,
+    *,
+    cluster: str | None = None,
+    steps: Sequence[Migration] = MIGRATIONS,
+) -> int:
+    """Create or migrate the store forward; returns its version. Idempotent.
+
+    ``retention_days``: None leaves an existing store's retention as it is (a new store then
+    keeps everything), 0 removes it, N keeps N days (by day partition). Raises StoreVersionError
+    when a newer rankscope wrote the store, and changes nothing then.
+    """
+    current = stored_version(store, database)
+    known = steps[-1].version
+    if current > known:
+        raise StoreVersionError(
+            f"store at {store.describe()} was written by schema version {current}; "
+            f"this rankscope knows up to {known}: upgrade rankscope"
+        )
+    for step in steps:
+        if step.version > current:
+            for sql in step.statements(database, retention_days, cluster):
+                store.command(sql)
+            _record(store, database, step.version)
+            current = step.version
+    if retention_days is not None:
+        set_retention(store, database, retention_days, cluster=cluster)
+    return current
+
+
+def stored_version(store: Store, database: str) -> int:
+    """The store's schema version: 0 for a store without rankscope's tables."""
+    exists = store.query_arrow(
+        "SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = 'schema_version'",
+        {"db": database},
+    )
+    if exists["n"][0].as_py() == 0:
+        return 0
+    rows = store.query_arrow(f"SELECT max(version) AS v FROM {database}.schema_version")
+    return int(rows["v"][0].as_py() or 0)
+
+
+def set_retention(store: Store, database: str, retention_days: int, *, cluster: str | None = None) -> None:
+    """Make every table with a time column keep ``retention_days`` days (0: forever), if not already so."""
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    current = retention(store, database, cluster=cluster)
+    for table in TABLES:
+        if not table.time_column or current.get(table.name, 0) == retention_days:
+            continue
+        change = f"MODIFY TTL {ttl_clause(table, retention_days)}" if retention_days else "REMOVE TTL"
+        store.command(f"ALTER TABLE {database}.{storage_table(table, cluster)}{on_cluster} {change}")
+
+
+def retention(store: Store, database: str, *, cluster: str | None = None) -> dict[str, int]:
+    """Days each table with a time column keeps (0: no TTL), read from the engine's own DDL."""
+    names = [storage_table(t, cluster) for t in TABLES if t.time_column]
+    rows = store.query_arrow(
+        "SELECT name, engine_full FROM system.tables WHERE database = {db:String} AND has({names:Array(String)}, name)",
+        {"db": database, "names": names},
+    )
+    days = {}
+    for name, engine in zip(rows["name"].to_pylist(), rows["engine_full"].to_pylist()):
+        found = re.search(r"\bTTL .*?toIntervalDay\((\d+)\)", engine)
+        days[name.removesuffix("_local") if cluster else name] = int(found.group(1)) if found else 0
+    return days
+
+
+def _record(store: Store, database: str, version: int) -> None:
+    table = BY_NAME["schema_version"]
+    row = pa.table({"version": [version], "applied": [time.time_ns()], "rankscope_version": [__version__]}, schema=arrow_schema(table))
+    store.insert_arrow(f"{database}.{table.name}", row)

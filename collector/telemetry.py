@@ -1,0 +1,102 @@
+"""The collector's own health as Prometheus metrics (``rankscope collector --metrics-port``).
+
+What an operator needs to see before the agents notice anything: rows coming in and going out
+per table, duplicates (agents retrying), insert latency, buffer depth (how close the collector
+is to refusing batches), refused calls by status code, and how many ranks are sending. The
+metrics live in their own registry, so several collectors in one process (tests) never clash.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .writer import Writer
+
+#: a rank counts as connected while its last batch is younger than this
+CONNECTED_WINDOW_S = 30.0
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _WriterCollector(Collector):
+    """Reads the writer's own counters at scrape time (the writer keeps them as plain ints)."""
+
+    def __init__(self, writer: Writer):
+        self.writer = writer
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        written = CounterMetricFamily("rankscope_rows_written", "Rows inserted into the store, per table.", labels=["table"])
+        for table, rows in sorted(self.writer.rows_written.items()):
+            written.add_metric([table], rows)
+        yield written
+        yield CounterMetricFamily("rankscope_batches_written", "Batches stored and acknowledged.", value=self.writer.batches_written)
+        yield CounterMetricFamily(
+            "rankscope_batches_failed", "Batches the store could not take (answered UNAVAILABLE).", value=self.writer.batches_failed
+        )
+        yield CounterMetricFamily(
+            "rankscope_duplicate_batches", "Batches acknowledged without writing: their id was already stored.", value=self.writer.duplicates
+        )
+        yield GaugeMetricFamily("rankscope_buffered_rows", "Rows accepted and not yet stored.", value=self.writer.buffered_rows)
+
+
+class Telemetry:
+    """The collector's metrics; ``serve(port)`` exposes them over HTTP for Prometheus."""
+
+    def __init__(self, writer: Writer, clock: Callable[[], float] = time.monotonic):
+        self.registry = CollectorRegistry()
+        self._writer = writer
+        self._clock = clock
+        self._last_seen: dict[tuple[str, int], float] = {}
+        self.rows_received = Counter(
+            "rankscope_rows_received", "Rows decoded from agent batches, per table.", ["table"], registry=self.registry
+        )
+        self.batches_received = Counter(
+            "rankscope_batches_received", "Batches decoded, per payload kind.", ["kind"], registry=self.registry
+        )
+        self.rejected = Counter(
+            "rankscope_rejected_calls", "Calls answered with an error, per gRPC status code.", ["code"], registry=self.registry
+        )
+        self.insert_seconds = Histogram(
+            "rankscope_insert_seconds", "Duration of one insert into the store, per table.", ["table"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        connected = Gauge(
+            "rankscope_connected_ranks", f"Distinct (run, rank) that sent a batch in the last {CONNECTED_WINDOW_S:.0f} s.",
+            registry=self.registry,
+        )
+        connected.set_function(self.connected_ranks)
+        self.registry.register(_WriterCollector(writer))
+        self._http: object | None = None
+
+    def seen(self, run_id: str, rank: int) -> None:
+        self._last_seen[(run_id, rank)] = self._clock()
+
+    def connected_ranks(self) -> int:
+        horizon = self._clock() - CONNECTED_WINDOW_S
+        # A copy: scrapes run on the HTTP server's thread while the event loop adds ranks.
+        return sum(1 for t in list(self._last_seen.values()) if t >= horizon)
+
+    def tick(self) -> None:
+        """Once a second, on the event loop: insert durations into the histogram, old ranks out."""
+        for table, samples in self._writer.take_insert_latencies().items():
+            for seconds in samples:
+                self.insert_seconds.labels(table).observe(seconds)
+        horizon = self._clock() - CONNECTED_WINDOW_S
+        self._last_seen = {key: t for key, t in self._last_seen.items() if t >= horizon}
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the port (0 picks one)."""
+        server, _thread = start_http_server(port, host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()  # type: ignore[attr-defined]
+            self._http.server_close()  # type: ignore[attr-defined]
+            self._http = None

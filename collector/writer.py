@@ -1,0 +1,320 @@
+"""The collector's batching writer: many small agent batches in, few large inserts out.
+
+ClickHouse wants about one insert per table per second of thousands to 100k rows, while agents
+send a batch of a few thousand rows per rank every so often. The writer keeps one buffer per
+table and inserts it as one Arrow table when it holds ``flush_rows`` rows or its oldest row is
+``flush_interval_s`` old. A batch is acknowledged (``write`` returns) only once all its rows are
+stored; its id then goes into the ``batches`` table, after the data and in the same flush
+cycle, so a batch that an agent sends again (after a lost acknowledgement, or to a restarted
+collector) is recognised and not stored twice.
+
+A batch the engine refuses fails alone: a refused combined insert is retried one batch at a
+time. A batch over several tables (a registration: runs, ranks, groups) can be left partly
+written when one of its tables fails; those tables replace rows by key, so the agent's retry is
+harmless.
+
+Store calls block, so they run in one worker thread and never on the event loop; buffers and
+futures are only touched on the event loop, and the worker only sees what it was handed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from .store.base import QueryError, Store, StoreError, arrow_schema, conform, table_spec
+from .store.schema import BY_NAME
+
+log = logging.getLogger(__name__)
+
+#: latency samples kept per table between two take_insert_latencies() calls
+LATENCY_SAMPLES = 4096
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Identifies one agent batch: the run and rank it came from and its 16-byte id."""
+
+    run_id: str
+    rank: int
+    batch_id: bytes
+    kind: str
+
+    def __post_init__(self) -> None:
+        if len(self.batch_id) != 16:
+            raise ValueError(f"batch_id must be 16 bytes, got {len(self.batch_id)}")
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A batch between write() and its acknowledgement."""
+
+    key: BatchKey
+    future: asyncio.Future[None]
+    rows: int
+    received_ns: int
+    remaining: int  # parts (tables) not yet through an insert attempt
+    error: StoreError | None = None
+
+
+@dataclass
+class _Buffer:
+    parts: list[tuple[_Pending, pa.Table]] = field(default_factory=list)
+    rows: int = 0
+    since: float = 0.0  # time.monotonic() of the oldest part
+
+
+class Writer:
+    """Buffers Arrow rows per table and writes them in large inserts; see the module doc."""
+
+    def __init__(
+        self,
+        store: Store,
+        database: str,
+        *,
+        flush_rows: int = 50_000,
+        flush_interval_s: float = 1.0,
+        max_buffered_rows: int = 2_000_000,
+        dedup_window_h: float = 24.0,
+    ):
+        self.store = store
+        self.database = database
+        self.flush_rows = flush_rows
+        self.flush_interval_s = flush_interval_s
+        self.max_buffered_rows = max_buffered_rows
+        self.dedup_window_s = dedup_window_h * 3600.0
+        # Published as metrics by the server. Every table has its entry from the start, so that
+        # another thread can iterate these dicts while the worker updates them.
+        self.rows_written: dict[str, int] = dict.fromkeys(BY_NAME, 0)
+        self.batches_written = 0
+        self.batches_failed = 0
+        self.duplicates = 0
+        self._latencies: dict[str, deque[float]] = {name: deque(maxlen=LATENCY_SAMPLES) for name in BY_NAME}
+        self._buffered_rows = 0
+        self._buffers: dict[str, _Buffer] = {}
+        self._ready: list[_Pending] = []  # batches without rows: only their record is left to write
+        self._inflight: dict[tuple[str, bytes], _Pending] = {}
+        self._written: OrderedDict[tuple[str, bytes], float] = OrderedDict()  # id -> wall time, oldest first
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankscope-writer")
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def buffered_rows(self) -> int:
+        """Rows accepted and not yet acknowledged (buffered or being inserted)."""
+        return self._buffered_rows
+
+    def overloaded(self) -> bool:
+        """True while more than max_buffered_rows wait: refuse new batches (RESOURCE_EXHAUSTED) then."""
+        return self._buffered_rows > self.max_buffered_rows
+
+    def take_insert_latencies(self) -> dict[str, list[float]]:
+        """Insert durations in seconds since the last call, for the tables that had inserts (for a histogram)."""
+        return {table: [samples.popleft() for _ in range(len(samples))] for table, samples in self._latencies.items() if samples}
+
+    async def start(self) -> None:
+        """Load the ids written within the dedup window (dedup survives restarts); start flushing."""
+        if self._task is not None or self._closed:
+            raise StoreError("a writer starts once")
+        loop = asyncio.get_running_loop()
+        since_ns = time.time_ns() - int(self.dedup_window_s * 1e9)
+        rows = await loop.run_in_executor(self._executor, self._load_written, since_ns)
+        for row in rows.to_pylist():
+            self._written[(row["run_id"], row["batch_id"])] = row["received_ns"] / 1e9
+        self._task = asyncio.create_task(self._flusher(), name="rankscope-writer-flusher")
+
+    async def write(self, parts: Mapping[str, pa.Table], key: BatchKey) -> bool:
+        """Store one batch: True once all its rows are written, False for an id already written.
+
+        ``parts`` maps table names to rows (the table's insert columns). A batch whose id is
+        being written right now waits for that write and answers like it. Raises StoreError
+        when its rows could not be written.
+        """
+        if self._task is None or self._closed:
+            raise StoreError("the writer is not running (start() it, and do not use it after close())")
+        ident = (key.run_id, key.batch_id)
+        if ident in self._written:
+            self.duplicates += 1
+            return False
+        if ident in self._inflight:
+            self.duplicates += 1
+            await asyncio.shield(self._inflight[ident].future)
+            return False
+        for name in parts:
+            table_spec(name)  # an unknown table fails here, not in a flush
+        nonempty = {name: rows for name, rows in parts.items() if rows.num_rows}
+        pending = _Pending(
+            key=key,
+            future=asyncio.get_running_loop().create_future(),
+            rows=sum(rows.num_rows for rows in nonempty.values()),
+            received_ns=time.time_ns(),
+            remaining=len(nonempty),
+        )
+        self._inflight[ident] = pending
+        self._buffered_rows += pending.rows
+        if not nonempty:
+            self._ready.append(pending)
+            self._wake.set()
+        for name, rows in nonempty.items():
+            buffer = self._buffers.setdefault(name, _Buffer())
+            if not buffer.parts:
+                buffer.since = time.monotonic()
+                self._wake.set()  # the flusher's next deadline may now be sooner
+            buffer.parts.append((pending, rows))
+            buffer.rows += rows.num_rows
+            if buffer.rows >= self.flush_rows:
+                self._wake.set()
+        await asyncio.shield(pending.future)
+        return True
+
+    async def close(self) -> None:
+        """Write everything buffered, then stop (on SIGTERM). Later writes raise StoreError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        self._executor.shutdown(wait=True)
+
+    # --- event loop side -------------------------------------------------------------------
+
+    async def _flusher(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._closed:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self._next_deadline())
+                except asyncio.TimeoutError:
+                    pass
+            self._wake.clear()
+            due, ready = self._take_due(force=self._closed)
+            if not due and not ready:
+                if self._closed:
+                    return
+                continue
+            completed = await loop.run_in_executor(self._executor, self._write_cycle, due, ready)
+            self._settle(completed)
+
+    def _next_deadline(self) -> float | None:
+        """Seconds until the oldest buffer is due; None when there is nothing to wait for."""
+        if self._ready:
+            return 0.0
+        starts = [b.since for b in self._buffers.values() if b.parts]
+        if not starts:
+            return None
+        return max(0.0, min(starts) + self.flush_interval_s - time.monotonic())
+
+    def _take_due(self, force: bool) -> tuple[dict[str, list[tuple[_Pending, pa.Table]]], list[_Pending]]:
+        now = time.monotonic()
+        due = {}
+        for name, buffer in self._buffers.items():
+            if buffer.parts and (force or buffer.rows >= self.flush_rows or now - buffer.since >= self.flush_interval_s):
+                due[name] = buffer.parts
+                self._buffers[name] = _Buffer()
+        ready, self._ready = self._ready, []
+        return due, ready
+
+    def _settle(self, completed: list[_Pending]) -> None:
+        """Answer the writers of the batches whose every part went through an insert attempt."""
+        now = time.time()
+        for pending in completed:
+            ident = (pending.key.run_id, pending.key.batch_id)
+            del self._inflight[ident]
+            self._buffered_rows -= pending.rows
+            if pending.error is None:
+                self._written[ident] = now
+                self.batches_written += 1
+                pending.future.set_result(None)
+            else:
+                self.batches_failed += 1
+                pending.future.set_exception(pending.error)
+        horizon = now - self.dedup_window_s
+        while self._written and next(iter(self._written.values())) < horizon:
+            self._written.popitem(last=False)
+
+    # --- worker thread side ----------------------------------------------------------------
+
+    def _load_written(self, since_ns: int) -> pa.Table:
+        return self.store.query_arrow(
+            f"SELECT run_id, batch_id, toUnixTimestamp64Nano(received) AS received_ns FROM {self.database}.batches "
+            "WHERE received >= fromUnixTimestamp64Nano({since:Int64}) ORDER BY received",
+            {"since": since_ns},
+        )
+
+    def _write_cycle(self, due: dict[str, list[tuple[_Pending, pa.Table]]], ready: list[_Pending]) -> list[_Pending]:
+        """Insert the due tables, then the ids of the batches now complete; returns those batches."""
+        completed = list(ready)
+        for name, parts in due.items():
+            for pending, error in self._insert_parts(name, parts):
+                pending.error = pending.error or error
+                pending.remaining -= 1
+                if pending.remaining == 0:
+                    completed.append(pending)
+        stored = [p for p in completed if p.error is None]
+        if stored:
+            try:
+                self._insert("batches", self._records(stored))
+            except StoreError as e:
+                # The rows are stored: acknowledge them. Only a restart loses these ids (an
+                # agent does not resend an acknowledged batch).
+                log.warning("could not record %d batch ids: %s", len(stored), e)
+        return completed
+
+    def _insert_parts(self, name: str, parts: list[tuple[_Pending, pa.Table]]) -> list[tuple[_Pending, StoreError | None]]:
+        """One insert for all parts; if the engine refuses it, one per part, so only bad ones fail."""
+        spec = table_spec(name)
+        results: list[tuple[_Pending, StoreError | None]] = []
+        good: list[tuple[_Pending, pa.Table]] = []
+        for pending, rows in parts:
+            try:
+                good.append((pending, conform(spec, rows)))
+            except QueryError as e:
+                results.append((pending, e))
+        if not good:
+            return results
+        try:
+            self._insert(name, pa.concat_tables([rows for _, rows in good]))
+            return results + [(pending, None) for pending, _ in good]
+        except QueryError as e:
+            refused = e
+        except StoreError as e:  # the store itself failed (unreachable, closed): no part can do better
+            return results + [(pending, e) for pending, _ in good]
+        if len(good) == 1:
+            return results + [(good[0][0], refused)]
+        for pending, rows in good:
+            try:
+                self._insert(name, rows)
+                results.append((pending, None))
+            except StoreError as e:
+                results.append((pending, e))
+        return results
+
+    def _insert(self, name: str, rows: pa.Table) -> None:
+        started = time.perf_counter()
+        self.store.insert_arrow(f"{self.database}.{name}", rows)
+        self._latencies[name].append(time.perf_counter() - started)
+        self.rows_written[name] += rows.num_rows
+
+    def _records(self, stored: list[_Pending]) -> pa.Table:
+        """The ``batches`` rows for these batches."""
+        keys = [p.key for p in stored]
+        return pa.table(
+            {
+                "run_id": [k.run_id for k in keys],
+                "rank": [k.rank for k in keys],
+                "batch_id": [k.batch_id for k in keys],
+                "kind": [k.kind for k in keys],
+                "rows": [p.rows for p in stored],
+                "received": [p.received_ns for p in stored],
+            },
+            schema=arrow_schema(BY_NAME["batches"]),
+        )

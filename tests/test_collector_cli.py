@@ -1,0 +1,29 @@
+"""``rankscope collector`` flags: every bad value exits 2 with the reason, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from rankscope.cli.main import main
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (["--listen", "7777"], "expected HOST:PORT"),
+        (["--listen", "localhost:99999"], "expected HOST:PORT"),
+        (["--store", "a", "--clickhouse", "http://h:8123"], "not allowed with argument"),
+        (["--clickhouse", "localhost:8123"], "expected http[s]://"),
+        (["--retention-days", "-1"], "must be at least 0"),
+        (["--metrics-port", "70000"], "a port is 0-65535"),
+        (["--time-window", "3600"], "expected PAST,FUTURE"),
+        (["--time-window", "3600,-5"], "more than 0 seconds"),
+        (["--max-buffered-rows", "lots"], "expected a whole number"),
+        (["--flush-interval", "0"], "more than 0 seconds"),
+    ],
+)
+def test_bad_flag_values_exit_2_with_the_reason(args: list[str], reason: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["collector", *args])
+    assert exit_info.value.code == 2
+    assert reason in capsys.readouterr().err

@@ -1,0 +1,237 @@
+"""Batch -> Arrow tables (collector/ingest.py), in-process; also the batch builders the collector's
+end-to-end tests send.
+
+Batches are built here the way the protocol defines them: numpy columns packed with tobytes().
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+
+from rankscope.collector.ingest import (
+    IngestError,
+    RunRegistry,
+    TimeWindow,
+    UnsupportedSchemaVersion,
+    decode,
+)
+from rankscope.collector.store.base import arrow_schema
+from rankscope.collector.store.schema import BY_NAME
+from rankscope.protos.rankscope.v1 import ingest_pb2, telemetry_pb2
+
+# --- builders (imported by test_collector_server.py and test_sql_cli.py) ------------------------
+
+
+def envelope(run_id: str, rank: int, *, offset_ns: int = 0, **payload: object) -> ingest_pb2.Batch:
+    return ingest_pb2.Batch(
+        schema_version=1, run_id=run_id, rank=rank, batch_id=os.urandom(16), clock_offset_ns=offset_ns,
+        sent_ns=time.time_ns(), **payload,
+    )
+
+
+def register(run_id: str, rank: int, world_size: int, *, host: str = "node-0", start_ns: int | None = None) -> ingest_pb2.Batch:
+    groups = [telemetry_pb2.Group(name="world", description="all ranks", ranks=list(range(world_size)))]
+    reg = telemetry_pb2.Register(
+        world_size=world_size, host=host, pid=1000 + rank, local_rank=rank, device="cpu", tp=1, pp=1, dp=world_size,
+        tp_rank=0, pp_rank=0, dp_rank=rank, groups=groups, run_name=f"job {run_id}", config_json='{"lr": 0.1}',
+        start_time_ns=start_ns or time.time_ns(), agent_version="test",
+    )
+    return envelope(run_id, rank, register=reg)
+
+
+def spans(run_id: str, rank: int, n: int, *, step: int = 1, t0: int | None = None, offset_ns: int = 0) -> ingest_pb2.Batch:
+    """n spans alternating forward/backward, 1 us apart, 500 ns long; every other one with attributes."""
+    t0 = t0 or time.time_ns()
+    i = np.arange(n, dtype=np.int64)
+    batch = telemetry_pb2.SpanBatch(
+        count=n,
+        strings=["forward", "backward", '{"layer": 3}'],
+        name=(i % 2).astype("<i4").tobytes(),
+        kind=(i % 5).astype("u1").tobytes(),
+        step=np.full(n, step, "<i4").tobytes(),
+        microbatch=(i % 4 - 1).astype("<i4").tobytes(),
+        start_ns=(t0 + i * 1000).astype("<i8").tobytes(),
+        end_ns=(t0 + i * 1000 + 500).astype("<i8").tobytes(),
+        attributes=np.where(i % 2 == 0, -1, 2).astype("<i4").tobytes(),
+    )
+    return envelope(run_id, rank, offset_ns=offset_ns, spans=batch)
+
+
+def collectives(run_id: str, rank: int, t0: int | None = None) -> ingest_pb2.Batch:
+    """Three operations: a completed all_reduce, a failed send, a pending recv (start/end unknown)."""
+    t0 = t0 or time.time_ns()
+    batch = telemetry_pb2.CollectiveBatch(
+        count=3,
+        strings=["world", "all_reduce", "send", "recv", "float32"],
+        group=np.zeros(3, "<i4").tobytes(),
+        seq=np.array([1, 2, 3], "<i8").tobytes(),
+        op=np.array([1, 2, 3], "<i4").tobytes(),
+        nbytes=np.array([4096, 64, 64], "<i8").tobytes(),
+        dtype=np.full(3, 4, "<i4").tobytes(),
+        peer=np.array([-1, 1, 1], "<i4").tobytes(),
+        issue_ns=(t0 + np.arange(3) * 10).astype("<i8").tobytes(),
+        start_ns=np.array([t0 + 1, t0 + 11, 0], "<i8").tobytes(),
+        end_ns=np.array([t0 + 5, 0, 0], "<i8").tobytes(),
+        state=np.array([0, 1, 2], "u1").tobytes(),
+        step=np.ones(3, "<i4").tobytes(),
+    )
+    return envelope(run_id, rank, collectives=batch)
+
+
+def heartbeats(run_id: str, rank: int, *, step: int = 1) -> ingest_pb2.Batch:
+    now = time.time_ns()
+    waiting = telemetry_pb2.InFlight(group="world", seq=7, op="all_reduce", peer=-1, issue_ns=now - 5_000, waiting=True)
+    beat = telemetry_pb2.Heartbeat(
+        time_ns=now, step=step, phase="forward", status="stalled", last_progress_ns=now - 10_000, in_flight=[waiting], events_dropped=3,
+    )
+    return envelope(run_id, rank, heartbeats=telemetry_pb2.HeartbeatBatch(heartbeats=[beat]))
+
+
+def metrics(run_id: str, rank: int) -> ingest_pb2.Batch:
+    now = time.time_ns()
+    batch = telemetry_pb2.MetricBatch(
+        count=2, strings=["gpu.utilization", "cuda:0", "host"],
+        time_ns=np.array([now, now + 1], "<i8").tobytes(), name=np.zeros(2, "<i4").tobytes(),
+        device=np.array([1, 2], "<i4").tobytes(), value=np.array([0.5, 0.75], "<f8").tobytes(),
+    )
+    return envelope(run_id, rank, metrics=batch)
+
+
+def step_metrics(run_id: str, rank: int) -> ingest_pb2.Batch:
+    now = time.time_ns()
+    batch = telemetry_pb2.StepMetricBatch(
+        count=2, strings=["loss"], step=np.array([1, 2], "<i4").tobytes(), name=np.zeros(2, "<i4").tobytes(),
+        value=np.array([2.5, math.nan], "<f8").tobytes(), time_ns=np.array([now, now + 1], "<i8").tobytes(),
+    )
+    return envelope(run_id, rank, step_metrics=batch)
+
+
+def stack(run_id: str, rank: int, text: str = "Thread 1 (idle)\n  train (train.py:10)") -> ingest_pb2.Batch:
+    dump = telemetry_pb2.StackDump(time_ns=time.time_ns(), reason="requested", method="py-spy", text=text)
+    return envelope(run_id, rank, stack=dump)
+
+
+def end(run_id: str, rank: int, reason: int = 0, exit_code: int = 0) -> ingest_pb2.Batch:
+    last = telemetry_pb2.EndOfRank(time_ns=time.time_ns(), reason=reason, exit_code=exit_code, message="" if reason == 0 else "boom")  # type: ignore[arg-type]
+    return envelope(run_id, rank, end=last)
+
+
+# --- decoding ----------------------------------------------------------------------------------
+
+
+def _decode(batch: ingest_pb2.Batch, registry: RunRegistry | None = None, window: TimeWindow = TimeWindow()):
+    return decode(batch, registry or RunRegistry(), time.time_ns(), window)
+
+
+def test_every_payload_gives_exactly_the_insert_columns_of_its_tables() -> None:
+    registry = RunRegistry()
+    batches = [
+        register("r", 0, 2), spans("r", 0, 10), collectives("r", 0), heartbeats("r", 0), metrics("r", 0),
+        step_metrics("r", 0), stack("r", 0), end("r", 0),
+    ]
+    touched = set()
+    for batch in batches:
+        for name, table in _decode(batch, registry).parts.items():
+            assert table.schema.equals(arrow_schema(BY_NAME[name])), name
+            touched.add(name)
+    assert touched == {"runs", "ranks", "groups", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stacks", "exits"}
+
+
+def test_spans_columns_come_from_the_bytes_with_the_clock_offset_added() -> None:
+    t0 = time.time_ns()
+    decoded = _decode(spans("r", 3, 4, step=7, t0=t0, offset_ns=-250))
+    assert decoded.kind == "spans" and list(decoded.parts) == ["spans"]
+    rows = decoded.parts["spans"].to_pydict()
+    assert rows["rank"] == [3] * 4 and rows["step"] == [7] * 4
+    assert rows["name"] == ["forward", "backward", "forward", "backward"]
+    assert rows["kind"] == ["compute", "comm", "data", "optimizer"]
+    assert rows["microbatch"] == [-1, 0, 1, 2]
+    assert rows["attributes"] == ["", '{"layer": 3}', "", '{"layer": 3}']
+    starts = decoded.parts["spans"]["start_time"].cast("int64").to_pylist()
+    assert starts == [t0 - 250 + k * 1000 for k in range(4)]
+
+
+def test_collectives_keep_unknown_times_at_zero_and_name_states() -> None:
+    t0 = time.time_ns()
+    batch = collectives("r", 0, t0)
+    batch.clock_offset_ns = 100
+    rows = _decode(batch).parts["collectives"]
+    assert rows["state"].to_pylist() == ["completed", "failed", "pending"]
+    assert rows["op"].to_pylist() == ["all_reduce", "send", "recv"]
+    assert rows["start_time"].cast("int64").to_pylist() == [t0 + 101, t0 + 111, 0]
+    assert rows["end_time"].cast("int64").to_pylist() == [t0 + 105, 0, 0]
+
+
+def test_heartbeats_and_stacks_get_the_host_of_the_registration() -> None:
+    registry = RunRegistry()
+    _decode(register("r", 1, 2, host="node-7"), registry)
+    beat = _decode(heartbeats("r", 1), registry).parts["heartbeats"].to_pylist()[0]
+    assert beat["host"] == "node-7" and beat["inflight_group"] == ["world"] and beat["inflight_waiting"] == [1]
+    assert _decode(stack("r", 1), registry).parts["stacks"]["host"].to_pylist() == ["node-7"]
+    assert _decode(heartbeats("r", 0), registry).parts["heartbeats"]["host"].to_pylist() == [""]  # never registered
+
+
+def test_the_last_rank_to_end_closes_the_run() -> None:
+    registry = RunRegistry()
+    for rank in range(2):
+        _decode(register("r", rank, 2), registry)
+    assert "runs" not in _decode(end("r", 0), registry).parts
+    last = _decode(end("r", 1, reason=1, exit_code=3), registry).parts
+    assert last["exits"].to_pylist()[0]["reason"] == "exit_code"
+    run = last["runs"].to_pylist()[0]
+    assert run["status"] == "failed" and run["world_size"] == 2 and run["name"] == "job r"
+    assert registry.has_ended("r", 1)
+
+
+def _corrupt(batch: ingest_pb2.Batch, field: str, value: object) -> ingest_pb2.Batch:
+    setattr(getattr(batch, batch.WhichOneof("payload")), field, value)
+    return batch
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        (_corrupt(spans("r", 0, 4), "end_ns", b"\0" * 31), "spans.end_ns: 31 bytes, but count=4 values of 8 bytes need 32"),
+        (_corrupt(spans("r", 0, 4), "name", np.array([0, 1, 3, 0], "<i4").tobytes()), "spans.name: string index 3 outside"),
+        (_corrupt(spans("r", 0, 4), "attributes", np.array([0, -2, 0, 0], "<i4").tobytes()), "string index -2"),
+        (_corrupt(spans("r", 0, 4), "kind", np.array([0, 9, 0, 0], "u1").tobytes()), "spans.kind: unknown value 9"),
+        (_corrupt(spans("r", 0, 4), "step", np.array([1, -1, 1, 1], "<i4").tobytes()), "spans.step: negative value -1"),
+        (_corrupt(collectives("r", 0), "state", np.array([0, 3, 0], "u1").tobytes()), "collectives.state: unknown value 3"),
+        (envelope("r", 0), "carries no payload"),
+        (ingest_pb2.Batch(schema_version=1, run_id="r", rank=0, batch_id=b"short", stack=telemetry_pb2.StackDump()), "batch_id has 5 bytes"),
+        (spans("r", 0, 4, t0=time.time_ns() - 2 * 86_400 * 10**9), "outside the accepted window"),
+        (spans("r", 0, 4, t0=time.time_ns() + 2 * 3600 * 10**9), "outside the accepted window"),
+        (register("r", 5, 4), "rank 5 is not below register.world_size 4"),
+        (end("r", 0, reason=9), "end.reason: unknown value 9"),
+    ],
+)
+def test_malformed_batches_are_refused_with_the_reason(batch: ingest_pb2.Batch, message: str) -> None:
+    with pytest.raises(IngestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _decode(batch)
+
+
+def test_the_clock_offset_brings_a_skewed_rank_into_the_window() -> None:
+    skew = 3 * 3600 * 10**9  # the rank's clock is 3 h ahead
+    batch = spans("r", 0, 2, t0=time.time_ns() + skew, offset_ns=-skew)
+    assert _decode(batch).parts["spans"].num_rows == 2
+    narrow = TimeWindow(past_s=1.0, future_s=1.0)
+    with pytest.raises(IngestError, match="--time-window"):
+        _decode(spans("r", 0, 2, t0=time.time_ns() - 5 * 10**9), window=narrow)
+
+
+def test_a_payload_of_a_newer_contract_is_refused_not_dropped() -> None:
+    newer = ingest_pb2.Batch.FromString(envelope("r", 0).SerializeToString() + b"\x92\x01\x00")  # field 18, empty
+    with pytest.raises(IngestError, match="a payload type this collector does not know"):
+        _decode(newer)
+
+
+def test_an_unknown_schema_version_is_a_precondition_not_a_malformed_batch() -> None:
+    batch = spans("r", 0, 1)
+    batch.schema_version = 2
+    with pytest.raises(UnsupportedSchemaVersion, match="schema_version 2"):
+        _decode(batch)

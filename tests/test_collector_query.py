@@ -1,0 +1,109 @@
+"""The read-only guard (collector/query.py) on its own; the engine's side is in test_collector_server.py."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from rankscope.collector.query import (
+    Limits,
+    QueryRefused,
+    ReadOnlyGuard,
+    engine_settings,
+    from_ipc,
+    params_as_text,
+    to_ipc,
+)
+
+GUARD = ReadOnlyGuard(["file", "url", "s3", "numbers", "someFutureLake"])
+
+
+@pytest.mark.parametrize(
+    "sql, expected",
+    [
+        ("SELECT 1", "SELECT 1"),
+        ("select 1;", "select 1"),
+        ("SELECT 1 ; -- done", "SELECT 1"),
+        ("SELECT 1 -- a comment swallowing what follows", "SELECT 1"),
+        ("  /* why */ WITH a AS (SELECT 1) SELECT * FROM a", "  /* why */ WITH a AS (SELECT 1) SELECT * FROM a"),
+        ("SELECT 'x; DROP TABLE spans' AS s", "SELECT 'x; DROP TABLE spans' AS s"),
+        ("SELECT 'it''s', 'a\\'b', `odd``name` FROM t", "SELECT 'it''s', 'a\\'b', `odd``name` FROM t"),
+        ("SELECT * FROM numbers(3)", "SELECT * FROM numbers(3)"),
+        ("SELECT format('{} {}', 'a', 'b')", "SELECT format('{} {}', 'a', 'b')"),
+        ("SELECT * FROM system.settings WHERE name = 'readonly'", "SELECT * FROM system.settings WHERE name = 'readonly'"),
+        ("SHOW SETTINGS LIKE 'max%'", "SHOW SETTINGS LIKE 'max%'"),
+        ("SHOW TABLES", "SHOW TABLES"),
+        ("DESC spans", "DESC spans"),
+        ("DESCRIBE TABLE spans", "DESCRIBE TABLE spans"),
+        ("EXPLAIN SELECT 1", "EXPLAIN SELECT 1"),
+        ("SELECT count() FROM spans WHERE run_id = {run:String}", "SELECT count() FROM spans WHERE run_id = {run:String}"),
+        ("SELECT 1 AS file", "SELECT 1 AS file"),
+    ],
+)
+def test_reads_pass_without_their_trailing_semicolon_or_comment(sql: str, expected: str) -> None:
+    assert GUARD.check(sql) == expected
+
+
+@pytest.mark.parametrize(
+    "sql, reason",
+    [
+        ("INSERT INTO spans SELECT * FROM spans", "only read statements"),
+        ("ALTER TABLE spans DELETE WHERE 1", "only read statements"),
+        ("DROP TABLE spans", "only read statements"),
+        ("OPTIMIZE TABLE spans FINAL", "only read statements"),
+        ("SET readonly = 0", "only read statements"),
+        ("(SELECT 1)", "only read statements"),
+        ("SELECT 1; DROP TABLE spans", "only one statement"),
+        ("SELECT 1;; ", "only one statement"),
+        ("SELECT 1 -- hidden\n; DROP TABLE spans", "only one statement"),
+        ("SELECT 1 /* ; */ ; DROP TABLE spans", "only one statement"),
+        ("SELECT 1 /* /* nested */ ; DROP TABLE spans */", "nested"),
+        ("SELECT 1 /* never closed", "unterminated /\\* comment"),
+        ("SELECT 'never closed", "unterminated ' quote"),
+        ("SELECT $$x$$", "heredoc"),
+        ("SELECT * FROM file('/etc/passwd', 'LineAsString')", "table function file()"),
+        ("SELECT file('/etc/passwd')", "table function file()"),
+        ("SELECT * FROM `file` ('/etc/passwd')", "table function file()"),
+        ("SELECT * FROM FILE /* x */ ('/etc/passwd')", "table function FILE()"),
+        ("SELECT * FROM file\u200b('/etc/passwd')", "table function file()"),
+        ("DESCRIBE url('http://example.com/x.csv')", "table function url()"),
+        ("SELECT * FROM s3('https://bucket/x.parquet')", "table function s3()"),
+        ("SELECT * FROM remote('other:9000', system.one)", "table function remote()"),
+        ("SELECT * FROM python(df)", "table function python()"),
+        ("SELECT * FROM someFutureLake('x')", "table function someFutureLake()"),
+        ("SELECT 1 INTO OUTFILE '/tmp/x.csv'", "INTO OUTFILE"),
+        ("SELECT 1 FORMAT JSON", "FORMAT clause"),
+        ("SELECT 1 SETTINGS readonly = 0", "SETTINGS clause"),
+        ("", "empty"),
+        (" ; ", "empty"),
+    ],
+)
+def test_everything_else_is_refused_with_the_reason(sql: str, reason: str) -> None:
+    with pytest.raises(QueryRefused, match=reason):
+        GUARD.check(sql)
+
+
+def test_table_functions_of_the_engine_are_refused_unless_they_stay_in_the_store() -> None:
+    guard = ReadOnlyGuard(["numbers", "brandNewConnector"])
+    assert "brandnewconnector" in guard.refused_functions
+    assert "numbers" not in guard.refused_functions
+    assert {"file", "url", "s3", "python", "filesystem"} <= guard.refused_functions
+
+
+def test_params_travel_as_text_the_engine_parses() -> None:
+    assert params_as_text({"s": "a'b", "n": 3, "f": 0.5, "b": True, "ranks": [1, 2], "names": ("x", "it's")}) == {
+        "s": "a'b", "n": "3", "f": "0.5", "b": "1", "ranks": "[1, 2]", "names": "['x', 'it\\'s']",
+    }
+
+
+def test_engine_settings_make_the_read_readonly_last_and_cap_the_rows() -> None:
+    settings = engine_settings(Limits(max_rows=100), max_rows=10)
+    assert list(settings)[-1] == "readonly" and settings["readonly"] == 1
+    assert settings["max_result_rows"] == 10
+    assert engine_settings(Limits(max_rows=100), max_rows=1000)["max_result_rows"] == 100
+    assert engine_settings(Limits(max_rows=100))["max_result_rows"] == 100
+
+
+def test_results_travel_as_one_arrow_ipc_stream() -> None:
+    table = pa.table({"a": [1, 2], "t": pa.array([1, 2], pa.timestamp("ns", tz="UTC"))})
+    assert from_ipc(to_ipc(table)).equals(table)

@@ -1,0 +1,52 @@
+"""What a collector promises across its own death: SIGTERM flushes and acknowledges, a restart on
+the same store finds every acknowledged row, recognises batches it already stored, and knows the
+runs and ranks registered before it started."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+from test_collector_ingest import end, heartbeats, register, spans
+from test_collector_server import start_collector
+
+from rankscope.collector.client import Client
+from rankscope.protos.rankscope.v1 import ingest_pb2_grpc
+
+if TYPE_CHECKING:
+    from conftest import ProcRunner
+
+pytestmark = pytest.mark.slow
+
+
+def test_acknowledged_batches_survive_sigterm_and_restart(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    store, run = tmp_path / "data", "restart"
+    # A flush interval of a minute: the batches are still buffered when SIGTERM comes.
+    first = start_collector(proc_runner, store, "--flush-interval", "60", name="first")
+    batches = [register(run, rank, 2, host=f"node-{rank}") for rank in range(2)] + [spans(run, rank, 1000) for rank in range(2)]
+    with grpc.insecure_channel(first.target) as channel:
+        stub = ingest_pb2_grpc.IngestStub(channel)
+        pending = [stub.Send.future(batch, timeout=60) for batch in batches]
+        time.sleep(1.0)
+        assert not any(f.done() for f in pending), "acknowledged before being written"
+        first.proc.popen.terminate()
+        acks = [f.result(timeout=30) for f in pending]
+    assert [ack.batch_id for ack in acks] == [b.batch_id for b in batches] and not any(a.duplicate for a in acks)
+    assert first.proc.wait(30) == 0, first.proc.output()
+
+    second = start_collector(proc_runner, store, "--flush-interval", "0.2", name="second")
+    with grpc.insecure_channel(second.target) as channel:
+        stub = ingest_pb2_grpc.IngestStub(channel)
+        assert stub.Send(batches[2], timeout=30).duplicate  # stored by the first collector
+        stub.Send(heartbeats(run, 1), timeout=30)
+        for rank in range(2):
+            stub.Send(end(run, rank), timeout=30)
+    with Client(second.target) as client:
+        assert client.query("SELECT count() AS n FROM spans WHERE run_id = {run:String}", {"run": run}).to_pylist() == [{"n": 2000}]
+        # The host of a rank registered with the first collector, and the run's size, are known.
+        assert client.query("SELECT host FROM heartbeats WHERE run_id = {run:String}", {"run": run}).to_pylist() == [{"host": "node-1"}]
+        status = client.query("SELECT status, world_size FROM runs FINAL WHERE run_id = {run:String}", {"run": run}).to_pylist()
+        assert status == [{"status": "finished", "world_size": 2}]

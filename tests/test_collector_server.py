@@ -1,0 +1,311 @@
+"""The collector end to end: a real ``rankscope collector`` process, real gRPC, real chDB.
+
+One collector serves the whole module (each start costs about 2 s on two cores); every test
+uses its own run id, so the tests do not see each other's rows.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+from test_collector_ingest import collectives, end, envelope, heartbeats, metrics, register, spans, stack, step_metrics
+
+from rankscope.collector.client import Client, QueryRefused, ResultTooLarge, Unauthenticated
+from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
+
+if TYPE_CHECKING:
+    from conftest import Proc, ProcRunner
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+QUERY_MAX_ROWS = 10_000
+MAX_BUFFERED_ROWS = 1_000
+
+
+@dataclass
+class Running:
+    """A started collector: its process, gRPC address, metrics URL and store directory."""
+
+    proc: Proc
+    target: str
+    metrics_url: str | None
+    store: Path
+
+
+def start_collector(runner: ProcRunner, store: Path, *flags: str, name: str = "collector") -> Running:
+    """``rankscope collector --store STORE --listen 127.0.0.1:0 FLAGS...``, once it listens."""
+    proc = runner.start(
+        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(store), "--listen", "127.0.0.1:0", *flags], name=name
+    )
+    proc.wait_for("listening on", 90)
+    line = next(text for text in proc.stdout.splitlines() if "listening on" in text)
+    target = re.search(r"listening on (\S+),", line)
+    metrics_url = re.search(r"metrics on (\S+)", line)
+    assert target, line
+    return Running(proc, target.group(1), metrics_url.group(1) if metrics_url else None, store)
+
+
+@pytest.fixture(scope="module")
+def collector(module_runner: ProcRunner, tmp_path_factory: pytest.TempPathFactory) -> Running:
+    return start_collector(
+        module_runner, tmp_path_factory.mktemp("store") / "data", "--token", TOKEN, "--metrics-port", "0",
+        "--flush-interval", "0.2", "--max-buffered-rows", str(MAX_BUFFERED_ROWS), "--query-max-rows", str(QUERY_MAX_ROWS),
+    )
+
+
+@pytest.fixture(scope="module")
+def ingest(collector: Running) -> Iterator[ingest_pb2_grpc.IngestStub]:
+    with grpc.insecure_channel(collector.target) as channel:
+        yield ingest_pb2_grpc.IngestStub(channel)
+
+
+@pytest.fixture(scope="module")
+def client(collector: Running) -> Iterator[Client]:
+    with Client(collector.target, token=TOKEN) as c:
+        yield c
+
+
+def send(stub: ingest_pb2_grpc.IngestStub, batch: ingest_pb2.Batch) -> ingest_pb2.Ack:
+    return stub.Send(batch, metadata=AUTH, timeout=30)
+
+
+def refusal(stub: ingest_pb2_grpc.IngestStub, batch: ingest_pb2.Batch, metadata: tuple[tuple[str, str], ...] = AUTH) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Send(batch, metadata=metadata, timeout=30)
+    return info.value
+
+
+def one(client: Client, sql: str, **params: object) -> list[dict[str, object]]:
+    return client.query(sql, params).to_pylist()
+
+
+def test_every_payload_round_trips_into_the_store(ingest: ingest_pb2_grpc.IngestStub, client: Client) -> None:
+    run = "round-trip"
+    for rank in range(2):
+        assert not send(ingest, register(run, rank, 2, host=f"node-{rank}")).duplicate
+    for batch in (spans(run, 0, 100, step=3), collectives(run, 1), heartbeats(run, 1, step=4), metrics(run, 0),
+                  step_metrics(run, 0), stack(run, 1), end(run, 0), end(run, 1, reason=2)):
+        ack = send(ingest, batch)
+        assert ack.batch_id == batch.batch_id and not ack.duplicate and ack.received_ns <= ack.replied_ns
+
+    counts = one(client, "SELECT (SELECT count() FROM spans WHERE run_id = {run:String}) AS spans,"
+                         " (SELECT count() FROM collectives WHERE run_id = {run:String}) AS collectives,"
+                         " (SELECT count() FROM groups FINAL WHERE run_id = {run:String}) AS groups,"
+                         " (SELECT count() FROM ranks FINAL WHERE run_id = {run:String}) AS ranks", run=run)[0]
+    assert counts == {"spans": 100, "collectives": 3, "groups": 1, "ranks": 2}
+    span = one(client, "SELECT name, kind, step, duration_ns, attributes FROM spans WHERE run_id = {run:String}"
+                       " ORDER BY start_time LIMIT 2", run=run)
+    assert span == [
+        {"name": "forward", "kind": "compute", "step": 3, "duration_ns": 500, "attributes": ""},
+        {"name": "backward", "kind": "comm", "step": 3, "duration_ns": 500, "attributes": '{"layer": 3}'},
+    ]
+    assert [r["state"] for r in one(client, "SELECT state FROM collectives WHERE run_id = {run:String} ORDER BY seq", run=run)] == [
+        "completed", "failed", "pending"]
+    beat = one(client, "SELECT host, step, status, inflight_seq, events_dropped FROM heartbeats WHERE run_id = {run:String}", run=run)
+    assert beat == [{"host": "node-1", "step": 4, "status": "stalled", "inflight_seq": [7], "events_dropped": 3}]
+    assert one(client, "SELECT device, value FROM metrics WHERE run_id = {run:String} ORDER BY time", run=run) == [
+        {"device": "cuda:0", "value": 0.5}, {"device": "host", "value": 0.75}]
+    losses = one(client, "SELECT step, isNaN(value) AS nan FROM step_metrics WHERE run_id = {run:String} ORDER BY step", run=run)
+    assert losses == [{"step": 1, "nan": 0}, {"step": 2, "nan": 1}]
+    assert one(client, "SELECT host, method FROM stacks WHERE run_id = {run:String}", run=run) == [{"host": "node-1", "method": "py-spy"}]
+    assert one(client, "SELECT rank, reason FROM exits WHERE run_id = {run:String} ORDER BY rank", run=run) == [
+        {"rank": 0, "reason": "normal"}, {"rank": 1, "reason": "exception"}]
+    runs = one(client, "SELECT name, status, world_size, end_time > start_time AS ended FROM runs FINAL WHERE run_id = {run:String}", run=run)
+    assert runs == [{"name": "job round-trip", "status": "failed", "world_size": 2, "ended": 1}]
+
+
+def test_a_duplicated_batch_is_acknowledged_and_stored_once(ingest: ingest_pb2_grpc.IngestStub, client: Client) -> None:
+    batch = spans("dup", 0, 10)
+    assert not send(ingest, batch).duplicate
+    assert send(ingest, batch).duplicate
+    assert one(client, "SELECT count() AS n FROM spans WHERE run_id = 'dup'") == [{"n": 10}]
+
+
+def test_every_service_wants_the_token(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
+    wrong = (("authorization", "Bearer nope"),)
+    for metadata, problem in (((), "no token"), (wrong, "token is wrong")):
+        error = refusal(ingest, spans("auth", 0, 1), metadata)
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED and problem in error.details()
+    for token in (None, "nope"):
+        with Client(collector.target, token=token) as anonymous:
+            with pytest.raises(Unauthenticated, match="Bearer"):
+                anonymous.query("SELECT 1")
+            with pytest.raises(Unauthenticated):
+                anonymous.request_stack("auth", 0, "test")
+
+
+def _corrupt(batch: ingest_pb2.Batch, field: str, value: bytes) -> ingest_pb2.Batch:
+    setattr(getattr(batch, batch.WhichOneof("payload")), field, value)
+    return batch
+
+
+def test_bad_batches_are_refused_and_the_good_ones_around_them_are_stored(
+    ingest: ingest_pb2_grpc.IngestStub, client: Client
+) -> None:
+    run = "bad-batches"
+    old = time.time_ns() - 3 * 86_400 * 10**9
+    bad = [
+        (_corrupt(spans(run, 0, 4), "start_ns", b"\0" * 7), grpc.StatusCode.INVALID_ARGUMENT, "spans.start_ns: 7 bytes"),
+        (_corrupt(spans(run, 0, 4), "name", b"\x07\0\0\0" * 4), grpc.StatusCode.INVALID_ARGUMENT, "string index 7"),
+        (_corrupt(spans(run, 0, 4), "kind", b"\x05" * 4), grpc.StatusCode.INVALID_ARGUMENT, "spans.kind: unknown value 5"),
+        (envelope(run, 0), grpc.StatusCode.INVALID_ARGUMENT, "carries no payload"),
+        (spans(run, 0, 4, t0=old), grpc.StatusCode.INVALID_ARGUMENT, "outside the accepted window"),
+        (spans(run, 0, 4, t0=time.time_ns() + 7200 * 10**9), grpc.StatusCode.INVALID_ARGUMENT, "outside the accepted window"),
+        (ingest_pb2.Batch(schema_version=2, run_id=run, rank=0, batch_id=b"x" * 16), grpc.StatusCode.FAILED_PRECONDITION, "schema_version 2"),
+    ]
+    for step, (batch, code, message) in enumerate(bad, start=1):
+        send(ingest, spans(run, 0, 1, step=step))
+        error = refusal(ingest, batch)
+        assert (error.code(), message) == (code, message) and message in error.details()
+    send(ingest, spans(run, 0, 1, step=len(bad) + 1))
+    steps = one(client, "SELECT groupArray(step) AS steps FROM (SELECT step FROM spans WHERE run_id = {run:String} ORDER BY step)", run=run)
+    assert steps == [{"steps": list(range(1, len(bad) + 2))}]
+
+
+def test_a_message_over_64_mib_is_refused_by_grpc_itself(ingest: ingest_pb2_grpc.IngestStub) -> None:
+    error = refusal(ingest, stack("big", 0, text="x" * (64 * 2**20 + 1)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in error.details()
+
+
+def test_an_overloaded_writer_asks_agents_to_retry_later(ingest: ingest_pb2_grpc.IngestStub, client: Client) -> None:
+    run = "overload"
+    # 20x the buffer limit and below flush_rows: it waits a whole flush interval in the buffer.
+    big = ingest.Send.future(spans(run, 0, 20 * MAX_BUFFERED_ROWS), metadata=AUTH, timeout=60)
+    probes = []
+    while not big.done() and len(probes) < 500:
+        probes.append(ingest.Send.future(spans(run, 1, 1, step=len(probes) + 1), metadata=AUTH, timeout=60))
+        time.sleep(0.005)
+    assert not big.result().duplicate
+    refused = [p.exception() for p in probes if p.exception() is not None]
+    assert refused, "no probe was refused while the buffer held 20x its limit"
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in error.details()
+        assert int(dict(error.trailing_metadata())["retry-after-ms"]) >= 100
+    taken = len(probes) - len(refused)
+    send(ingest, spans(run, 1, 1, step=len(probes) + 1))  # the buffer has drained: batches are taken again
+    counts = one(client, "SELECT rank, count() AS n FROM spans WHERE run_id = {run:String} GROUP BY rank ORDER BY rank", run=run)
+    assert counts == [{"rank": 0, "n": 20 * MAX_BUFFERED_ROWS}, {"rank": 1, "n": taken + 1}]
+
+
+def _tables(client: Client) -> list[dict[str, object]]:
+    return one(client, "SELECT name, total_rows FROM system.tables WHERE database = 'rankscope' ORDER BY name")
+
+
+@pytest.mark.parametrize(
+    "sql, reason",
+    [
+        ("INSERT INTO spans SELECT * FROM spans", "only read statements"),
+        ("ALTER TABLE spans DELETE WHERE 1", "only read statements"),
+        ("DROP TABLE spans", "only read statements"),
+        ("SELECT 1; DROP TABLE spans", "only one statement"),
+        ("SELECT 1 -- \n; DROP TABLE spans", "only one statement"),
+        ("SELECT 1 /* ; */ ; TRUNCATE TABLE spans", "only one statement"),
+        ("SELECT * FROM file('/etc/passwd', 'LineAsString')", "table function file()"),
+        ("SELECT * FROM url('http://127.0.0.1:1/x.csv', 'CSV')", "table function url()"),
+        ("SELECT * FROM s3('https://example.com/bucket/x.parquet')", "table function s3()"),
+        ("SELECT * FROM filesystem('/')", "table function filesystem()"),
+        ("SELECT * FROM python(store)", "table function python()"),
+    ],
+)
+def test_the_query_service_refuses_anything_but_a_read(client: Client, sql: str, reason: str) -> None:
+    before = _tables(client)
+    with pytest.raises(QueryRefused, match=re.escape(reason)):
+        client.query(sql)
+    assert _tables(client) == before
+
+
+def test_into_outfile_writes_nothing(client: Client, tmp_path: Path) -> None:
+    target = tmp_path / "leak.csv"
+    with pytest.raises(QueryRefused, match="INTO OUTFILE"):
+        client.query(f"SELECT * FROM spans INTO OUTFILE '{target}'")
+    assert not target.exists()
+
+
+def test_the_engine_itself_runs_reads_readonly(client: Client) -> None:
+    assert one(client, "SELECT getSetting('readonly') AS ro") == [{"ro": 1}]
+    assert one(client, "SELECT {n:UInt32} + 1 AS n, {s:String} AS s", n=41, s="it's; DROP") == [{"n": 42, "s": "it's; DROP"}]
+    with pytest.raises(QueryRefused, match="UNKNOWN_TABLE"):
+        client.query("SELECT * FROM no_such_table")
+
+
+def test_a_result_over_the_limit_is_refused_with_the_reason(client: Client) -> None:
+    with pytest.raises(ResultTooLarge, match="TOO_MANY_ROWS_OR_BYTES"):
+        client.query(f"SELECT number FROM numbers({QUERY_MAX_ROWS * 2})")
+    with pytest.raises(ResultTooLarge):
+        client.query("SELECT number FROM numbers(100)", max_rows=10)
+    assert client.query(f"SELECT number FROM numbers({QUERY_MAX_ROWS})").num_rows == QUERY_MAX_ROWS
+
+
+def test_a_stack_request_reaches_only_that_rank_and_only_once(
+    collector: Running, ingest: ingest_pb2_grpc.IngestStub, client: Client
+) -> None:
+    run = "stacks"
+    for rank in range(3):
+        send(ingest, register(run, rank, 3))
+    assert client.request_stack(run, 1, "hang root")
+    assert list(send(ingest, heartbeats(run, 0)).commands) == []
+    commands = list(send(ingest, heartbeats(run, 1)).commands)
+    assert commands == [ingest_pb2.Command(stack_dump=ingest_pb2.StackDumpRequest(reason="hang root"))]
+    assert list(send(ingest, heartbeats(run, 1)).commands) == []
+    send(ingest, end(run, 2))
+    assert not client.request_stack(run, 2, "too late: it ended")
+    with grpc.insecure_channel(collector.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            query_pb2_grpc.QueryStub(channel).RequestStack(query_pb2.StackRequest(run_id="", rank=0), metadata=AUTH, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prometheus_serves_the_collector_counters(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
+    send(ingest, spans("prometheus", 0, 5))
+    time.sleep(1.2)  # the insert-latency histogram is filled once a second
+    assert collector.metrics_url
+    text = urllib.request.urlopen(collector.metrics_url, timeout=10).read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert values['rankscope_rows_received_total{table="spans"}'] >= 5
+    assert values['rankscope_rows_written_total{table="spans"}'] >= 5
+    assert values['rankscope_batches_received_total{kind="spans"}'] >= 1
+    assert values['rankscope_insert_seconds_count{table="spans"}'] >= 1
+    assert values['rankscope_connected_ranks'] >= 1
+    assert "rankscope_buffered_rows" in values and "rankscope_duplicate_batches_total" in values
+    assert "rankscope_batches_written_total" in values
+
+
+def test_refused_calls_are_counted_by_status_code(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
+    refusal(ingest, envelope("counted", 0))
+    refusal(ingest, spans("counted", 0, 1), ())
+    assert collector.metrics_url
+    text = urllib.request.urlopen(collector.metrics_url, timeout=10).read().decode()
+    assert re.search(r'rankscope_rejected_calls_total\{code="INVALID_ARGUMENT"\} [1-9]', text)
+    assert re.search(r'rankscope_rejected_calls_total\{code="UNAUTHENTICATED"\} [1-9]', text)
+
+
+def test_a_second_collector_on_the_same_store_or_address_exits_1(
+    collector: Running, proc_runner: ProcRunner, tmp_path: Path
+) -> None:
+    base = [sys.executable, "-m", "rankscope.cli.main", "collector"]
+    same_store = proc_runner.start([*base, "--store", str(collector.store), "--listen", "127.0.0.1:0"], name="same-store")
+    same_address = proc_runner.start([*base, "--store", str(tmp_path / "other"), "--listen", collector.target], name="same-address")
+    assert same_store.wait(90) == 1, same_store.output()
+    assert "in use by another process (is a collector running on it?)" in same_store.stderr
+    assert same_address.wait(90) == 1, same_address.output()
+    assert f"cannot listen on {collector.target}" in same_address.stderr
+
+
+def test_the_collector_stops_cleanly_on_sigterm(collector: Running) -> None:
+    """Last in the module: it ends the shared collector."""
+    collector.proc.popen.terminate()
+    assert collector.proc.wait(30) == 0, collector.proc.output()
+    assert "Traceback" not in collector.proc.stderr
+
