@@ -9,7 +9,7 @@ per-rank scans local to a shard.
 
 from __future__ import annotations
 
-from .schema import TABLES, Column, Table
+from .schema import BY_NAME, TABLES, Column, Table
 
 #: where each replicated table keeps its state in ClickHouse Keeper (macros filled in per node)
 REPLICA_PATH = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"
@@ -28,6 +28,8 @@ def create_statements(database: str = "rankscope", *, retention_days: int | None
             ]
         else:
             statements.append(_create_table(table, database, retention_days, None))
+        if table.source:
+            statements.append(_create_view(table, database, cluster))
     return statements
 
 
@@ -42,7 +44,12 @@ def storage_table(table: Table, cluster: str | None) -> str:
 
 
 def sharding_key(table: Table) -> str:
-    """Which shard a row goes to: per rank for per-rank tables, else per run."""
+    """Which shard a row goes to: per rank for per-rank tables, else per run.
+
+    A rollup is filled on each shard from that shard's source rows, so it shards like its source.
+    """
+    if table.source:
+        return sharding_key(BY_NAME[table.source])
     names = [c.name for c in table.columns]
     if names[:2] == ["run_id", "rank"]:
         return "cityHash64(run_id, rank)"
@@ -76,8 +83,22 @@ def _create_table(table: Table, database: str, retention_days: int | None, clust
     return "\n".join(lines)
 
 
+def _create_view(table: Table, database: str, cluster: str | None) -> str:
+    """The materialized view that fills a rollup table from its source as rows are inserted.
+
+    On a cluster it reads and writes the shard-local tables, so each node rolls up its own rows.
+    """
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    source = f"{database}.{table.source}_local" if cluster else f"{database}.{table.source}"
+    select = table.view.format(source=source)
+    return (
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{table.name}_mv{on_cluster} "
+        f"TO {database}.{storage_table(table, cluster)} AS {select}"
+    )
+
+
 def _engine(table: Table, cluster: str | None) -> str:
-    family = "ReplacingMergeTree" if table.version_column else "MergeTree"
+    family = "AggregatingMergeTree" if table.source else "ReplacingMergeTree" if table.version_column else "MergeTree"
     args = [REPLICA_PATH] if cluster else []
     if table.version_column:
         args.append(table.version_column)

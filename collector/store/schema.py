@@ -49,6 +49,10 @@ class Table:
     #: ReplacingMergeTree version column: rows with the same ORDER BY key replace each other
     version_column: str = ""
     projections: tuple[Projection, ...] = field(default_factory=tuple)
+    #: a rollup: the table is filled by a materialized view over ``source`` (never by writers),
+    #: ``view`` being that view's SELECT with ``{source}`` for the source table's name
+    source: str = ""
+    view: str = ""
 
     @property
     def insert_columns(self) -> tuple[Column, ...]:
@@ -137,7 +141,30 @@ TABLES: tuple[Table, ...] = (
         ),
         order_by=("run_id", "rank", "start_time"),
         time_column="start_time",
-        projections=(Projection("by_step", "SELECT * ORDER BY (run_id, step, name, rank)"),),
+    ),
+    Table(
+        "step_segments",
+        "Each rank's total time per named segment and step (the split pieces of a span summed), "
+        "kept up to date by ClickHouse as spans arrive: what heat maps and the straggler detector read. "
+        "Rows of one key may not be merged yet: read with sum/min/max ... GROUP BY.",
+        (
+            Column("run_id", NAME),
+            Column("step", "UInt32"),
+            Column("name", NAME),
+            Column("kind", NAME),
+            Column("rank", "UInt32"),
+            Column("total_ns", "SimpleAggregateFunction(sum, Int64)"),
+            Column("pieces", "SimpleAggregateFunction(sum, UInt64)"),
+            Column("first_start", f"SimpleAggregateFunction(min, {TIME})"),
+            Column("last_end", f"SimpleAggregateFunction(max, {TIME})"),
+        ),
+        order_by=("run_id", "name", "step", "rank", "kind"),
+        source="spans",
+        view=(
+            "SELECT run_id, step, name, kind, rank, sum(duration_ns) AS total_ns, count() AS pieces, "
+            "min(start_time) AS first_start, max(end_time) AS last_end FROM {source} WHERE step > 0 "
+            "GROUP BY run_id, step, name, kind, rank"
+        ),
     ),
     Table(
         "collectives",
