@@ -31,6 +31,8 @@ COMMANDS: dict[str, str] = {
     "train": "rankscope.cli.train",
     "collector": "rankscope.cli.collector",
     "sql": "rankscope.cli.sql",
+    "diagnose": "rankscope.cli.diagnose",
+    "scenario": "rankscope.cli.scenario",
 }
 
 

@@ -17,17 +17,15 @@ import argparse
 import csv
 import json
 import math
-import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rankscope.cli import source
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 HELP = "run one read-only SQL statement on the stored data (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN)"
-
-DEFAULT_COLLECTOR = "127.0.0.1:7777"
 
 
 def _param(text: str) -> tuple[str, str]:
@@ -39,14 +37,7 @@ def _param(text: str) -> tuple[str, str]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("statement", metavar="SQL", help="the statement; {name:Type} placeholders take --param values")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--collector", metavar="HOST:PORT",
-                       help=f"ask the collector at HOST:PORT (the default, {DEFAULT_COLLECTOR})")
-    where.add_argument("--clickhouse", metavar="URL", help="read a ClickHouse server: http[s]://user:password@host:8123/database")
-    where.add_argument("--store", metavar="DIR", type=Path,
-                       help="open an embedded store directory (only while no collector runs on it)")
-    parser.add_argument("--token", default=os.environ.get("RANKSCOPE_TOKEN") or None,
-                        help="the collector's token (default: $RANKSCOPE_TOKEN)")
+    source.add_arguments(parser)
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table",
                         help="table: aligned columns; csv: a header line, then rows; json: one array of objects")
     parser.add_argument("--param", metavar="NAME=VALUE", type=_param, action="append", default=[],
@@ -56,10 +47,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankscope.collector.client import QueryFailed, QueryRefused, ResultTooLarge, open_reader
+    from rankscope.collector.client import QueryFailed, QueryRefused, ResultTooLarge
 
     try:
-        reader = open_reader(collector=args.collector, clickhouse=args.clickhouse, store=args.store, token=args.token)
+        reader = source.open_reader(args)
         try:
             table = reader.query(args.statement, dict(args.param), max_rows=max(args.max_rows, 0))
         finally:

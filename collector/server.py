@@ -24,6 +24,8 @@ import grpc
 from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
 from .control import PendingCommands
+from .diagnosis.context import Settings
+from .diagnosis.engine import LiveDiagnosis, write_to
 from .ingest import IngestError, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
 from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, run_read_only, to_ipc
 from .store.base import Store, StoreError, open_store
@@ -61,6 +63,12 @@ class ServerOptions:
     flush_interval_s: float = 1.0
     flush_rows: int = 50_000
     limits: Limits = field(default_factory=Limits)
+    #: detector thresholds (``--hang-after`` sets hang_after_s); None: no live diagnosis
+    diagnosis: Settings | None = field(default_factory=Settings)
+    #: seconds between two diagnosis passes over the active runs
+    diagnose_interval_s: float = 2.0
+    #: POST every new incident as JSON to this URL
+    alert_webhook: str | None = None
 
 
 class _Refusal(Exception):
@@ -264,6 +272,7 @@ async def _run(store: Store, options: ServerOptions, host: str, port: int, ready
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     ticker = asyncio.create_task(_tick(telemetry, stop))
+    diagnosis = asyncio.create_task(_diagnose(collector, loop, stop)) if options.diagnosis is not None else None
     try:
         bound = _bind(server, host, port)
         await server.start()
@@ -280,9 +289,26 @@ async def _run(store: Store, options: ServerOptions, host: str, port: int, ready
         await writer.close()
         await stopping
         await ticker
+        if diagnosis is not None:
+            await diagnosis
         telemetry.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def _diagnose(collector: Collector, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """The live diagnosis: detectors over the active runs, incidents into the store, stack requests to agents."""
+    options, store = collector.options, collector.store
+    assert options.diagnosis is not None
+
+    def request_stack(run_id: str, rank: int, reason: str) -> None:  # called from the diagnosis thread
+        loop.call_soon_threadsafe(collector.commands.request_stack, run_id, rank, reason)
+
+    live = LiveDiagnosis(
+        store.query_arrow, write_to(store.insert_arrow), request_stack, options.diagnosis,
+        interval_s=options.diagnose_interval_s, webhook=options.alert_webhook,
+    )  # fmt: skip
+    await live.run(stop)
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int) -> int:

@@ -50,11 +50,14 @@ class Pipeline:
         )
         self.step = 0
         self.loss_sum: torch.Tensor | None = None
+        #: micro-batches of this step whose output (activations, or the loss) held a NaN or infinity
+        self.nonfinite = torch.zeros((), device=device)
 
     def run(self, step: int, sync: GradSync) -> torch.Tensor | None:
         """Forward and backward of every micro-batch of ``step``; gradients end accumulated, dp reduction started."""
         self.step = step
         self.loss_sum = torch.zeros((), device=self.device) if self.ps.is_last_stage else None
+        self.nonfinite = torch.zeros((), device=self.device)
         warmup = min(self.ps.layout.pp - self.ps.coords.pp - 1, self.m)
         steady = self.m - warmup
         inputs: deque[torch.Tensor | None] = deque()
@@ -120,6 +123,7 @@ class Pipeline:
                 y = loss / self.m
             if self.injector.poison(self.step):
                 y = y + float("nan")
+            self.nonfinite += (~torch.isfinite(y.detach())).any()  # on the device: read once per step
         return y
 
     def _backward(

@@ -39,6 +39,8 @@ class StepMetrics:
     tokens_per_s: float
     mfu: float | None
     grad_norm: float
+    #: this rank's micro-batches whose output was not finite (where a NaN starts shows here first)
+    nonfinite_outputs: float
 
 
 class Reporter:
@@ -191,6 +193,7 @@ def _step(
         tokens_per_s=tokens_per_s,
         mfu=flops.mfu(tokens_per_s, args, ps.layout.world_size, peak),
         grad_norm=grad_norm,
+        nonfinite_outputs=float(pipeline.nonfinite),
     )
 
 

@@ -120,6 +120,9 @@ def arrow_type(clickhouse_type: str) -> pa.DataType:
     if inner:
         element = arrow_type(inner.group(2))
         return pa.list_(element) if inner.group(1) == "Array" else element
+    aggregate = re.fullmatch(r"SimpleAggregateFunction\(\w+, (.*)\)", clickhouse_type)
+    if aggregate:  # a rollup column holds plain values of its argument type
+        return arrow_type(aggregate.group(1))
     fixed = re.fullmatch(r"FixedString\((\d+)\)", clickhouse_type)
     if fixed:
         return pa.binary(int(fixed.group(1)))

@@ -1,0 +1,152 @@
+"""Runs the detectors over a run and turns their findings into incidents.
+
+``diagnose`` is one pass over one run through any ``query`` function: the collector calls it
+live every few seconds for the runs that are active, ``rankscope diagnose`` once, offline.
+Order matters: a hang is looked for before crashes, because the ranks that time out after a
+hang are its consequences, not crashes of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import replace
+
+from rankscope.collector.diagnosis import crash, gpu, hang, nan, slow_link, straggler
+from rankscope.collector.diagnosis.context import Query, RunContext, Settings
+from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, Finding, Incident, Ledger, from_rows, to_arrow
+
+log = logging.getLogger("rankscope.diagnosis")
+
+LAST_DATA_SQL = (
+    "SELECT greatest((SELECT toUnixTimestamp64Nano(max(time)) FROM heartbeats WHERE run_id = {run:String}), "
+    "(SELECT toUnixTimestamp64Nano(max(time)) FROM exits WHERE run_id = {run:String})) AS ns"
+)
+STACK_SQL = (
+    "SELECT rank, text, method, toUnixTimestamp64Nano(time) AS time_ns FROM stacks WHERE run_id = {run:String} "
+    "AND rank IN {ranks:Array(UInt32)} AND time >= fromUnixTimestamp64Nano({since:Int64}) ORDER BY time DESC LIMIT 1 BY rank"
+)
+ACTIVE_RUNS_SQL = (
+    "SELECT run_id, argMax(status, updated) AS status FROM runs GROUP BY run_id "
+    "HAVING run_id IN (SELECT DISTINCT run_id FROM heartbeats WHERE time >= now64(9) - toIntervalSecond({recent_s:UInt32})) "
+    "OR status = 'running'"
+)
+
+
+def diagnose(run_id: str, query: Query, settings: Settings, *, now_ns: int | None = None) -> list[Finding]:
+    """Every detector's findings for ``run_id``; ``now_ns`` defaults to the run's last data (offline)."""
+    ctx = RunContext.load(run_id, query, settings)
+    if now_ns is None:
+        now_ns = int(query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
+    hangs = _with_stacks(ctx, hang.detect(ctx))
+    findings = list(hangs)
+    findings += crash.detect(ctx, now_ns=now_ns, after_hang_ns=hangs[0].first_seen_ns if hangs else None)
+    for detector in (straggler.detect, nan.detect, slow_link.detect, gpu.detect):
+        findings += detector(ctx)
+    return findings
+
+
+def _with_stacks(ctx: RunContext, findings: list[Finding]) -> list[Finding]:
+    """Attach the newest stack dump of each root rank taken since the hang began."""
+    out = []
+    for f in findings:
+        rows = ctx.query(STACK_SQL, {"run": ctx.run_id, "ranks": list(f.ranks), "since": f.first_seen_ns}).to_pylist()
+        if rows:
+            stacks = {str(r["rank"]): {"method": r["method"], "text": r["text"]} for r in rows}
+            f = replace(f, evidence={**f.evidence, "stacks": stacks}, summary=f.summary + "; stack dump attached")
+        out.append(f)
+    return out
+
+
+class LiveDiagnosis:
+    """The collector's diagnosis loop: active runs every ``interval_s``, incidents written as they change.
+
+    ``request_stack(run_id, rank, reason)`` asks a rank's agent for a stack dump (the hang root's).
+    """
+
+    def __init__(
+        self,
+        query: Query,
+        write: Callable[[list[Incident]], None],
+        request_stack: Callable[[str, int, str], None],
+        settings: Settings,
+        *,
+        interval_s: float = 2.0,
+        webhook: str | None = None,
+    ) -> None:
+        self.query = query
+        self.write = write
+        self.request_stack = request_stack
+        self.settings = settings
+        self.interval_s = interval_s
+        self.webhook = webhook
+        self.ledgers: dict[str, Ledger] = {}
+        self._asked: set[tuple[str, int]] = set()
+        self._warned: set[str] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(self.pass_once)
+            except Exception as e:  # diagnosis must never take the collector down
+                self._warn_once("pass", f"rankscope diagnosis: a pass failed: {e}")
+            delay = max(0.1, self.interval_s - (time.monotonic() - started))
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    def pass_once(self) -> list[Incident]:
+        """Diagnose every active run once; returns the incidents written."""
+        written: list[Incident] = []
+        recent_s = int(max(60, 3 * self.settings.silent_after_s))
+        for run in self.query(ACTIVE_RUNS_SQL, {"recent_s": recent_s}).to_pylist():
+            written += self._run(run["run_id"], final=run["status"] in ("finished", "failed"))
+        return written
+
+    def _run(self, run_id: str, final: bool) -> list[Incident]:
+        ledger = self.ledgers.get(run_id)
+        if ledger is None:
+            ledger = self.ledgers[run_id] = Ledger(run_id, from_rows(self.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()))
+        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns())
+        for f in findings:
+            if f.kind == "hang":
+                for rank in f.ranks:
+                    if (run_id, rank) not in self._asked:
+                        self._asked.add((run_id, rank))
+                        self.request_stack(run_id, rank, "hang root")
+        changed, new = ledger.update(findings, final=final)
+        if changed:
+            self.write(changed)
+        for incident in new:
+            log.warning("incident: %s", incident.finding.summary)
+            self._alert(incident)
+        if final:
+            self.ledgers.pop(run_id, None)
+        return changed
+
+    def _alert(self, incident: Incident) -> None:
+        if not self.webhook:
+            return
+        body = json.dumps(incident.as_json(), default=str).encode()
+        request = urllib.request.Request(self.webhook, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=5):
+                pass
+        except OSError as e:
+            self._warn_once("webhook", f"rankscope diagnosis: alert webhook {self.webhook} failed: {e}")
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
+
+
+def write_to(insert: Callable[[str, object], None]) -> Callable[[list[Incident]], None]:
+    """Incident writer over a store's ``insert_arrow``."""
+    return lambda incidents: insert("incidents", to_arrow(incidents))

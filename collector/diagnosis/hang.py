@@ -1,0 +1,163 @@
+"""Hangs: steps stopped advancing while heartbeats still arrive; which rank is everybody waiting for?
+
+For every process group, the highest sequence number each member has entered (completed
+collectives, plus those its last heartbeat shows in flight). A rank blocked in collective n of
+group G waits for the members of G that have not entered n yet; a rank blocked in a receive
+waits for its sender (and a send for its receiver) when the peer has not posted the matching
+operation. Following these edges across tp, pp and dp groups leads to the rank(s) waiting on
+nobody: the root of the hang, the rank to look at (its stack dump is requested and attached).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.incidents import Finding
+
+PROGRESS_SQL = (
+    "SELECT max(step) AS step, toUnixTimestamp64Nano(max(time)) AS last_heartbeat_ns FROM heartbeats WHERE run_id = {run:String}"
+)
+ADVANCED_SQL = (
+    "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM heartbeats WHERE run_id = {run:String} AND step = {step:UInt32}"
+)
+STATE_SQL = (
+    "SELECT rank, toUnixTimestamp64Nano(max(time)) AS time_ns, argMax(step, time) AS step, argMax(phase, time) AS phase, "
+    "argMax(inflight_group, time) AS groups, argMax(inflight_seq, time) AS seqs, argMax(inflight_op, time) AS ops, "
+    "argMax(inflight_peer, time) AS peers, argMax(inflight_waiting, time) AS waiting "
+    "FROM heartbeats WHERE run_id = {run:String} GROUP BY rank"
+)
+ENTERED_SQL = (
+    "SELECT rank, group_name, peer, op, max(seq) AS seq FROM collectives WHERE run_id = {run:String} "
+    "GROUP BY rank, group_name, peer, op"
+)
+EVIDENCE_SQL = (
+    "SELECT rank, max(time) AS last_heartbeat, argMax(step, time) AS step, argMax(phase, time) AS phase, "
+    "argMax(arrayZip(inflight_group, inflight_seq, inflight_op, inflight_peer, inflight_waiting), time) AS in_flight "
+    "FROM heartbeats WHERE run_id = {run:String} GROUP BY rank ORDER BY rank"
+)
+
+SENDS = ("send", "isend")
+RECVS = ("recv", "irecv")
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A rank blocked in an operation: collective ``seq`` of ``group``, or a point-to-point with ``peer``."""
+
+    group: str
+    seq: int
+    op: str
+    peer: int
+
+
+def detect(ctx: RunContext) -> list[Finding]:
+    s = ctx.settings
+    progress = ctx.query(PROGRESS_SQL, {"run": ctx.run_id}).to_pylist()
+    if not progress or progress[0]["step"] is None or not progress[0]["last_heartbeat_ns"]:
+        return []
+    step, last_heartbeat = int(progress[0]["step"]), int(progress[0]["last_heartbeat_ns"])
+    advanced = int(ctx.query(ADVANCED_SQL, {"run": ctx.run_id, "step": step}).to_pylist()[0]["ns"] or last_heartbeat)
+    if (last_heartbeat - advanced) / 1e9 < s.hang_after_s:
+        return []
+    states = {r["rank"]: r for r in ctx.query(STATE_SQL, {"run": ctx.run_id}).to_pylist()}
+    alive = {r for r, st in states.items() if (last_heartbeat - st["time_ns"]) / 1e9 < s.silent_after_s}
+    entered = _entered(ctx, states)
+    waits = {r: _waits(st) for r, st in states.items() if r in alive}
+    edges = {r: _blockers(ctx, r, ws, entered) for r, ws in waits.items()}
+    roots = _roots(edges)
+    if not roots or any(r not in alive for r in roots):
+        return []  # a silent root is a crash or a lost host: the crash detector reports it
+    waiting = sorted(r for r, out in edges.items() if out)
+    root_list = sorted(roots)
+    where = ", ".join(f"{ctx.who(r)} in {states[r]['phase']} at step {states[r]['step']}" for r in root_list)
+    # Where the ranks waiting directly on a root are blocked: the operations the root never entered.
+    blocked_in = sorted({f"{w.group} #{w.seq}" for r in waiting if edges[r] & roots for w in waits[r]})[:6]
+    summary = (
+        f"hang: {where} {'is' if len(root_list) == 1 else 'are'} not in any collective the others wait in; "
+        f"{len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on {'it' if len(root_list) == 1 else 'them'} "
+        f"({', '.join(blocked_in)}) since step {step}"
+    )
+    evidence = {
+        "step": step,
+        "stalled_for_s": round((last_heartbeat - advanced) / 1e9, 1),
+        "roots": root_list,
+        "waits_for": {str(r): sorted(out) for r, out in edges.items() if out},
+        "blocked_in": {str(r): [f"{w.op} {w.group} #{w.seq}" + (f" peer {w.peer}" if w.peer >= 0 else "") for w in waits[r]] for r in waiting},
+        "root_phase": {str(r): states[r]["phase"] for r in root_list},
+    }
+    return [
+        Finding(
+            kind="hang",
+            key="hang",
+            severity="critical",
+            ranks=tuple(root_list),
+            hosts=ctx.hosts_of(root_list),
+            first_seen_ns=advanced,
+            last_seen_ns=last_heartbeat,
+            summary=summary,
+            evidence=evidence,
+            sql=ctx.literal_sql(EVIDENCE_SQL),
+        )
+    ]
+
+
+def _waits(state: dict) -> list[Wait]:
+    return [
+        Wait(g, int(seq), op, int(peer))
+        for g, seq, op, peer, waiting in zip(state["groups"], state["seqs"], state["ops"], state["peers"], state["waiting"])
+        if waiting
+    ]
+
+
+def _entered(ctx: RunContext, states: dict[int, dict]) -> dict[tuple, int]:
+    """Highest sequence entered: (rank, group) for collectives, (rank, group, op kind, peer) for point-to-point."""
+    entered: dict[tuple, int] = defaultdict(int)
+
+    def note(rank: int, group: str, op: str, peer: int, seq: int) -> None:
+        key = (rank, group) if peer < 0 else (rank, group, _direction(op), peer)
+        entered[key] = max(entered[key], seq)
+
+    for row in ctx.query(ENTERED_SQL, {"run": ctx.run_id}).to_pylist():
+        note(row["rank"], row["group_name"], row["op"], row["peer"], row["seq"])
+    for rank, st in states.items():  # in flight counts as entered, waiting or launched
+        for g, seq, op, peer in zip(st["groups"], st["seqs"], st["ops"], st["peers"]):
+            note(rank, g, op, int(peer), int(seq))
+    return entered
+
+
+def _direction(op: str) -> str:
+    name = op.rsplit(":", 1)[-1]
+    return "send" if name in SENDS or "send" in name else "recv"
+
+
+def _blockers(ctx: RunContext, rank: int, waits: list[Wait], entered: dict[tuple, int]) -> set[int]:
+    """The ranks that have not entered an operation ``rank`` is blocked in."""
+    out: set[int] = set()
+    for w in waits:
+        if w.peer >= 0:
+            opposite = "recv" if _direction(w.op) == "send" else "send"
+            if entered.get((w.peer, w.group, opposite, rank), 0) < w.seq:
+                out.add(w.peer)
+            continue
+        for member in ctx.groups.get(w.group, []):
+            if member != rank and entered.get((member, w.group), 0) < w.seq:
+                out.add(member)
+    return out
+
+
+def _roots(edges: dict[int, set[int]]) -> set[int]:
+    """Ranks reached from the waiting ranks that wait on nobody (or, in a cycle, the whole cycle)."""
+    reached: set[int] = set()
+    stack = [r for r, out in edges.items() if out]
+    while stack:
+        r = stack.pop()
+        for nxt in edges.get(r, set()):
+            if nxt not in reached:
+                reached.add(nxt)
+                stack.append(nxt)
+    roots = {r for r in reached if not edges.get(r)}
+    if roots or not reached:
+        return roots
+    return reached  # everybody reached waits on somebody: a cycle

@@ -1,0 +1,221 @@
+"""Fault scenarios: a real collector and a real 8-rank training run with one injected fault, scored.
+
+Each scenario starts ``rankscope collector`` on a temporary store and ``rankscope train``
+(TP2 x PP2 x DP2, the agent on, two ranks per simulated host via RANKSCOPE_HOST), injects its
+fault, watches the incidents the live diagnosis writes, and scores them: the right kind, rank and
+host, no other incident, and how long after the fault began it was reported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOSTS = "node-{rank//2}"
+HANG_AFTER_S = 10.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    doc: str
+    inject: str
+    #: the incident kind expected, or None for a healthy run
+    kind: str | None
+    ranks: tuple[int, ...] = ()
+    #: the step the fault starts at (for "steps to detect")
+    fault_step: int = 0
+    steps: int = 14
+    in_tests: bool = True
+    train_flags: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(sorted({f"node-{r // 2}" for r in self.ranks}))
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("clean", "no fault: no incident may appear", "", None, steps=12),
+        Scenario("straggler-1.3", "rank 5's compute 1.3x slower from step 5", "straggler:rank=5,factor=1.3,from_step=5",
+                 "straggler", (5,), 5),  # fmt: skip
+        Scenario("straggler-1.15", "rank 2's compute 1.15x slower from step 5 (benchmark only)",
+                 "straggler:rank=2,factor=1.15,from_step=5", "straggler", (2,), 5, steps=20, in_tests=False),  # fmt: skip
+        Scenario("hang-tp", "rank 1 stops before a tensor-parallel all-reduce at step 5", "hang:rank=1,step=5",
+                 "hang", (1,), 5, steps=10, train_flags=("--timeout", "60")),  # fmt: skip
+        Scenario("hang-pp", "rank 6 stops before its pipeline receive at step 5 (a stage boundary)", "hang:rank=6,step=5",
+                 "hang", (6,), 5, steps=10, train_flags=("--timeout", "60")),  # fmt: skip
+        Scenario("crash", "rank 3 raises at step 5", "crash:rank=3,step=5", "crash", (3,), 5, steps=10),
+        Scenario("nan", "rank 2's activations become NaN at step 5", "nan:rank=2,step=5", "nan", (2,), 5, steps=8),
+        Scenario("slow-link", "sends from rank 1 to rank 5 take 120 ms longer", "slow_link:src=1,dst=5,delay_ms=120",
+                 "slow_link", (1, 5), 1, steps=8),  # fmt: skip
+    )
+}
+
+INCIDENTS_SQL = (
+    "SELECT kind, incident_id, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String} ORDER BY first_seen"
+)
+STEP_SQL = "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String}"
+FAULT_START_SQL = (
+    "SELECT toUnixTimestamp64Nano(min(first_start)) AS ns FROM step_segments WHERE run_id = {run:String} AND step = {step:UInt32}"
+)
+
+
+@dataclass
+class Score:
+    scenario: Scenario
+    run_id: str
+    incidents: list[dict]
+    #: seconds from the fault's start to the incident's first sighting by the scorer
+    seconds_to_detect: float | None = None
+    steps_to_detect: int | None = None
+    training_exit: int | None = None
+
+    @property
+    def expected(self) -> list[dict]:
+        return [i for i in self.incidents if i["kind"] == self.scenario.kind]
+
+    @property
+    def extra(self) -> list[dict]:
+        return [i for i in self.incidents if i["kind"] != self.scenario.kind]
+
+    @property
+    def passed(self) -> bool:
+        s = self.scenario
+        if s.kind is None:
+            return not self.incidents
+        return (
+            len(self.expected) == 1
+            and tuple(sorted(self.expected[0]["ranks"])) == s.ranks
+            and tuple(sorted(self.expected[0]["hosts"])) == s.hosts
+            and not self.extra
+        )
+
+    def line(self) -> str:
+        s = self.scenario
+        verdict = "PASS" if self.passed else "FAIL"
+        if s.kind is None:
+            found = "none" if not self.incidents else "; ".join(i["summary"] for i in self.incidents)
+            return f"{verdict} {s.name}: expected no incident, found {found}"
+        got = self.expected[0] if self.expected else None
+        named = f"ranks {sorted(got['ranks'])} hosts {sorted(got['hosts'])}" if got else "nothing"
+        timing = ""
+        if self.seconds_to_detect is not None:
+            timing = f" in {self.seconds_to_detect:.1f} s"
+            if self.steps_to_detect is not None:
+                timing += f" ({self.steps_to_detect} steps)"
+        extra = f"; extra: {'; '.join(i['summary'] for i in self.extra)}" if self.extra else ""
+        return (
+            f"{verdict} {s.name}: {'detected' if got else 'missed'} {s.kind}{timing}: named {named}, "
+            f"injected ranks {list(s.ranks)} hosts {list(s.hosts)}{extra}"
+        )
+
+
+def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str], None] = print) -> Score:
+    """Run one scenario end to end and score it; every process it starts is stopped before it returns."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rankscope-{scenario.name}-"))
+    run_id = f"{scenario.name}-{uuid.uuid4().hex[:8]}"
+    exe = [sys.executable, "-m", "rankscope.cli.main"]
+    collector = _start(
+        [*exe, "collector", "--store", str(workdir / "store"), "--listen", "127.0.0.1:0", "--hang-after", str(HANG_AFTER_S),
+         "--diagnose-every", "1", "--flush-interval", "0.5"],
+        workdir / "collector.log", os.environ,
+    )  # fmt: skip
+    training: subprocess.Popen[bytes] | None = None
+    try:
+        address = _wait_for_address(collector, workdir / "collector.log")
+        from rankscope.collector.client import Client
+
+        client = Client(address)
+        env = {**os.environ, "RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_RUN_ID": run_id,
+               "RANKSCOPE_HOST": HOSTS, "RANKSCOPE_HEARTBEAT_S": "1", "RANKSCOPE_SPOOL_DIR": str(workdir / "spool")}  # fmt: skip
+        flags = ["--steps", str(scenario.steps), *scenario.train_flags]
+        if scenario.inject:
+            flags += ["--inject", scenario.inject]
+        log(f"{scenario.name}: training (run {run_id}): {scenario.doc}")
+        training = _start([*exe, "train", *flags], workdir / "train.log", env)
+        score = _watch(scenario, run_id, client, training, log)
+        client.close()
+        return score
+    finally:
+        for proc in (training, collector):
+            if proc is not None:
+                _stop(proc)
+
+
+def _watch(scenario: Scenario, run_id: str, client: object, training: subprocess.Popen[bytes], log: Callable[[str], None]) -> Score:
+    """Poll incidents until the training ended and the diagnosis had its final passes (or the fault was found)."""
+    score = Score(scenario, run_id, [])
+    ended_at: float | None = None
+    deadline = time.monotonic() + 60 + 6 * scenario.steps
+    while time.monotonic() < deadline:
+        score.incidents = client.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
+        if score.expected and score.seconds_to_detect is None:
+            _timing(score, client)
+            log(f"{scenario.name}: {score.expected[0]['summary']}")
+        if training.poll() is not None and ended_at is None:
+            ended_at = time.monotonic()
+            score.training_exit = training.returncode
+        if scenario.kind == "hang" and score.expected:
+            break  # found: the run would otherwise sit out its --timeout
+        if ended_at is not None and time.monotonic() - ended_at > 6:
+            break  # the last data is in and a few diagnosis passes saw it
+        time.sleep(0.5)
+    return score
+
+
+def _timing(score: Score, client: object) -> None:
+    s = score.scenario
+    now_ns = time.time_ns()
+    step = client.query(STEP_SQL, {"run": score.run_id}).to_pylist()[0]["step"]  # type: ignore[attr-defined]
+    start = client.query(FAULT_START_SQL, {"run": score.run_id, "step": s.fault_step}).to_pylist()  # type: ignore[attr-defined]
+    if start and start[0]["ns"]:
+        score.seconds_to_detect = max(0.0, (now_ns - start[0]["ns"]) / 1e9)
+    if step is not None and s.kind == "straggler":
+        score.steps_to_detect = max(0, int(step) - s.fault_step + 1)
+
+
+def _start(cmd: list[str], log_path: Path, env: os._Environ[str] | dict[str, str]) -> subprocess.Popen[bytes]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+
+
+def _wait_for_address(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        for line in text.splitlines():
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].split(",", 1)[0].strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"the collector exited ({proc.returncode}):\n{text[-2000:]}")
+        time.sleep(0.1)
+    raise RuntimeError(f"the collector did not start within {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM the process group (torchrun stops its ranks), then SIGKILL what is left."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -1,0 +1,90 @@
+"""Slow links: point-to-point transfers between one pair of ranks far slower than between the others.
+
+A transfer is timed from the moment both sides have arrived to the moment the receiver has the
+data: a receiver waiting for a late sender is not a slow link, the sender is late. A rank
+"arrives" when it enters the communication step: the start of the ``comm`` span around the
+operation when the code marks one (the bundled trainer does), else the operation's issue time.
+Pairs are compared with pairs moving the same number of bytes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.incidents import Finding
+
+TRANSFERS_SQL = """
+WITH p2p AS (
+    SELECT rank, group_name, seq, op, peer, nbytes, step, issue_time, end_time
+    FROM collectives
+    WHERE run_id = {run:String} AND peer >= 0 AND step >= {first_step:UInt32} AND end_time > toDateTime64(0, 9)
+),
+arrived AS (
+    SELECT c.rank AS rank, c.group_name AS group_name, c.seq AS seq, c.op AS op, c.peer AS peer, c.nbytes AS nbytes,
+           c.step AS step, c.end_time AS end_time,
+           if(s.end_time >= c.issue_time, least(s.start_time, c.issue_time), c.issue_time) AS arrival
+    FROM p2p AS c
+    ASOF LEFT JOIN (
+        SELECT rank, start_time, end_time FROM spans
+        WHERE run_id = {run:String} AND kind = 'comm' AND step >= {first_step:UInt32}
+    ) AS s ON c.rank = s.rank AND c.issue_time >= s.start_time
+)
+SELECT snd.rank AS src, rcv.rank AS dst, snd.nbytes AS nbytes, snd.step AS step,
+       toUnixTimestamp64Nano(rcv.end_time) - greatest(toUnixTimestamp64Nano(snd.arrival), toUnixTimestamp64Nano(rcv.arrival)) AS transfer_ns,
+       toUnixTimestamp64Nano(rcv.end_time) AS end_ns
+FROM (SELECT * FROM arrived WHERE positionCaseInsensitive(op, 'send') > 0) AS snd
+INNER JOIN (SELECT * FROM arrived WHERE positionCaseInsensitive(op, 'recv') > 0) AS rcv
+    ON snd.group_name = rcv.group_name AND snd.seq = rcv.seq AND snd.rank = rcv.peer AND snd.peer = rcv.rank
+"""
+EVIDENCE_SQL = (
+    "SELECT rank, peer, op, group_name, seq, step, issue_time, end_time, "
+    "toUnixTimestamp64Nano(end_time) - toUnixTimestamp64Nano(issue_time) AS ns FROM collectives "
+    "WHERE run_id = {run:String} AND peer >= 0 AND ((rank = {src:UInt32} AND peer = {dst:UInt32}) OR "
+    "(rank = {dst:UInt32} AND peer = {src:UInt32})) ORDER BY issue_time DESC LIMIT 50"
+)
+
+
+def detect(ctx: RunContext) -> list[Finding]:
+    s = ctx.settings
+    last = ctx.query("SELECT max(step) AS step FROM collectives WHERE run_id = {run:String} AND peer >= 0", {"run": ctx.run_id})
+    last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
+    if last_step == 0:
+        return []
+    first_step = max(1, last_step - 10)
+    rows = ctx.query(TRANSFERS_SQL, {"run": ctx.run_id, "first_step": first_step}).to_pydict()
+    pairs: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
+    for src, dst, nbytes, transfer, end in zip(rows["src"], rows["dst"], rows["nbytes"], rows["transfer_ns"], rows["end_ns"]):
+        pairs[(src, dst, nbytes)].append((max(transfer, 0), end))
+    medians = {pair: float(np.median([t for t, _ in v])) for pair, v in pairs.items() if len(v) >= 2}
+    findings = []
+    for (src, dst, nbytes), median in medians.items():
+        peers = [m for (s2, d2, b2), m in medians.items() if b2 == nbytes and (s2, d2) != (src, dst)]
+        if len(peers) < 2:
+            continue
+        typical = float(np.median(peers))
+        if median / 1e9 < s.slow_link_min_s or median < s.slow_link_ratio * max(typical, 1.0):
+            continue
+        samples = pairs[(src, dst, nbytes)]
+        ranks = (src, dst)
+        findings.append(
+            Finding(
+                kind="slow_link",
+                key=f"slow_link:{src}->{dst}",
+                severity="warning",
+                ranks=ranks,
+                hosts=ctx.hosts_of(ranks),
+                first_seen_ns=min(e for _, e in samples),
+                last_seen_ns=max(e for _, e in samples),
+                summary=(
+                    f"slow link: {ctx.who(src)} -> {ctx.who(dst)}: point-to-point transfers take {median / 1e6:.0f} ms, "
+                    f"{median / max(typical, 1.0):.0f}x the {typical / 1e6:.1f} ms of other pairs moving {nbytes} bytes"
+                ),
+                evidence={"median_transfer_ms": round(median / 1e6, 3), "typical_ms": round(typical / 1e6, 3),
+                          "transfers": len(samples), "bytes": nbytes, "compared_pairs": len(peers)},  # fmt: skip
+                sql=ctx.literal_sql(EVIDENCE_SQL, src=src, dst=dst),
+            )
+        )
+    return findings

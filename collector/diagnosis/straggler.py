@@ -1,0 +1,161 @@
+"""Stragglers: a rank whose own compute is slower than that of the ranks doing the same work.
+
+Ranks of one pipeline stage run the same layers on the same amount of data, so each compute,
+data and optimizer segment is compared, step by step, with the median of its stage (robust to
+the straggler itself). Compute time comes from ``step_segments``: the pieces of a segment with
+its waits in collectives cut out, so a tensor-parallel peer waiting for the straggler does not
+look slow. Communication time is the wrong signal: the fast ranks are the ones that wait.
+Corroboration: in the groups it belongs to, the straggler arrives last at collectives.
+A host is named when every rank on it (two or more) is a straggler.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.incidents import Finding
+
+SEGMENTS_SQL = (
+    "SELECT name, step, rank, sum(total_ns) AS ns, toUnixTimestamp64Nano(min(first_start)) AS started "
+    "FROM step_segments WHERE run_id = {run:String} AND kind IN ('compute', 'data', 'optimizer') "
+    "AND step >= {first_step:UInt32} GROUP BY name, step, rank"
+)
+
+EVIDENCE_SQL = (
+    "SELECT step, rank, round(sum(total_ns) / 1e6, 2) AS ms FROM step_segments "
+    "WHERE run_id = {run:String} AND name = {segment:String} AND rank IN {ranks:Array(UInt32)} "
+    "GROUP BY step, rank ORDER BY step, rank"
+)
+
+ARRIVALS_SQL = (
+    "SELECT rank, count() AS collectives, countIf(is_last) AS last FROM ("
+    "  SELECT rank, issue_time = max(issue_time) OVER (PARTITION BY group_name, seq) AS is_last,"
+    "         count() OVER (PARTITION BY group_name, seq) AS members"
+    "  FROM collectives WHERE run_id = {run:String} AND peer = -1 AND step >= {first_step:UInt32}"
+    ") WHERE members > 1 GROUP BY rank"
+)
+
+
+def detect(ctx: RunContext) -> list[Finding]:
+    """Stragglers over the last steps of the run (``straggler_window`` of them and a margin)."""
+    s = ctx.settings
+    last = ctx.query("SELECT max(step) AS step FROM step_segments WHERE run_id = {run:String}", {"run": ctx.run_id})
+    last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
+    if last_step == 0:
+        return []
+    first_step = max(1, last_step - 4 * s.straggler_window)
+    rows = ctx.query(SEGMENTS_SQL, {"run": ctx.run_id, "first_step": first_step})
+    if rows.num_rows == 0:
+        return []
+    slow = _slow_segments(ctx, rows.to_pydict())
+    if not slow:
+        return []
+    arrivals = _arrivals(ctx, first_step)
+    return _findings(ctx, slow, arrivals)
+
+
+def _slow_segments(ctx: RunContext, cols: dict[str, list]) -> dict[int, dict]:
+    """rank -> its slowest persistently slow segment: {segment, ratio, since_step, since_ns, steps, peers_ms, ms}."""
+    s = ctx.settings
+    # (segment, step, stage) -> {rank: (ns, started)}
+    cells: dict[tuple[str, int, int], dict[int, tuple[int, int]]] = defaultdict(dict)
+    for name, step, rank, ns, started in zip(cols["name"], cols["step"], cols["rank"], cols["ns"], cols["started"]):
+        cells[(name, step, ctx.stage.get(rank, 0))][rank] = (ns, started)
+    # (rank, segment) -> [(step, ratio, own ns, median ns, started)]
+    series: dict[tuple[int, str], list[tuple[int, float, int, float, int]]] = defaultdict(list)
+    for (name, step, _stage), by_rank in cells.items():
+        if len(by_rank) < 2:
+            continue
+        values = np.array([v[0] for v in by_rank.values()], dtype=np.float64)
+        full_median = float(np.median(values))
+        for i, (rank, (ns, started)) in enumerate(by_rank.items()):
+            # In a small stage the straggler would pull the median towards itself: leave it out.
+            median = float(np.median(np.delete(values, i))) if len(values) <= 4 else full_median
+            if median > 0:
+                series[(rank, name)].append((step, ns / median, ns, median, started))
+    found: dict[int, dict] = {}
+    for (rank, name), points in series.items():
+        points.sort()
+        recent = points[-s.straggler_window :]
+        ratios = np.array([p[1] for p in recent])
+        over = ratios >= 1 + s.straggler_excess
+        if len(recent) < s.straggler_min_steps or over.sum() < s.straggler_min_steps:
+            continue
+        ratio = float(np.median(ratios))
+        if ratio < 1 + s.straggler_excess:
+            continue
+        # The streak: the last steps in a row above the threshold, back from the newest.
+        streak = 0
+        for p in reversed(points):
+            if p[1] < 1 + s.straggler_excess:
+                break
+            streak += 1
+        start = points[len(points) - max(streak, 1)]
+        if rank not in found or ratio > found[rank]["ratio"]:
+            found[rank] = {
+                "segment": name,
+                "ratio": round(ratio, 3),
+                "since_step": start[0],
+                "since_ns": start[4],
+                "last_ns": recent[-1][4],
+                "steps": [{"step": p[0], "ratio": round(p[1], 3), "ms": round(p[2] / 1e6, 2), "stage_median_ms": round(p[3] / 1e6, 2)} for p in recent],
+            }
+    return found
+
+
+def _arrivals(ctx: RunContext, first_step: int) -> dict[int, tuple[int, int]]:
+    """rank -> (collectives it took part in, times it arrived last)."""
+    table = ctx.query(ARRIVALS_SQL, {"run": ctx.run_id, "first_step": first_step}).to_pydict()
+    return {r: (n, last) for r, n, last in zip(table["rank"], table["collectives"], table["last"])}
+
+
+def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[int, int]]) -> list[Finding]:
+    by_host: dict[str, list[int]] = defaultdict(list)
+    for rank, host in ctx.host.items():
+        by_host[host].append(rank)
+    slow_hosts = {h for h, ranks in by_host.items() if len(ranks) >= 2 and all(r in slow for r in ranks)}
+    findings: list[Finding] = []
+    for host in sorted(slow_hosts):
+        ranks = sorted(by_host[host])
+        worst = max(ranks, key=lambda r: slow[r]["ratio"])
+        info = slow[worst]
+        findings.append(_finding(ctx, f"straggler:host={host}", ranks, info, arrivals,
+                                 f"host {host}: ranks {', '.join(map(str, ranks))} are all slower than their stage peers; "
+                                 f"{ctx.who(worst)} {info['segment']} {_pct(info['ratio'])} slower since step {info['since_step']}"))  # fmt: skip
+    for rank in sorted(r for r in slow if ctx.host.get(r) not in slow_hosts):
+        info = slow[rank]
+        summary = f"{ctx.who(rank)}: {info['segment']} {_pct(info['ratio'])} slower than its stage peers since step {info['since_step']}"
+        findings.append(_finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary))
+    return findings
+
+
+def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: dict[int, tuple[int, int]], summary: str) -> Finding:
+    stage_ranks = sorted(r for r, st in ctx.stage.items() if st == ctx.stage.get(ranks[0], 0))
+    evidence = {
+        "segment": info["segment"],
+        "ratio_to_stage_median": info["ratio"],
+        "since_step": info["since_step"],
+        "recent_steps": info["steps"],
+        "stage_ranks": stage_ranks,
+        "arrived_last": {str(r): {"collectives": arrivals[r][0], "last": arrivals[r][1]} for r in ranks if r in arrivals},
+    }
+    return Finding(
+        kind="straggler",
+        key=key,
+        severity="warning",
+        ranks=tuple(ranks),
+        hosts=ctx.hosts_of(ranks),
+        first_seen_ns=info["since_ns"],
+        last_seen_ns=info["last_ns"],
+        summary=summary,
+        evidence=evidence,
+        sql=ctx.literal_sql(EVIDENCE_SQL, segment=info["segment"], ranks=stage_ranks),
+    )
+
+
+def _pct(ratio: float) -> str:
+    return f"{round(100 * (ratio - 1))}%"
+
