@@ -113,6 +113,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rankscope.agent.autoload import forbid
+
+    forbid("collector")  # never a training rank, nor anything it starts
     from rankscope.collector.diagnosis.context import Settings
     from rankscope.collector.ingest import TimeWindow
     from rankscope.collector.query import Limits

@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "sql": "rankscope.cli.sql",
     "diagnose": "rankscope.cli.diagnose",
     "scenario": "rankscope.cli.scenario",
+    "spool": "rankscope.cli.spool",
 }
 
 

@@ -72,8 +72,8 @@ def test_wheel_holds_every_part_under_rankscope(wheel: tuple[Path, zipfile.ZipFi
     }
     assert sorted(sources - names) == []
     assert {f"rankscope/{probe}" for probe in PROBES} <= names
-    # Nothing else at the top: no bare trainer/, tests/, setup.py.
-    assert {name.split("/")[0] for name in names} == {"rankscope", "rankscope-0.1.0.dist-info"}
+    # Nothing else at the top: no bare trainer/, tests/, setup.py; the agent's start-up hook is meant to be there.
+    assert {name.split("/")[0] for name in names} == {"rankscope", "rankscope-0.1.0.dist-info", "rankscope-agent.pth"}
 
 
 def test_wheel_metadata(wheel: tuple[Path, zipfile.ZipFile]) -> None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+from rankscope.agent.autoload import forbid
 from rankscope.trainer.config import parse_args
 
 
@@ -22,6 +23,7 @@ def torchrun_command(argv: list[str], nproc: int) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """Launch a standalone torchrun job for ``argv`` (trainer flags) and return its exit status."""
+    forbid("launcher", children=False)  # the ranks it starts record; this process does not
     cfg = parse_args(argv)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

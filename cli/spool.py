@@ -1,0 +1,53 @@
+"""``rankscope spool replay DIR``: send the telemetry that agents left on disk.
+
+An agent spools batches to RANKSCOPE_SPOOL_DIR while the collector is unreachable and replays
+them when it comes back; a process that ended first leaves them behind. The next agent on that
+host picks them up by itself; this command does it by hand (a host where no job runs again,
+or a spool copied from elsewhere). Batches the collector already has are acknowledged and not
+written twice, so replaying twice is harmless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+HELP = "replay telemetry that agents spooled to disk while the collector was unreachable"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    replay = actions.add_parser("replay", help="send every batch left in DIR by ended processes", description=__doc__)
+    replay.add_argument("dir", metavar="DIR", type=Path, help="the spool directory (RANKSCOPE_SPOOL_DIR of the job)")
+    replay.add_argument("--collector", metavar="HOST:PORT", default=os.environ.get("RANKSCOPE_COLLECTOR"),
+                        help="the collector (default: $RANKSCOPE_COLLECTOR, else 127.0.0.1:7777)")
+    replay.add_argument("--token", metavar="TOKEN", default=os.environ.get("RANKSCOPE_TOKEN"),
+                        help="the collector's token (default: $RANKSCOPE_TOKEN)")
+    replay.add_argument("--timeout", metavar="SECONDS", type=float, default=300.0,
+                        help="give up after this long; what is left stays for next time (default: 300)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rankscope.agent.config import load_config
+    from rankscope.agent.spool import leftovers
+    from rankscope.agent.transport import replay_leftovers
+
+    if not args.dir.is_dir():
+        print(f"rankscope spool: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    settings = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_SPOOL_DIR": str(args.dir)}
+    for name, value in (("RANKSCOPE_COLLECTOR", args.collector), ("RANKSCOPE_TOKEN", args.token),
+                        ("RANKSCOPE_TLS_CA", os.environ.get("RANKSCOPE_TLS_CA"))):
+        if value:
+            settings[name] = value
+    config = load_config(settings)
+    if config is None:  # load_config said which value is wrong
+        return 2
+    stats = replay_leftovers(config, args.timeout)
+    left = leftovers(args.dir)
+    failed = f"; failed calls: {', '.join(f'{code} x{n}' for code, n in sorted(stats.errors.items()))}" if stats.errors else ""
+    print(f"rankscope spool: replayed {stats.replayed} batches ({stats.duplicates} already stored, "
+          f"{stats.dropped} refused) to {config.collector}; {len(left)} segment file(s) left in {args.dir}{failed}")
+    return 0 if not left else 1

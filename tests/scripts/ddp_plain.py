@@ -1,0 +1,38 @@
+"""A plain torch DDP training script that knows nothing about rankscope.
+
+Run under torchrun with only ``RANKSCOPE_ENABLE=1`` (and the collector's address) set: the
+agent must still record its steps, forward/backward/optimizer spans and DDP's gradient
+all-reduces, and stay out of the data loader's forked worker processes.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = torch.nn.MSELoss()
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    n = 16 * args.steps
+    data = TensorDataset(torch.randn(n, 32, generator=generator), torch.randn(n, 8, generator=generator))
+    loader = DataLoader(data, batch_size=16, num_workers=2, multiprocessing_context="fork")
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

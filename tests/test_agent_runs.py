@@ -1,0 +1,158 @@
+"""The bundled trainer with the agent on, end to end: real torchrun runs on gloo, a real collector.
+
+- TP2xPP2xDP2: the tp, pp and dp collectives line up across their members and the losses are
+  bit for bit those of the same run with the agent off;
+- an injected straggler: its forward compute is about `factor` times its tp peer's, while the
+  peer's, which waits for it in every tp all-reduce, is not inflated (segments are split);
+- a rank that hangs: heartbeats show its peer blocked in the collective, and SIGTERM still
+  ends the blocked peer at once, reported as such; an injected crash is reported with its text.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_agent_collectives import (  # noqa: F401 - client and collector are fixtures
+    Collector, agent_env, assert_lined_up, client, collectives, collector, exits, members, query,
+)
+
+from conftest import Proc
+from rankscope.collector.client import Client
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "256",
+        "--micro-batch", "2", "--global-batch", "8", "--timeout", "60"]  # fmt: skip
+
+
+def layout(tp: int, pp: int, dp: int) -> list[str]:
+    return ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp)]
+
+
+def train(torchrun: Callable[..., Proc], flags: list[str], nproc: int, env: dict[str, str], metrics: Path | None = None) -> Proc:
+    extra = ["--metrics-json", str(metrics)] if metrics else []
+    return torchrun(["-m", "rankscope.trainer", *flags, *extra], nproc, env=env)
+
+
+def losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_3d_parallel_collectives_line_up_and_the_losses_do_not_change(
+    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+) -> None:
+    flags = [*layout(2, 2, 2), *TINY, "--steps", "3"]
+    on, off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
+    proc = train(torchrun, flags, 8, agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="3d"), on)
+    assert proc.wait(240) == 0, proc.output()
+    proc = train(torchrun, flags, 8, {"RANKSCOPE_ENABLE": "0"}, off)
+    assert proc.wait(240) == 0, proc.output()
+    assert losses(on) == losses(off) and len(losses(on)) == 3
+
+    assert {e["reason"] for e in exits(client, "3d", 8).values()} == {"normal"}
+    rows = collectives(client, "3d")
+    groups = members(client, "3d")
+    assert_lined_up(rows, groups)
+    kinds = collections.Counter((r["g"].split("[")[0], r["op"]) for r in rows)
+    assert {("tp", "all_reduce"), ("pp", "send"), ("pp", "recv"), ("dp", "all_reduce"), ("pp", "all_reduce")} <= set(kinds)
+    assert groups["tp[0]"] == [0, 1] and groups["pp[0]"] == [0, 4] and groups["dp[0]"] == [0, 2]
+    ranks = query(
+        client,
+        "SELECT rank, argMax(tp_rank, registered) AS tp_rank, argMax(pp_rank, registered) AS pp_rank,"
+        " argMax(dp_rank, registered) AS dp_rank FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank",
+        "3d",
+    )  # the latest registration: the first ones go out before the trainer states its topology
+    assert [(r["tp_rank"], r["pp_rank"], r["dp_rank"]) for r in ranks] == [(r % 2, r // 4, r // 2 % 2) for r in range(8)]
+    spans = query(
+        client, "SELECT rank, name, step, microbatch FROM spans WHERE run_id = {run:String} AND name IN ('forward', 'backward')", "3d"
+    )
+    assert {(s["rank"], s["name"], s["step"], s["microbatch"]) for s in spans} == {
+        (rank, name, step, mb) for rank in range(8) for name in ("forward", "backward") for step in (1, 2, 3) for mb in (0, 1)
+    }
+    scalars = query(
+        client, "SELECT step, value FROM step_metrics WHERE run_id = {run:String} AND rank = 4 AND name = 'loss' ORDER BY step", "3d"
+    )
+    assert [s["value"] for s in scalars] == losses(on)
+
+
+def compute_ms(client: Client, run: str, name: str) -> dict[tuple[int, int], float]:
+    """(rank, step) -> ms of ``name`` spans, every piece of every micro-batch summed."""
+    rows = query(
+        client,
+        "SELECT rank, step, sum(duration_ns) / 1e6 AS ms FROM spans"
+        " WHERE run_id = {run:String} AND name = {name:String} GROUP BY rank, step",
+        run, name=name,
+    )  # fmt: skip
+    return {(r["rank"], r["step"]): r["ms"] for r in rows}
+
+
+def test_a_stragglers_peer_keeps_its_own_compute_time(
+    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+) -> None:
+    """Two tp ranks on two cores: rank 1 computes 3x as long from step 5; rank 0 waits for it in
+    every tp all-reduce, and those waits must stay out of rank 0's forward and backward."""
+    flags = [*layout(2, 1, 1), "--layers", "2", "--hidden", "128", "--heads", "4", "--seq", "128", "--vocab", "512",
+             "--micro-batch", "4", "--global-batch", "8", "--steps", "8",
+             "--inject", "straggler:rank=1,factor=3,from_step=5"]  # fmt: skip
+    proc = train(torchrun, flags, 2, agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="straggler"))
+    assert proc.wait(240) == 0, proc.output()
+    assert len(exits(client, "straggler", 2)) == 2
+    for name in ("forward", "backward"):
+        ms = compute_ms(client, "straggler", name)
+        before = {r: statistics.median(ms[(r, s)] for s in (2, 3, 4)) for r in (0, 1)}
+        after = {r: statistics.median(ms[(r, s)] for s in (6, 7, 8)) for r in (0, 1)}
+        assert 2.2 < after[1] / before[1] < 4.5, (name, before, after)
+        assert after[0] / before[0] < 1.5, (name, before, after)  # the peer's waits are not in its compute
+        assert 2.0 < after[1] / after[0] < 4.5, (name, before, after)
+
+
+def heartbeats(client: Client, run: str, rank: int) -> list[dict[str, Any]]:
+    return query(
+        client,
+        "SELECT status, phase, inflight_group AS g, inflight_op AS op, inflight_waiting AS waiting FROM heartbeats"
+        " WHERE run_id = {run:String} AND rank = {rank:UInt32} ORDER BY time",
+        run, rank=rank,
+    )  # fmt: skip
+
+
+def test_a_rank_blocked_by_a_hang_shows_it_and_still_ends_on_sigterm(
+    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+) -> None:
+    flags = [*layout(1, 1, 2), *TINY, "--steps", "4", "--timeout", "600", "--inject", "hang:rank=1,step=2"]
+    env = agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="hang", RANKSCOPE_HEARTBEAT_S="0.3")
+    proc = train(torchrun, flags, 2, env)
+    deadline = time.monotonic() + 120
+    while not any(b["waiting"] and 1 in b["waiting"] for b in heartbeats(client, "hang", 0)):
+        assert time.monotonic() < deadline and proc.returncode is None, proc.output()
+        time.sleep(0.5)
+    blocked = next(b for b in heartbeats(client, "hang", 0) if 1 in b["waiting"])
+    assert blocked["g"][blocked["waiting"].index(1)] == "dp[0]"
+
+    (pid,) = [r["pid"] for r in query(client, "SELECT DISTINCT pid FROM ranks WHERE run_id = {run:String} AND rank = 0", "hang")]
+    started = time.monotonic()
+    os.kill(pid, signal.SIGTERM)  # rank 0 is inside gloo's wait: no Python code runs on its main thread
+    assert proc.wait(60) != 0
+    assert time.monotonic() - started < 20, "SIGTERM did not end the blocked rank promptly"
+    ended = exits(client, "hang", 2)
+    assert (ended[0]["reason"], ended[0]["signal"], ended[0]["message"]) == ("signal", signal.SIGTERM, "SIGTERM")
+    assert "exitcode  : -15" in proc.output(None)  # and it died of the signal, as it would have without the agent
+
+
+def test_a_crash_is_reported_with_its_exception(
+    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+) -> None:
+    flags = [*layout(1, 1, 2), *TINY, "--steps", "4", "--inject", "crash:rank=1,step=2"]
+    proc = train(torchrun, flags, 2, agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="crash"))
+    assert proc.wait(120) != 0
+    crashed = exits(client, "crash", 2)[1]
+    assert (crashed["reason"], crashed["exit_code"]) == ("exception", 1)
+    assert crashed["message"] == "RuntimeError: rankscope injected crash: rank 1 at step 2"

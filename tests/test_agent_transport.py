@@ -1,0 +1,467 @@
+"""The agent's Transport against the real collector: delivery, spool, replay, refusals, speed.
+
+A collector (``rankscope collector`` on a chDB store) runs for the whole module; tests that need
+it down, or started mid-run, or overloaded, start their own. Every test names its own run, so
+the shared collector's tables never mix tests. The only in-test gRPC server is a proxy in front
+of the real collector that loses an acknowledgement, a fault the collector cannot produce.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from rankscope.agent.config import AgentConfig, load_config
+from rankscope.agent.spool import leftovers
+from rankscope.agent.transport import Transport
+from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc, telemetry_pb2
+
+from conftest import Proc, ProcRunner
+
+TOKEN = "s3cret-token"
+EVENTS = 4096
+
+
+# --- a real collector --------------------------------------------------------------------------
+
+
+@dataclass
+class Collector:
+    proc: Proc
+    address: str
+
+    def query(self, sql: str, **params: str) -> list[dict]:
+        with grpc.insecure_channel(self.address) as channel:
+            reply = query_pb2_grpc.QueryStub(channel).Query(
+                query_pb2.QueryRequest(sql=sql, params=params), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30
+            )
+        return pa.ipc.open_stream(io.BytesIO(reply.arrow_ipc)).read_all().to_pylist()
+
+    def count(self, table: str, run_id: str) -> int:
+        return self.query(f"SELECT count() AS n FROM {table} WHERE run_id = {{run:String}}", run=run_id)[0]["n"]
+
+
+def start_collector(runner: ProcRunner, store: Path, port: int = 0, *extra: str) -> Collector:
+    """``rankscope collector`` on ``store``; returns once it listens (port 0: a free one)."""
+    proc = runner.start(
+        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(store), "--listen", f"127.0.0.1:{port}",
+         "--token", TOKEN, "--flush-interval", "0.1", *extra],
+        name=f"collector-{store.name}",
+    )  # fmt: skip
+    proc.wait_for("listening on", timeout=120)
+    line = next(line for line in proc.stdout.splitlines() if "listening on" in line)
+    bound = line.split("listening on ", 1)[1].split(",", 1)[0]
+    return Collector(proc, bound)
+
+
+@pytest.fixture(scope="module")
+def collector(module_runner: ProcRunner, tmp_path_factory: pytest.TempPathFactory) -> Collector:
+    return start_collector(module_runner, tmp_path_factory.mktemp("store") / "store")
+
+
+def free_port() -> int:
+    """A port nothing listens on (for an unreachable collector, or one started later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- payloads and agents -------------------------------------------------------------------------
+
+
+def agent_config(address: str, spool: Path, **more: str) -> AgentConfig:
+    config = load_config({
+        "RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_TOKEN": TOKEN,
+        "RANKSCOPE_SPOOL_DIR": str(spool), **more,
+    })  # fmt: skip
+    assert config is not None
+    return config
+
+
+def register() -> telemetry_pb2.Register:
+    return telemetry_pb2.Register(
+        world_size=1, host="test-host", pid=os.getpid(), local_rank=0, device="cpu", tp=1, pp=1, dp=1,
+        tp_rank=0, pp_rank=0, dp_rank=0, start_time_ns=time.time_ns(), agent_version="test",
+    )  # fmt: skip
+
+
+def span_batch(step: int, n: int = EVENTS) -> telemetry_pb2.SpanBatch:
+    """``n`` forward spans of 1 us each at step ``step``, ending now."""
+    start = time.time_ns() - np.arange(n, 0, -1, dtype="<i8") * 2_000
+    return telemetry_pb2.SpanBatch(
+        count=n, strings=["forward"], name=np.zeros(n, "<i4").tobytes(), kind=np.zeros(n, "u1").tobytes(),
+        step=np.full(n, step, "<i4").tobytes(), microbatch=np.full(n, -1, "<i4").tobytes(),
+        start_ns=start.tobytes(), end_ns=(start + 1_000).tobytes(), attributes=np.full(n, -1, "<i4").tobytes(),
+    )  # fmt: skip
+
+
+def run_name() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen in {timeout} s")
+        time.sleep(0.05)
+
+
+def spool_producer(runner: ProcRunner, spool: Path, run_id: str, batches: int) -> Proc:
+    """A process that spools ``batches`` span batches for an unreachable collector, then ends."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_agent_transport import agent_config, register, span_batch
+        from rankscope.agent.transport import Transport
+        t = Transport(agent_config("127.0.0.1:{free_port()}", __import__("pathlib").Path({str(spool)!r})), {run_id!r}, 0)
+        t.start()
+        t.submit(register())
+        for step in range(1, {batches} + 1):
+            t.submit(span_batch(step))
+        t.close(timeout_s=1.0)
+        print("spooled", t.stats().spooled)
+    """)
+    proc = runner.start([sys.executable, "-c", script], name=f"producer-{run_id}")
+    assert proc.wait(60) == 0, proc.output()
+    return proc
+
+
+# --- delivery ------------------------------------------------------------------------------------
+
+
+def test_round_trip_and_clock_offset(collector: Collector, tmp_path: Path) -> None:
+    run_id = run_name()
+    t = Transport(agent_config(collector.address, tmp_path / "spool"), run_id, 0)
+    t.start()
+    assert t.submit(register())
+    for step in range(1, 6):
+        assert t.submit(span_batch(step))
+    t.close(timeout_s=30)
+    stats = t.stats()
+    assert (stats.acked, stats.duplicates, stats.spooled, stats.dropped, stats.errors) == (6, 0, 0, 0, {})
+    assert collector.count("spans", run_id) == 5 * EVENTS
+    assert collector.query("SELECT host FROM ranks WHERE run_id = {run:String}", run=run_id) == [{"host": "test-host"}]
+    # Same machine, same clock: the true offset is 0; the estimate is off by the asymmetry of
+    # one loopback exchange at most.
+    assert t.clock_offset_ns != 0 and abs(t.clock_offset_ns) < 20_000_000
+    assert list((tmp_path / "spool").glob("*")) == []  # nothing was ever spooled
+
+
+def test_throughput_of_one_transport(collector: Collector, tmp_path: Path) -> None:
+    """Events per second one Transport hands to the collector in 4096-event SpanBatches."""
+    run_id = run_name()
+    t = Transport(agent_config(collector.address, tmp_path / "spool"), run_id, 0)
+    t.start()
+    t.submit(register())
+    batches = 300
+    payloads = [span_batch(step) for step in range(1, batches + 1)]
+    started = time.perf_counter()
+    for payload in payloads:
+        while not t.submit(payload):  # the queue is bounded: wait for room like a producer would
+            time.sleep(0.001)
+    t.close(timeout_s=120)
+    elapsed = time.perf_counter() - started
+    rate = batches * EVENTS / elapsed
+    print(f"\none Transport -> collector: {rate:,.0f} events/s ({batches} SpanBatches of {EVENTS} in {elapsed:.2f} s)")
+    assert t.stats().acked == batches + 1
+    assert collector.count("spans", run_id) == batches * EVENTS
+    assert rate > 200_000
+
+
+def test_payloads_submitted_before_start_and_after_close(collector: Collector, tmp_path: Path) -> None:
+    run_id = run_name()
+    t = Transport(agent_config(collector.address, tmp_path / "spool"), run_id, 0)
+    assert t.submit(register())  # kept until the sender starts
+    t.start()
+    t.close(timeout_s=30)
+    assert not t.submit(span_batch(1))  # closed: refused and counted
+    assert (t.stats().acked, t.stats().rejected, t.stats().rejected_events, t.stats().dropped) == (1, 1, EVENTS, 0)
+
+
+def test_full_queue_refuses_newest_and_counts(tmp_path: Path) -> None:
+    # Not started: submit charges each 4096-event batch its estimate (about 262 kB).
+    t = Transport(agent_config(f"127.0.0.1:{free_port()}", tmp_path / "spool"), run_name(), 0, max_queue_bytes=300_000)
+    accepted = [t.submit(span_batch(step)) for step in range(1, 6)]
+    assert accepted == [True, False, False, False, False]
+    assert (t.stats().rejected, t.stats().rejected_events, t.stats().dropped) == (4, 4 * EVENTS, 0)
+    t.close(timeout_s=0)
+
+
+# --- the collector is away -----------------------------------------------------------------------
+
+
+def test_unreachable_collector_one_warning_fast_submit(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """A dead port and an unresolvable name: one warning line each, no traceback, submit O(1)."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from test_agent_transport import agent_config
+        from rankscope.agent.transport import Transport
+        from rankscope.protos.rankscope.v1 import telemetry_pb2
+        for address in (sys.argv[1], "no-such-host.invalid:7777"):
+            t = Transport(agent_config(address, Path({str(tmp_path)!r}) / address), "run", 0)
+            t.start()
+            beat = telemetry_pb2.HeartbeatBatch(heartbeats=[telemetry_pb2.Heartbeat(time_ns=time.time_ns(), step=1)])
+            while not t.stats().errors:  # until the sender knows the collector is away
+                t.submit(beat)
+                time.sleep(0.01)
+            n = 20000
+            started = time.perf_counter()
+            for _ in range(n):
+                t.submit(beat)
+            per_call = (time.perf_counter() - started) / n
+            print(f"submit while the collector is away: {{per_call * 1e6:.2f}} us", flush=True)
+            t.close(timeout_s=1.0)
+            assert t.stats().dropped == 0, t.stats()
+    """)
+    proc = proc_runner.start([sys.executable, "-c", script, f"127.0.0.1:{free_port()}"], name="unreachable")
+    assert proc.wait(120) == 0, proc.output()
+    warnings = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr
+    assert len(warnings) == 2, proc.stderr  # one per collector address
+    assert all(w.startswith("rankscope agent: cannot reach the collector") for w in warnings), proc.stderr
+    costs = [float(line.split(": ")[1].split()[0]) for line in proc.stdout.splitlines()]
+    print("\n" + proc.stdout)
+    assert all(cost < 20 for cost in costs), proc.stdout
+
+
+def test_unwritable_spool_drops_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    t = Transport(agent_config(f"127.0.0.1:{free_port()}", blocker / "spool"), run_name(), 0)
+    t.start()
+    for step in range(1, 4):
+        assert t.submit(span_batch(step))
+    t.close(timeout_s=1.0)
+    stats = t.stats()
+    assert stats.spooled == 0 and (stats.dropped, stats.dropped_events) == (3, 3 * EVENTS), stats
+    (said,) = [r.getMessage() for r in caplog.records if "cannot write the spool" in r.getMessage()]
+    assert str(blocker / "spool") in said
+
+
+@pytest.mark.slow
+def test_spooled_while_down_replayed_once_when_the_collector_starts(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    port = free_port()
+    run_id = run_name()
+    spool = tmp_path / "spool"
+    t = Transport(agent_config(f"127.0.0.1:{port}", spool), run_id, 0)
+    t.start()
+    t.submit(register())
+    for step in range(1, 11):
+        t.submit(span_batch(step))
+    wait_until(lambda: t.stats().spooled >= 11, 30, "spooling")
+    assert list(spool.glob("*.seg")), "the spool is on disk"
+    collector = start_collector(proc_runner, tmp_path / "store", port)
+    for step in range(11, 16):  # new data after the collector is back comes after the replay
+        t.submit(span_batch(step))
+    wait_until(lambda: t.stats().replayed >= 11, 60, "the replay")
+    t.close(timeout_s=30)
+    stats = t.stats()
+    assert stats.dropped == 0 and stats.duplicates == 0, stats
+    assert collector.count("spans", run_id) == 15 * EVENTS  # every batch, once
+    rows = collector.query(
+        "SELECT step, min(start_time) AS first FROM spans WHERE run_id = {run:String} GROUP BY step ORDER BY step", run=run_id
+    )
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    assert list(spool.glob("*.seg")) == [] and list(spool.glob("*.lock")) == []  # all acknowledged: gone
+
+
+def test_leftover_spool_replayed_by_the_next_agent(collector: Collector, proc_runner: ProcRunner, tmp_path: Path) -> None:
+    run_id = run_name()
+    spool = tmp_path / "spool"
+    spool_producer(proc_runner, spool, run_id, batches=4)
+    assert leftovers(spool), "the ended process left its spool"
+    nxt = Transport(agent_config(collector.address, spool), run_name(), 0)  # another run on the host
+    nxt.start()
+    nxt.submit(register())
+    wait_until(lambda: nxt.stats().replayed >= 5, 60, "the leftover replay")
+    nxt.close(timeout_s=30)
+    assert collector.count("spans", run_id) == 4 * EVENTS
+    assert collector.query("SELECT rank FROM ranks WHERE run_id = {run:String}", run=run_id) == [{"rank": 0}]
+    assert leftovers(spool) == [] and list(spool.glob("*")) == []
+
+
+def test_spool_replay_command_and_duplicates(collector: Collector, proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """``rankscope spool replay`` sends a leftover spool; a second copy is acknowledged, not rewritten."""
+    run_id = run_name()
+    spool = tmp_path / "spool"
+    spool_producer(proc_runner, spool, run_id, batches=3)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in spool.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    command = [sys.executable, "-m", "rankscope.cli.main", "spool", "replay", "--collector", collector.address, "--token", TOKEN]
+    first = proc_runner.start([*command, str(spool)], name="replay-1")
+    assert first.wait(120) == 0, first.output()
+    assert "replayed 4 batches (0 already stored" in first.stdout, first.output()
+    assert collector.count("spans", run_id) == 3 * EVENTS
+    second = proc_runner.start([*command, str(copy)], name="replay-2")
+    assert second.wait(120) == 0, second.output()
+    assert "replayed 4 batches (4 already stored" in second.stdout, second.output()
+    assert collector.count("spans", run_id) == 3 * EVENTS  # written once
+    assert leftovers(spool) == [] and leftovers(copy) == []
+
+
+def test_spool_drops_oldest_first_when_full(collector: Collector, tmp_path: Path) -> None:
+    run_id = run_name()
+    spool = tmp_path / "spool"
+    t = Transport(agent_config(f"127.0.0.1:{free_port()}", spool, RANKSCOPE_SPOOL_MAX_MB="1"), run_id, 0)
+    t.start()
+    t.submit(register())
+    for step in range(1, 21):  # ~2.8 MB for a 1 MiB spool
+        t.submit(span_batch(step))
+    t.close(timeout_s=1.0)
+    stats = t.stats()
+    assert stats.dropped > 0, stats
+    assert sum(p.stat().st_size for p in spool.glob("*.seg")) <= 1 << 20
+    replay = Transport(agent_config(collector.address, spool), run_name(), 0, name="replayer")
+    replay.start()
+    replay.close(timeout_s=30)
+    steps = [r["step"] for r in collector.query("SELECT DISTINCT step FROM spans WHERE run_id = {run:String} ORDER BY step", run=run_id)]
+    assert steps and steps[-1] == 20  # the newest survived
+    assert steps == list(range(steps[0], 21))  # a contiguous tail: the oldest went first
+    # What went is counted: the registration and the span batches before the tail.
+    assert (stats.dropped, stats.dropped_events) == (1 + 20 - len(steps), 1 + (20 - len(steps)) * EVENTS)
+
+
+# --- the collector answers with an error ---------------------------------------------------------
+
+
+def test_malformed_batch_dropped_counted_and_said_once(collector: Collector, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run_id = run_name()
+    t = Transport(agent_config(collector.address, tmp_path / "spool"), run_id, 0)
+    t.start()
+    t.submit(register())
+    bad = span_batch(1)
+    bad.count = EVENTS + 1  # columns hold EVENTS values: INVALID_ARGUMENT
+    t.submit(bad)
+    t.submit(bad)
+    t.submit(span_batch(2))
+    t.close(timeout_s=30)
+    stats = t.stats()
+    assert stats.errors == {"INVALID_ARGUMENT": 2} and stats.dropped == 2 and stats.acked == 2, stats
+    assert collector.count("spans", run_id) == EVENTS
+    refusals = [r for r in caplog.records if "INVALID_ARGUMENT" in r.getMessage()]
+    assert len(refusals) <= 1  # said once per process (an earlier test may have said it already)
+
+
+def test_wrong_token_warns_and_keeps_spooling(collector: Collector, tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    t = Transport(agent_config(collector.address, spool, RANKSCOPE_TOKEN="wrong"), run_name(), 0)
+    t.start()
+    t.submit(register())
+    t.submit(span_batch(1))
+    wait_until(lambda: t.stats().errors.get("UNAUTHENTICATED", 0) >= 1 and t.stats().spooled >= 1, 30, "the refusal")
+    t.close(timeout_s=1.0)
+    stats = t.stats()
+    assert stats.acked == 0 and stats.dropped == 0 and stats.spooled >= 2, stats
+    assert leftovers(spool)  # kept for a replay with the right token
+
+
+@pytest.mark.slow
+def test_back_pressure_waits_and_retries(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """RESOURCE_EXHAUSTED with retry-after-ms from a collector that may buffer few rows."""
+    collector = start_collector(proc_runner, tmp_path / "store", 0, "--max-buffered-rows", "5000", "--flush-interval", "0.5")
+    run_id = run_name()
+    t = Transport(agent_config(collector.address, tmp_path / "spool"), run_id, 0)
+    t.start()
+    t.submit(register())
+    for step in range(1, 21):
+        t.submit(span_batch(step))
+    t.close(timeout_s=60)
+    stats = t.stats()
+    assert stats.errors.get("RESOURCE_EXHAUSTED", 0) > 0, stats
+    assert stats.dropped == 0 and stats.spooled == 0, stats
+    assert collector.count("spans", run_id) == 20 * EVENTS
+
+
+class _LosingProxy(ingest_pb2_grpc.IngestServicer):
+    """Forwards every batch to the real collector; answers the first one with UNAVAILABLE anyway."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = ingest_pb2_grpc.IngestStub(self.channel)
+        self.seen: list[bytes] = []
+        self.acks: list[ingest_pb2.Ack] = []
+
+    def Send(self, request: ingest_pb2.Batch, context: grpc.ServicerContext) -> ingest_pb2.Ack:
+        ack = self.stub.Send(request, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30)
+        self.seen.append(request.batch_id)
+        self.acks.append(ack)
+        if len(self.seen) == 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "acknowledgement lost on the way")
+        return ack
+
+
+@pytest.fixture
+def losing_proxy(collector: Collector) -> Iterator[tuple[_LosingProxy, str]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    proxy = _LosingProxy(collector.address)
+    ingest_pb2_grpc.add_IngestServicer_to_server(proxy, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield proxy, f"127.0.0.1:{port}"
+    server.stop(0)
+    proxy.channel.close()
+
+
+def test_lost_acknowledgement_resent_and_written_once(collector: Collector, losing_proxy: tuple[_LosingProxy, str], tmp_path: Path) -> None:
+    proxy, address = losing_proxy
+    run_id = run_name()
+    t = Transport(agent_config(address, tmp_path / "spool"), run_id, 0)
+    t.start()
+    t.submit(span_batch(1))
+    wait_until(lambda: t.stats().acked >= 1, 30, "the resent batch's ack")
+    t.close(timeout_s=30)
+    # The batch went twice under one id; the collector wrote it once and said so the second time.
+    assert proxy.seen[0] == proxy.seen[1] and len(proxy.seen) == 2
+    assert [a.duplicate for a in proxy.acks] == [False, True]
+    assert t.stats().duplicates == 1 and t.stats().errors == {"UNAVAILABLE": 1}
+    assert collector.count("spans", run_id) == EVENTS
+
+
+# --- forked children ----------------------------------------------------------------------------
+
+
+def test_forked_child_sends_nothing(collector: Collector, proc_runner: ProcRunner, tmp_path: Path) -> None:
+    run_id = run_name()
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from test_agent_transport import agent_config, register, span_batch
+        from rankscope.agent.transport import Transport
+        t = Transport(agent_config({collector.address!r}, Path({str(tmp_path / "spool")!r})), {run_id!r}, 0)
+        t.start()
+        t.submit(register())
+        pid = os.fork()
+        if pid == 0:  # a data-loader worker, say: quiet, and it ends normally
+            accepted = t.submit(span_batch(99))
+            t.close()
+            print("child accepted", accepted, flush=True)
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        t.submit(span_batch(1))
+        t.close(timeout_s=30)
+        print("parent acked", t.stats().acked, flush=True)
+    """)
+    proc = proc_runner.start([sys.executable, "-c", script], name="fork")
+    assert proc.wait(60) == 0, proc.output()
+    assert "child accepted False" in proc.stdout and "parent acked 2" in proc.stdout, proc.output()
+    assert collector.query("SELECT DISTINCT step FROM spans WHERE run_id = {run:String}", run=run_id) == [{"step": 1}]
