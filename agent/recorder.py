@@ -15,6 +15,12 @@ Segment splitting: every thread keeps the stack of spans open on it. When that t
 a collective (``pause``), each open non-``comm`` span ends its current piece at that moment and
 starts the next piece when the collective returns (``resume``); pieces carry ``"part": i`` in
 their attributes, so a compute segment never includes time spent waiting for other ranks.
+
+CPU time: on the CPU clock, when a host's ranks share cores (``timing.cores_shared``), each piece
+also carries the CPU time its thread spent in it. Ranks sharing a few cores are descheduled at
+random, so their wall-clock segments mostly measure the scheduler; CPU time measures the work,
+which is what comparing ranks needs. On a device clock the host's CPU time says nothing about the
+device, and a rank with cores of its own has a trustworthy wall clock: -1 (not measured).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import bisect
 import json
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,7 +38,7 @@ import numpy as np
 
 from rankscope.agent.config import warn_once
 from rankscope.agent.state import RankState
-from rankscope.agent.timing import Clock
+from rankscope.agent.timing import Clock, CpuClock, cores_shared
 from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
 
 KINDS: dict[str, int] = {
@@ -46,7 +53,9 @@ COMM = pb.SPAN_KIND_COMM
 COMPLETED, FAILED, PENDING = pb.COLLECTIVE_STATE_COMPLETED, pb.COLLECTIVE_STATE_FAILED, pb.COLLECTIVE_STATE_PENDING
 
 # Column layouts, in the order the add_* methods write them.
-SPAN_COLUMNS = ("<i4", "u1", "<i4", "<i4", "<i8", "<i8", "<i4")  # name kind step mb start end attrs
+SPAN_COLUMNS = ("<i4", "u1", "<i4", "<i4", "<i8", "<i8", "<i4", "<i8")  # name kind step mb start end attrs cpu
+_thread_cpu_ns = time.thread_time_ns
+_thread_id = threading.get_ident
 COLLECTIVE_COLUMNS = ("<i4", "<i8", "<i4", "<i8", "<i4", "<i4", "<i8", "<i8", "<i8", "u1", "<i4")
 #                     group  seq    op     nbytes dtype  peer   issue  start  end    state step
 SCALAR_COLUMNS = ("<i4", "<i4", "<f8", "<i8")  # step name value time
@@ -141,7 +150,7 @@ class Span:
     exiting writes its last piece. Both never raise into the script.
     """
 
-    __slots__ = ("_rec", "name", "_name_id", "kind", "step", "_step_arg", "_mb", "_attrs", "_start", "_part", "_stack")
+    __slots__ = ("_rec", "name", "_name_id", "kind", "step", "_step_arg", "_mb", "_attrs", "_start", "_part", "_stack", "_cpu0", "_tid")
 
     def __init__(
         self, rec: Recorder, name: str, kind: str, step: int | None, microbatch: int | None,
@@ -174,12 +183,24 @@ class Span:
         self._stack = stack
         stack.append(self)
         rec.state.phase = self.name
+        if rec.measure_cpu:
+            self._tid = _thread_id()
+            self._cpu0 = _thread_cpu_ns()
+        else:
+            self._cpu0 = -1
         self._start = rec.now()
         return self
+
+    def _cpu(self) -> int:
+        """CPU time of the current piece so far; -1 unmeasured or when another thread asks."""
+        if self._cpu0 < 0 or _thread_id() != self._tid:
+            return -1
+        return _thread_cpu_ns() - self._cpu0
 
     def __exit__(self, kind: object, value: object, tb: object) -> None:
         rec = self._rec
         end = rec.now()
+        cpu = self._cpu()
         stack = self._stack
         try:
             if stack[-1] is self:
@@ -187,7 +208,7 @@ class Span:
             else:
                 stack.remove(self)  # ended on another thread, or out of order
             attrs = self._attrs if self._part < 0 else rec._piece_attrs(self._attrs, self._part)
-            rec.add_span(self._name_id, self.kind, self.step, self._mb, self._start, end, attrs)
+            rec.add_span(self._name_id, self.kind, self.step, self._mb, self._start, end, attrs, cpu)
             rec.state.phase = stack[-1].name if stack else "idle"
         except Exception as exc:  # noqa: BLE001 - closed twice, or a value out of range
             warn_once("span-exit", f"a span could not be recorded ({exc!r})")
@@ -216,6 +237,7 @@ class Recorder:
     def __init__(self, clock: Clock, state: RankState, capacity: int = 1 << 16, flush_rows: int = 4096, batch_rows: int = 8192):
         self.clock = clock
         self.now = clock.now  # the hot path's bound method; follows ``use_clock``
+        self.measure_cpu = isinstance(clock, CpuClock) and cores_shared()
         self.state = state
         self.strings = StringTable()
         self.capacity = capacity
@@ -242,6 +264,7 @@ class Recorder:
         """Take timestamps from ``clock`` from now on (tokens already taken stay valid)."""
         self.clock = clock
         self.now = clock.now
+        self.measure_cpu = isinstance(clock, CpuClock) and cores_shared()
 
     # --- spans (hot path) -------------------------------------------------------------------
 
@@ -280,7 +303,9 @@ class Recorder:
                     s._part = 0
                 paused.append(s)
                 s._part += 1
-                self.add_span(s._name_id, s.kind, s.step, s._mb, s._start, self.now(), self._piece_attrs(s._attrs, s._part - 1))
+                self.add_span(
+                    s._name_id, s.kind, s.step, s._mb, s._start, self.now(), self._piece_attrs(s._attrs, s._part - 1), s._cpu()
+                )
         except Exception as exc:  # noqa: BLE001
             warn_once("span-pause", f"a span could not be split ({exc!r})")
         return paused or None
@@ -289,6 +314,8 @@ class Recorder:
         """The collective returned: the paused spans start their next piece now."""
         if paused:
             for s in paused:
+                if s._cpu0 >= 0:
+                    s._cpu0 = _thread_cpu_ns()
                 s._start = self.now()
 
     def _blocked_stack(self) -> list[Span]:
@@ -320,7 +347,7 @@ class Recorder:
 
     # --- rows (hot path) --------------------------------------------------------------------
 
-    def add_span(self, name: int, kind: int, step: int, mb: int, start: int, end: int, attrs: int) -> None:
+    def add_span(self, name: int, kind: int, step: int, mb: int, start: int, end: int, attrs: int, cpu: int = -1) -> None:
         lock = self._lock
         lock.acquire()  # acquire/release: half the cost of ``with lock`` here
         try:
@@ -329,7 +356,7 @@ class Recorder:
             if i >= self.capacity:
                 self.state.dropped += 1
                 return
-            c0, c1, c2, c3, c4, c5, c6 = rows.views
+            c0, c1, c2, c3, c4, c5, c6, c7 = rows.views
             c0[i] = name
             c1[i] = kind
             c2[i] = step
@@ -337,6 +364,7 @@ class Recorder:
             c4[i] = start
             c5[i] = end
             c6[i] = attrs
+            c7[i] = cpu
             rows.n = i + 1
         finally:
             lock.release()
@@ -447,11 +475,12 @@ class Recorder:
             yield [c[lo : lo + self.batch_rows] for c in cols]
 
     def _span_batch(self, cols: list[np.ndarray]) -> pb.SpanBatch:
-        name, kind, step, mb, start, end, attrs = cols
+        name, kind, step, mb, start, end, attrs, cpu = cols
         strings, (name, attrs) = self.strings.local(name, attrs)
         return pb.SpanBatch(
             count=len(name), strings=strings, name=name.tobytes(), kind=kind.tobytes(), step=step.tobytes(),
             microbatch=mb.tobytes(), start_ns=start.tobytes(), end_ns=end.tobytes(), attributes=attrs.tobytes(),
+            cpu_ns=cpu.tobytes(),
         )  # fmt: skip
 
     def _collective_batch(self, cols: list[np.ndarray]) -> pb.CollectiveBatch:

@@ -31,7 +31,7 @@ from .query import (
     ResultTooLarge,
     from_ipc,
     guard_for,
-    params_as_text,
+    params_to_wire,
     run_read_only,
 )
 from .store.base import Store, StoreBusyError, StoreError, StoreUnreachableError, open_store
@@ -74,7 +74,7 @@ class Client:
         self._stub = query_pb2_grpc.QueryStub(self._channel)
 
     def query(self, sql: str, params: Mapping[str, object] | None = None, max_rows: int = 0) -> pa.Table:
-        request = query_pb2.QueryRequest(sql=sql, params=params_as_text(params), max_rows=max_rows)
+        request = query_pb2.QueryRequest(sql=sql, params=params_to_wire(params), max_rows=max_rows)
         reply = self._call(self._stub.Query, request)
         return from_ipc(reply.arrow_ipc)
 
@@ -127,7 +127,7 @@ class StoreReader:
 
     def query(self, sql: str, params: Mapping[str, object] | None = None, max_rows: int = 0) -> pa.Table:
         try:
-            return run_read_only(self._store, self._guard, sql, params_as_text(params), self._limits, max_rows)
+            return run_read_only(self._store, self._guard, sql, params, self._limits, max_rows)
         except StoreUnreachableError as e:
             raise Unreachable(str(e)) from None
         except StoreError as e:

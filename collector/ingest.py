@@ -243,6 +243,12 @@ class _Columns:
             )
         return np.frombuffer(raw, dtype=dtype)
 
+    def optional(self, column: str, dtype: str, missing: int) -> np.ndarray:
+        """A column older agents may leave empty: then every value is ``missing``."""
+        if self.count and not getattr(self.msg, column):
+            return np.full(self.count, missing, dtype=dtype)
+        return self.array(column, dtype)
+
     def unsigned(self, column: str, dtype: str) -> np.ndarray:
         values = self.array(column, dtype)
         if values.size and values.min() < 0:
@@ -358,6 +364,7 @@ def _spans(ctx: _Context, msg: telemetry_pb2.SpanBatch, registry: RunRegistry) -
                 **c.run_rank(), "step": c.unsigned("step", "<i4"), "name": c.strings_at("name"),
                 "kind": c.enum("kind", SPAN_KINDS), "start_time": c.times("start_ns"), "end_time": c.times("end_ns"),
                 "microbatch": c.array("microbatch", "<i4"), "attributes": c.strings_at("attributes", none_allowed=True),
+                "cpu_ns": c.optional("cpu_ns", "<i8", missing=-1),
             },
         )
     }

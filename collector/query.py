@@ -34,6 +34,8 @@ a second statement or an INTO OUTFILE from this check.
 
 from __future__ import annotations
 
+import json
+
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -261,7 +263,7 @@ def run_read_only(
     store: ArrowReadable,
     guard: ReadOnlyGuard,
     sql: str,
-    params: Mapping[str, str] | None = None,
+    params: Mapping[str, object] | None = None,
     limits: Limits = Limits(),
     max_rows: int = 0,
 ) -> pa.Table:
@@ -280,29 +282,21 @@ def run_read_only(
         raise QueryRefused(message) from None
 
 
-def params_as_text(params: Mapping[str, object] | None) -> dict[str, str]:
-    """Parameter values as the text ClickHouse parses for a ``{name:Type}`` placeholder.
+def params_to_wire(params: Mapping[str, object] | None) -> dict[str, str]:
+    """Parameter values for the Query service: each one JSON-encoded, so lists stay lists.
 
-    The text is not SQL and is never pasted into a statement: the engine parses it as a value
-    of the placeholder's type. Lists and tuples become array literals (``[1, 'a']``).
+    The store formats every value exactly once for its engine; text that was already formatted
+    (an array literal) would be escaped a second time as a string.
     """
-    return {name: _param_text(value) for name, value in (params or {}).items()}
+    return {name: json.dumps(value) for name, value in (params or {}).items()}
 
 
-def _param_text(value: object) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_literal(v) for v in value) + "]"
-    return str(value)
-
-
-def _literal(value: object) -> str:
-    if isinstance(value, str):
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return _param_text(value)
+def params_from_wire(params: Mapping[str, str]) -> dict[str, object]:
+    """The values ``params_to_wire`` encoded; raises QueryRefused for a value that is not JSON."""
+    try:
+        return {name: json.loads(text) for name, text in params.items()}
+    except json.JSONDecodeError as e:
+        raise QueryRefused(f"parameter values travel JSON-encoded: {e}") from None
 
 
 def to_ipc(table: pa.Table) -> bytes:

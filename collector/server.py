@@ -27,7 +27,7 @@ from .control import PendingCommands
 from .diagnosis.context import Settings
 from .diagnosis.engine import LiveDiagnosis, write_to
 from .ingest import IngestError, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
-from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, run_read_only, to_ipc
+from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
 from .store.base import Store, StoreError, open_store
 from .store.migrations import migrate
 from .telemetry import Telemetry
@@ -164,7 +164,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         c = self.c
         try:
             table = await asyncio.to_thread(
-                run_read_only, c.store, c.guard, request.sql, dict(request.params), c.options.limits, request.max_rows
+                run_read_only, c.store, c.guard, request.sql, params_from_wire(request.params), c.options.limits, request.max_rows
             )
             data = await asyncio.to_thread(to_ipc, table)
         except QueryRefused as e:

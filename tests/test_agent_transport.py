@@ -8,7 +8,6 @@ of the real collector that loses an acknowledgement, a fault the collector canno
 
 from __future__ import annotations
 
-import io
 import os
 import socket
 import sys
@@ -22,13 +21,13 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from rankscope.agent.config import AgentConfig, load_config
 from rankscope.agent.spool import leftovers
 from rankscope.agent.transport import Transport
-from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc, telemetry_pb2
+from rankscope.collector.client import Client
+from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 
 from conftest import Proc, ProcRunner
 
@@ -45,11 +44,8 @@ class Collector:
     address: str
 
     def query(self, sql: str, **params: str) -> list[dict]:
-        with grpc.insecure_channel(self.address) as channel:
-            reply = query_pb2_grpc.QueryStub(channel).Query(
-                query_pb2.QueryRequest(sql=sql, params=params), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30
-            )
-        return pa.ipc.open_stream(io.BytesIO(reply.arrow_ipc)).read_all().to_pylist()
+        with Client(self.address, token=TOKEN) as client:
+            return client.query(sql, params).to_pylist()
 
     def count(self, table: str, run_id: str) -> int:
         return self.query(f"SELECT count() AS n FROM {table} WHERE run_id = {{run:String}}", run=run_id)[0]["n"]

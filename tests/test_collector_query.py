@@ -11,7 +11,8 @@ from rankscope.collector.query import (
     ReadOnlyGuard,
     engine_settings,
     from_ipc,
-    params_as_text,
+    params_from_wire,
+    params_to_wire,
     to_ipc,
 )
 
@@ -90,10 +91,11 @@ def test_table_functions_of_the_engine_are_refused_unless_they_stay_in_the_store
     assert {"file", "url", "s3", "python", "filesystem"} <= guard.refused_functions
 
 
-def test_params_travel_as_text_the_engine_parses() -> None:
-    assert params_as_text({"s": "a'b", "n": 3, "f": 0.5, "b": True, "ranks": [1, 2], "names": ("x", "it's")}) == {
-        "s": "a'b", "n": "3", "f": "0.5", "b": "1", "ranks": "[1, 2]", "names": "['x', 'it\\'s']",
-    }
+def test_params_travel_json_encoded_and_come_back_as_given() -> None:
+    params = {"s": "a'b", "n": 3, "f": 0.5, "b": True, "ranks": [1, 2], "names": ["x", "it's"]}
+    assert params_from_wire(params_to_wire(params)) == params
+    with pytest.raises(QueryRefused, match="JSON-encoded"):
+        params_from_wire({"s": "not json"})
 
 
 def test_engine_settings_make_the_read_readonly_last_and_cap_the_rows() -> None:

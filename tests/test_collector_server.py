@@ -233,6 +233,16 @@ def test_into_outfile_writes_nothing(client: Client, tmp_path: Path) -> None:
     assert not target.exists()
 
 
+def test_parameters_of_every_type_arrive_as_given(client: Client) -> None:
+    """Through the wire and into the engine exactly once: quotes stay data, lists stay arrays."""
+    got = one(
+        client,
+        "SELECT {s:String} AS s, {n:UInt32} AS n, {f:Float64} AS f, {names:Array(String)} AS names, {ranks:Array(UInt32)} AS ranks",
+        s="it's \\ a\ttab", n=7, f=0.5, names=["x", "it's"], ranks=[3, 1],
+    )
+    assert got == [{"s": "it's \\ a\ttab", "n": 7, "f": 0.5, "names": ["x", "it's"], "ranks": [3, 1]}]
+
+
 def test_the_engine_itself_runs_reads_readonly(client: Client) -> None:
     assert one(client, "SELECT getSetting('readonly') AS ro") == [{"ro": 1}]
     assert one(client, "SELECT {n:UInt32} + 1 AS n, {s:String} AS s", n=41, s="it's; DROP") == [{"n": 42, "s": "it's; DROP"}]

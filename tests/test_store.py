@@ -82,7 +82,8 @@ def sample_rows(table: str, n: int = 3, *, run_id: str = "run-1", start_ns: int 
                            "ranks": [[int(k), int(k) + 8, int(k) + 16] for k in i], "registered": ns},
         "spans": lambda: {"run_id": [run_id] * n, "rank": u32, "step": u32 + 1, "name": ["forward"] * n, "kind": ["compute"] * n,
                           "start_time": ns, "end_time": ns + 12_345_678 + i, "microbatch": (i % 4).astype("int32"),
-                          "attributes": ['{"layer": 3}', ""] * (n // 2) + [""] * (n % 2)},
+                          "attributes": ['{"layer": 3}', ""] * (n // 2) + [""] * (n % 2),
+                          "cpu_ns": np.where(i % 2 == 1, -1, 9_000_000 + i * 1_000_000).astype("int64")},
         "collectives": lambda: {"run_id": [run_id] * n, "rank": u32, "group_name": ["tp[0]"] * n, "seq": i.astype("int64") + 1,
                                 "op": ["all_reduce"] * n, "nbytes": np.full(n, 1 << 24, "uint64"), "dtype": ["bfloat16"] * n,
                                 "peer": np.full(n, -1, "int32"), "issue_time": ns, "start_time": ns + 1000, "end_time": ns + 2_000_001,
@@ -237,6 +238,11 @@ def test_step_segments_sum_the_pieces_of_each_ranks_segment_per_step(migrated: S
     assert [(g["rank"], g["total"], g["pieces"]) for g in got] == [
         (r, 2 * d, 2) for r, d in zip(rows["rank"].to_pylist(), [12_345_678, 12_345_679, 12_345_680])
     ]
+    cpu = migrated.query_arrow(
+        f"SELECT rank, sum(total_cpu_ns) AS cpu, sum(cpu_pieces) AS measured FROM {migrated.database}.step_segments "
+        "GROUP BY rank ORDER BY rank"
+    ).to_pylist()  # only measured pieces count: the rank whose CPU time is -1 has none
+    assert [(c["cpu"], c["measured"]) for c in cpu] == [(18_000_000, 2), (0, 0), (22_000_000, 2)]
     assert {(g["step"], g["name"]) for g in got} == set(zip(rows["step"].to_pylist(), rows["name"].to_pylist()))
 
 

@@ -84,17 +84,21 @@ def reduce_scatter(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any) -> None:
     """Post every point-to-point send and receive (peers are global ranks) together and wait for all.
 
-    Posting both directions at once is what keeps the 1F1B schedule free of deadlocks.
+    Posting both directions at once is what keeps the 1F1B schedule free of deadlocks. A send
+    over an injected slow link is posted late, after everything else: only that direction waits.
     """
     if not sends and not recvs:
         return
-    delay = max((_injector.link_delay(peer) for _, peer in sends), default=0.0) if _injector else 0.0
+    delay = {peer: _injector.link_delay(peer) for _, peer in sends} if _injector else {}
+    slow = [(t, peer) for t, peer in sends if delay.get(peer)]
     with _Blocking():
-        if delay:
-            time.sleep(delay)
-        ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+        ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if not delay.get(peer)]
         ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if slow:
+            time.sleep(max(delay.values()))
+            works += dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, group) for t, peer in slow])
+        for work in works:
             work.wait()
 
 

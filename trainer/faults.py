@@ -139,10 +139,22 @@ class Injector:
         """Whether this rank is an injected straggler at the current step."""
         return self._factor > 1.0
 
-    def stretch(self, compute_s: float) -> None:
-        """Make ``compute_s`` seconds of this rank's compute take ``factor`` times as long."""
-        if self._factor > 1.0 and compute_s > 0:
-            time.sleep((self._factor - 1.0) * compute_s)
+    def stretch(self, compute_s: float, *, burn: bool) -> None:
+        """Make ``compute_s`` seconds of this rank's compute take ``factor`` times as long.
+
+        ``burn``: on CPU the rank does the extra work (spins on its CPU clock), so its CPU time
+        grows as a slower CPU's would; on a GPU the host sleeps between synchronised points,
+        which the device's events record as time the segment took.
+        """
+        extra = (self._factor - 1.0) * compute_s
+        if extra <= 0:
+            return
+        if not burn:
+            time.sleep(extra)
+            return
+        end = time.thread_time() + extra
+        while time.thread_time() < end:
+            pass
 
     def poison(self, step: int) -> bool:
         """Whether this rank's output becomes NaN at ``step``."""

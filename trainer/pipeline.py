@@ -97,18 +97,25 @@ class Pipeline:
 
     @contextlib.contextmanager
     def _compute(self, name: str, microbatch: int) -> Iterator[None]:
-        """A compute span; an injected straggler stretches its own compute, not its waits in collectives."""
+        """A compute span; an injected straggler stretches its own compute, not its waits in collectives.
+
+        On CPU compute is the thread's CPU time (waits in collectives block without using it);
+        on a GPU it is the synchronised wall time minus the time blocked in collectives.
+        """
         with agent.span(name, kind="compute", step=self.step, microbatch=microbatch):
             if not self.injector.stretching:
                 yield
                 return
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if self.device.type != "cuda":
+                cpu0 = time.thread_time()
+                yield
+                self.injector.stretch(time.thread_time() - cpu0, burn=True)
+                return
+            torch.cuda.synchronize(self.device)
             t0, blocked0 = time.perf_counter(), comm.blocked_seconds()
             yield
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.injector.stretch(time.perf_counter() - t0 - (comm.blocked_seconds() - blocked0))
+            torch.cuda.synchronize(self.device)
+            self.injector.stretch(time.perf_counter() - t0 - (comm.blocked_seconds() - blocked0), burn=False)
 
     def _forward(self, microbatch: int, x: torch.Tensor | None) -> torch.Tensor:
         need_tokens = self.ps.is_first_stage or self.ps.is_last_stage

@@ -23,13 +23,17 @@ class Settings:
     #: a rank silent for this long without saying it ended is lost
     silent_after_s: float = 15.0
     #: straggler: slower than its stage's median by at least this share ...
-    straggler_excess: float = 0.08
+    straggler_excess: float = 0.10
     #: ... over this many recent steps (median of them), seen in at least ``straggler_min_steps``
     straggler_window: int = 6
     straggler_min_steps: int = 3
-    #: slow link: a pair's transfer time this many times the median of comparable pairs, and at least this long
+    #: ... and by at least this much time per step (tiny segments are all noise)
+    straggler_min_excess_s: float = 0.002
+    #: slow link: a pair's transfer time this many times the median of comparable pairs ...
     slow_link_ratio: float = 4.0
-    slow_link_min_s: float = 0.02
+    #: ... costing at least this share of a step (and this much time) per step
+    slow_link_step_share: float = 0.05
+    slow_link_min_s: float = 0.005
     #: loss spike: the loss this many times the median of the previous steps
     loss_spike_ratio: float = 2.0
 

@@ -9,7 +9,6 @@ host, no other incident, and how long after the fault began it was reported.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rankscope.processes import terminate_tree
 
 HOSTS = "node-{rank//2}"
 HANG_AFTER_S = 10.0
@@ -203,19 +204,7 @@ def _wait_for_address(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: 
     raise RuntimeError(f"the collector did not start within {timeout_s:.0f} s")
 
 
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """SIGTERM the process group (torchrun stops its ranks), then SIGKILL what is left."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """Stop a process and every process under it (torchrun's workers live in sessions of their own)."""
+    terminate_tree(proc, grace_s)
     proc.wait()

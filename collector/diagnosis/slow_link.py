@@ -4,7 +4,9 @@ A transfer is timed from the moment both sides have arrived to the moment the re
 data: a receiver waiting for a late sender is not a slow link, the sender is late. A rank
 "arrives" when it enters the communication step: the start of the ``comm`` span around the
 operation when the code marks one (the bundled trainer does), else the operation's issue time.
-Pairs are compared with pairs moving the same number of bytes.
+Pairs are compared with pairs moving the same number of bytes, and a pair is reported only when
+its extra time costs a visible share of a training step: on shared or busy hosts every transfer
+carries milliseconds of scheduling noise that no link is to blame for.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ TRANSFERS_SQL = """
 WITH p2p AS (
     SELECT rank, group_name, seq, op, peer, nbytes, step, issue_time, end_time
     FROM collectives
-    WHERE run_id = {run:String} AND peer >= 0 AND step >= {first_step:UInt32} AND end_time > toDateTime64(0, 9)
+    WHERE run_id = {run:String} AND peer >= 0 AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}
+      AND end_time > toDateTime64(0, 9)
 ),
 arrived AS (
     SELECT c.rank AS rank, c.group_name AS group_name, c.seq AS seq, c.op AS op, c.peer AS peer, c.nbytes AS nbytes,
@@ -29,7 +32,7 @@ arrived AS (
     FROM p2p AS c
     ASOF LEFT JOIN (
         SELECT rank, start_time, end_time FROM spans
-        WHERE run_id = {run:String} AND kind = 'comm' AND step >= {first_step:UInt32}
+        WHERE run_id = {run:String} AND kind = 'comm' AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}
     ) AS s ON c.rank = s.rank AND c.issue_time >= s.start_time
 )
 SELECT snd.rank AS src, rcv.rank AS dst, snd.nbytes AS nbytes, snd.step AS step,
@@ -39,6 +42,12 @@ FROM (SELECT * FROM arrived WHERE positionCaseInsensitive(op, 'send') > 0) AS sn
 INNER JOIN (SELECT * FROM arrived WHERE positionCaseInsensitive(op, 'recv') > 0) AS rcv
     ON snd.group_name = rcv.group_name AND snd.seq = rcv.seq AND snd.rank = rcv.peer AND snd.peer = rcv.rank
 """
+MIN_STEPS = 3
+
+STEP_TIME_SQL = (
+    "SELECT median(value) AS step_s FROM step_metrics WHERE run_id = {run:String} AND name = 'step_time_s' "
+    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
+)
 EVIDENCE_SQL = (
     "SELECT rank, peer, op, group_name, seq, step, issue_time, end_time, "
     "toUnixTimestamp64Nano(end_time) - toUnixTimestamp64Nano(issue_time) AS ns FROM collectives "
@@ -53,11 +62,22 @@ def detect(ctx: RunContext) -> list[Finding]:
     last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
     if last_step == 0:
         return []
-    first_step = max(1, last_step - 10)
-    rows = ctx.query(TRANSFERS_SQL, {"run": ctx.run_id, "first_step": first_step}).to_pydict()
+    # Completed steps only (the newest is in progress, or cut short by a hang or crash), not the
+    # first (start-up), and enough of them to judge; without a step time there is no yardstick.
+    last_step -= 1
+    first_step = max(2, last_step - 10)
+    if last_step - first_step + 1 < MIN_STEPS:
+        return []
+    window = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step}
+    step_s = ctx.query(STEP_TIME_SQL, window).to_pylist()[0]["step_s"]
+    if not step_s:
+        return []
+    rows = ctx.query(TRANSFERS_SQL, window).to_pydict()
     pairs: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
+    steps = set(rows["step"])
     for src, dst, nbytes, transfer, end in zip(rows["src"], rows["dst"], rows["nbytes"], rows["transfer_ns"], rows["end_ns"]):
         pairs[(src, dst, nbytes)].append((max(transfer, 0), end))
+    min_cost_s = max(s.slow_link_min_s, s.slow_link_step_share * step_s)
     medians = {pair: float(np.median([t for t, _ in v])) for pair, v in pairs.items() if len(v) >= 2}
     findings = []
     for (src, dst, nbytes), median in medians.items():
@@ -65,9 +85,10 @@ def detect(ctx: RunContext) -> list[Finding]:
         if len(peers) < 2:
             continue
         typical = float(np.median(peers))
-        if median / 1e9 < s.slow_link_min_s or median < s.slow_link_ratio * max(typical, 1.0):
-            continue
         samples = pairs[(src, dst, nbytes)]
+        cost_per_step_s = (median - typical) / 1e9 * len(samples) / max(len(steps), 1)
+        if median < s.slow_link_ratio * max(typical, 1.0) or cost_per_step_s < min_cost_s:
+            continue
         ranks = (src, dst)
         findings.append(
             Finding(
@@ -83,7 +104,8 @@ def detect(ctx: RunContext) -> list[Finding]:
                     f"{median / max(typical, 1.0):.0f}x the {typical / 1e6:.1f} ms of other pairs moving {nbytes} bytes"
                 ),
                 evidence={"median_transfer_ms": round(median / 1e6, 3), "typical_ms": round(typical / 1e6, 3),
-                          "transfers": len(samples), "bytes": nbytes, "compared_pairs": len(peers)},  # fmt: skip
+                          "transfers": len(samples), "bytes": nbytes, "compared_pairs": len(peers),
+                          "cost_per_step_ms": round(cost_per_step_s * 1e3, 1), "step_time_ms": round(1e3 * step_s, 1)},  # fmt: skip
                 sql=ctx.literal_sql(EVIDENCE_SQL, src=src, dst=dst),
             )
         )

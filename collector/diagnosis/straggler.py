@@ -6,6 +6,9 @@ the straggler itself). Compute time comes from ``step_segments``: the pieces of 
 its waits in collectives cut out, so a tensor-parallel peer waiting for the straggler does not
 look slow. Communication time is the wrong signal: the fast ranks are the ones that wait.
 Corroboration: in the groups it belongs to, the straggler arrives last at collectives.
+Where the agent measured the CPU time of every piece of a segment (host-only runs on shared
+cores, see agent.recorder), that is compared instead of wall time: it measures the work, while
+wall time there mostly measures the scheduler.
 A host is named when every rank on it (two or more) is a straggler.
 """
 
@@ -19,13 +22,14 @@ from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
 
 SEGMENTS_SQL = (
-    "SELECT name, step, rank, sum(total_ns) AS ns, toUnixTimestamp64Nano(min(first_start)) AS started "
+    "SELECT name, step, rank, sum(total_ns) AS wall, sum(total_cpu_ns) AS cpu, sum(pieces) = sum(cpu_pieces) AS has_cpu, "
+    "toUnixTimestamp64Nano(min(first_start)) AS started "
     "FROM step_segments WHERE run_id = {run:String} AND kind IN ('compute', 'data', 'optimizer') "
-    "AND step >= {first_step:UInt32} GROUP BY name, step, rank"
+    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} GROUP BY name, step, rank"
 )
 
 EVIDENCE_SQL = (
-    "SELECT step, rank, round(sum(total_ns) / 1e6, 2) AS ms FROM step_segments "
+    "SELECT step, rank, round(sum(total_ns) / 1e6, 2) AS wall_ms, round(sum(total_cpu_ns) / 1e6, 2) AS cpu_ms FROM step_segments "
     "WHERE run_id = {run:String} AND name = {segment:String} AND rank IN {ranks:Array(UInt32)} "
     "GROUP BY step, rank ORDER BY step, rank"
 )
@@ -46,8 +50,13 @@ def detect(ctx: RunContext) -> list[Finding]:
     last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
     if last_step == 0:
         return []
-    first_step = max(1, last_step - 4 * s.straggler_window)
-    rows = ctx.query(SEGMENTS_SQL, {"run": ctx.run_id, "first_step": first_step})
+    # Completed steps only: the newest is in progress (or was cut short by a hang or crash),
+    # and step 1 carries one-time start-up costs.
+    last_step -= 1
+    first_step = max(2, last_step - 4 * s.straggler_window)
+    if last_step < first_step:
+        return []
+    rows = ctx.query(SEGMENTS_SQL, {"run": ctx.run_id, "first_step": first_step, "last_step": last_step})
     if rows.num_rows == 0:
         return []
     slow = _slow_segments(ctx, rows.to_pydict())
@@ -60,10 +69,13 @@ def detect(ctx: RunContext) -> list[Finding]:
 def _slow_segments(ctx: RunContext, cols: dict[str, list]) -> dict[int, dict]:
     """rank -> its slowest persistently slow segment: {segment, ratio, since_step, since_ns, steps, peers_ms, ms}."""
     s = ctx.settings
+    # A segment is compared on CPU time when every piece of it, on every rank, had it measured.
+    wall_only = {name for name, has_cpu in zip(cols["name"], cols["has_cpu"]) if not has_cpu}
     # (segment, step, stage) -> {rank: (ns, started)}
     cells: dict[tuple[str, int, int], dict[int, tuple[int, int]]] = defaultdict(dict)
-    for name, step, rank, ns, started in zip(cols["name"], cols["step"], cols["rank"], cols["ns"], cols["started"]):
-        cells[(name, step, ctx.stage.get(rank, 0))][rank] = (ns, started)
+    rows = zip(cols["name"], cols["step"], cols["rank"], cols["wall"], cols["cpu"], cols["started"])
+    for name, step, rank, wall, cpu, started in rows:
+        cells[(name, step, ctx.stage.get(rank, 0))][rank] = (wall if name in wall_only else cpu, started)
     # (rank, segment) -> [(step, ratio, own ns, median ns, started)]
     series: dict[tuple[int, str], list[tuple[int, float, int, float, int]]] = defaultdict(list)
     for (name, step, _stage), by_rank in cells.items():
@@ -74,36 +86,46 @@ def _slow_segments(ctx: RunContext, cols: dict[str, list]) -> dict[int, dict]:
         for i, (rank, (ns, started)) in enumerate(by_rank.items()):
             # In a small stage the straggler would pull the median towards itself: leave it out.
             median = float(np.median(np.delete(values, i))) if len(values) <= 4 else full_median
-            if median > 0:
-                series[(rank, name)].append((step, ns / median, ns, median, started))
+            if median <= 0:
+                continue
+            # An excess too small to matter (a millisecond of data loading) is no slowness.
+            ratio = ns / median if ns - median >= s.straggler_min_excess_s * 1e9 else min(ns / median, 1.0)
+            series[(rank, name)].append((step, ratio, ns, median, started))
     found: dict[int, dict] = {}
+    threshold = 1 + s.straggler_excess
     for (rank, name), points in series.items():
         points.sort()
         recent = points[-s.straggler_window :]
-        ratios = np.array([p[1] for p in recent])
-        over = ratios >= 1 + s.straggler_excess
-        if len(recent) < s.straggler_min_steps or over.sum() < s.straggler_min_steps:
-            continue
-        ratio = float(np.median(ratios))
-        if ratio < 1 + s.straggler_excess:
-            continue
-        # The streak: the last steps in a row above the threshold, back from the newest.
-        streak = 0
-        for p in reversed(points):
-            if p[1] < 1 + s.straggler_excess:
-                break
-            streak += 1
-        start = points[len(points) - max(streak, 1)]
+        slow = [p for p in recent if p[1] >= threshold]
+        if len(slow) < s.straggler_min_steps or recent[-1][1] < threshold:
+            continue  # not slow often enough lately, or no longer slow
+        episode = _episode(points, threshold)
+        ratio = float(np.median([p[1] for p in episode if p[1] >= threshold]))
         if rank not in found or ratio > found[rank]["ratio"]:
             found[rank] = {
                 "segment": name,
+                "measure": "wall time" if name in wall_only else "CPU time",
                 "ratio": round(ratio, 3),
-                "since_step": start[0],
-                "since_ns": start[4],
+                "since_step": episode[0][0],
+                "since_ns": episode[0][4],
                 "last_ns": recent[-1][4],
-                "steps": [{"step": p[0], "ratio": round(p[1], 3), "ms": round(p[2] / 1e6, 2), "stage_median_ms": round(p[3] / 1e6, 2)} for p in recent],
+                "steps": [{"step": p[0], "ratio": round(p[1], 3), "ms": round(p[2] / 1e6, 2), "stage_median_ms": round(p[3] / 1e6, 2)}
+                          for p in recent],  # fmt: skip
             }
     return found
+
+
+def _episode(points: list[tuple], threshold: float) -> list[tuple]:
+    """The newest run of slow steps, allowing single steps below the threshold inside it (noise)."""
+    start = len(points) - 1
+    i = start - 1
+    while i >= 0:
+        if points[i][1] >= threshold:
+            start = i
+        elif i == 0 or points[i - 1][1] < threshold:
+            break  # two fast steps in a row (or the first step): the episode began after them
+        i -= 1
+    return points[start:]
 
 
 def _arrivals(ctx: RunContext, first_step: int) -> dict[int, tuple[int, int]]:
@@ -136,6 +158,7 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
     stage_ranks = sorted(r for r, st in ctx.stage.items() if st == ctx.stage.get(ranks[0], 0))
     evidence = {
         "segment": info["segment"],
+        "measure": info["measure"],
         "ratio_to_stage_median": info["ratio"],
         "since_step": info["since_step"],
         "recent_steps": info["steps"],

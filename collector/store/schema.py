@@ -137,6 +137,7 @@ TABLES: tuple[Table, ...] = (
             Column("end_time", TIME, TIME_CODEC),
             Column("microbatch", "Int32"),
             Column("attributes", "String", "CODEC(ZSTD(1))", comment="JSON object, '' when none"),
+            Column("cpu_ns", "Int64", comment="CPU time of the thread in the span (host-only runs); -1 when not measured"),
             Column("duration_ns", "Int64", materialized="toUnixTimestamp64Nano(end_time) - toUnixTimestamp64Nano(start_time)"),
         ),
         order_by=("run_id", "rank", "start_time"),
@@ -155,6 +156,8 @@ TABLES: tuple[Table, ...] = (
             Column("rank", "UInt32"),
             Column("total_ns", "SimpleAggregateFunction(sum, Int64)"),
             Column("pieces", "SimpleAggregateFunction(sum, UInt64)"),
+            Column("total_cpu_ns", "SimpleAggregateFunction(sum, Int64)", comment="of the pieces whose CPU time was measured"),
+            Column("cpu_pieces", "SimpleAggregateFunction(sum, UInt64)"),
             Column("first_start", f"SimpleAggregateFunction(min, {TIME})"),
             Column("last_end", f"SimpleAggregateFunction(max, {TIME})"),
         ),
@@ -162,6 +165,7 @@ TABLES: tuple[Table, ...] = (
         source="spans",
         view=(
             "SELECT run_id, step, name, kind, rank, sum(duration_ns) AS total_ns, count() AS pieces, "
+            "sumIf(cpu_ns, cpu_ns >= 0) AS total_cpu_ns, countIf(cpu_ns >= 0) AS cpu_pieces, "
             "min(start_time) AS first_start, max(end_time) AS last_end FROM {source} WHERE step > 0 "
             "GROUP BY run_id, step, name, kind, rank"
         ),

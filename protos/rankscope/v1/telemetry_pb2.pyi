@@ -76,7 +76,7 @@ class Register(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., run_name: _Optional[str] = ..., config_json: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., agent_version: _Optional[str] = ...) -> None: ...
 
 class SpanBatch(_message.Message):
-    __slots__ = ("count", "strings", "name", "kind", "step", "microbatch", "start_ns", "end_ns", "attributes")
+    __slots__ = ("count", "strings", "name", "kind", "step", "microbatch", "start_ns", "end_ns", "attributes", "cpu_ns")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     STRINGS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class SpanBatch(_message.Message):
     START_NS_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_NS_FIELD_NUMBER: _ClassVar[int]
     count: int
     strings: _containers.RepeatedScalarFieldContainer[str]
     name: bytes
@@ -95,7 +96,8 @@ class SpanBatch(_message.Message):
     start_ns: bytes
     end_ns: bytes
     attributes: bytes
-    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., name: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., attributes: _Optional[bytes] = ...) -> None: ...
+    cpu_ns: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., name: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., attributes: _Optional[bytes] = ..., cpu_ns: _Optional[bytes] = ...) -> None: ...
 
 class CollectiveBatch(_message.Message):
     __slots__ = ("count", "strings", "group", "seq", "op", "nbytes", "dtype", "peer", "issue_ns", "start_ns", "end_ns", "state", "step")

@@ -1,0 +1,93 @@
+"""Stopping a process and everything it started, for the commands that start other processes.
+
+torchrun starts each worker in a session of its own, so signalling torchrun's process group
+misses them, and once torchrun is dead its workers are re-parented and can no longer be found
+from it. So the whole tree is read from /proc before any signal is sent: SIGTERM to the group and
+every descendant, a grace period, then SIGKILL to what is left (Linux).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+__all__ = ["terminate_tree"]
+
+
+
+def _proc_table() -> dict[int, tuple[int, int, str, int]]:
+    """pid -> (ppid, pgid, state, start time) for every process, from /proc/<pid>/stat."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
+    return table
+
+
+def _tree(root: int) -> dict[int, int]:
+    """pid -> start time of the live (non-zombie) processes in root's group or below root."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found = {pid for pid, (_, pgid, _, _) in table.items() if pgid == root}
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        found.add(pid)
+        stack.extend(children.get(pid, []))
+    return {pid: table[pid][3] for pid in found if pid in table and table[pid][2] != "Z"}
+
+
+def _alive(pids: dict[int, int]) -> dict[int, int]:
+    """Those of `pids` still running (same start time, so a reused pid is not mistaken)."""
+    table = _proc_table()
+    return {pid: start for pid, start in pids.items() if pid in table and table[pid][3] == start and table[pid][2] != "Z"}
+
+
+def _signal(pids: dict[int, int], pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in _alive(pids):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def terminate_tree(popen: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM popen's group and descendants, wait up to `grace_s`, then SIGKILL the rest.
+
+    The tree is read before any signal: once a parent dies its children are re-parented and
+    can no longer be found from it.
+    """
+    pids = _tree(popen.pid)
+    if not pids:
+        popen.poll()  # reap a zombie leader
+        return
+    _signal(pids, popen.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        popen.poll()
+        pids = _alive(pids)
+        if not pids:
+            return
+        time.sleep(0.05)
+    # Also whatever the tree started during the grace period.
+    _signal({**pids, **_tree(popen.pid)}, popen.pid, signal.SIGKILL)
+    try:
+        popen.wait(5.0)
+    except subprocess.TimeoutExpired:
+        pass
