@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"run {run_id} ({status[0]['status']}): {len(incidents)} incident{'s' if len(incidents) != 1 else ''}")
     for i in incidents:
         f = i.finding
-        print(f"\n[{f.severity}] {f.kind}: {f.summary}")
+        print(f"\n[{f.severity}] {f.summary}")
         print(f"  ranks {', '.join(map(str, f.ranks))}; hosts {', '.join(f.hosts) or '?'}; "
               f"first seen {i.as_json()['first_seen']}, last seen {i.as_json()['last_seen']}")  # fmt: skip
         print(f"  evidence: rankscope sql {json.dumps(f.sql)}")

@@ -94,12 +94,12 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     with _Blocking():
         ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if not delay.get(peer)]
         ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if slow:
-            time.sleep(max(delay.values()))
-            works += dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, group) for t, peer in slow])
-        for work in works:
+        for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
+        if slow:  # the other operations are done: only this link's sends are late
+            time.sleep(max(delay.values()))
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, group) for t, peer in slow]):
+                work.wait()
 
 
 def launch_all_reduce(tensor: torch.Tensor, group: Any) -> Any:

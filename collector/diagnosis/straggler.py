@@ -28,6 +28,61 @@ SEGMENTS_SQL = (
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} GROUP BY name, step, rank"
 )
 
+# Every (rank, segment, step) point compared with its stage, computed in the store: a 12,288-rank
+# job has about a million points in the window, too many to move and loop over in Python every
+# pass. Medians are exact and equal to numpy's (the mean of the two middle values: quantileExactLow
+# and quantileExactHigh); a stage of four ranks or fewer compares each rank with the median of the
+# others. ``recent``: among the last ``window`` points of its series. The threshold of a segment in
+# a stage is 1 + max(excess, 3 robust standard deviations (1.4826 MAD) of all its recent ratios).
+# Only the points of series slow at ``min_steps`` or more steps come back: the others cannot be
+# stragglers.
+POINTS_SQL = f"""
+WITH
+seg AS ({SEGMENTS_SQL}),
+measured AS (
+    -- A segment is compared on CPU time when every piece of it, on every rank, had it measured.
+    SELECT name, step, rank, started, min(has_cpu) OVER (PARTITION BY name) = 0 AS wall_only, if(wall_only, wall, cpu) AS ns
+    FROM seg
+),
+staged AS (
+    SELECT m.*, greatest(r.pp, 0) AS stage FROM measured AS m
+    LEFT JOIN (SELECT rank, argMax(pp_rank, registered) AS pp FROM ranks WHERE run_id = {{run:String}} GROUP BY rank) AS r
+    USING (rank)
+),
+cells AS (
+    SELECT name, step, stage, count() AS n, quantileExactLow(0.5)(ns) AS lo, quantileExactHigh(0.5)(ns) AS hi,
+           groupArray(5)(ns) AS few
+    FROM staged GROUP BY name, step, stage HAVING n >= 2
+),
+points AS (
+    SELECT name, step, rank, stage, ns, started, wall_only, indexOf(few, ns) AS own,
+           arrayFilter((x, i) -> i != own, few, arrayEnumerate(few)) AS others,
+           if(n <= 4, (arrayReduce('quantileExactLow(0.5)', others) + arrayReduce('quantileExactHigh(0.5)', others)) / 2,
+              (lo + hi) / 2) AS median
+    FROM staged INNER JOIN cells USING (name, step, stage)
+),
+ratios AS (
+    -- An excess too small to matter (a millisecond of data loading) is no slowness.
+    SELECT name, step, rank, stage, ns, started, wall_only, median,
+           if(ns - median >= {{min_excess_ns:Float64}}, ns / median, least(ns / median, 1.0)) AS ratio,
+           row_number() OVER (PARTITION BY rank, name ORDER BY step DESC) <= {{window:UInt32}} AS recent
+    FROM points WHERE median > 0
+),
+thresholds AS (
+    SELECT name, stage, 1 + greatest({{excess:Float64}}, 3 * (1.4826 * ((quantileExactLow(0.5)(dev) + quantileExactHigh(0.5)(dev)) / 2))) AS threshold
+    FROM (
+        SELECT name, stage, abs(ratio - (quantileExactLow(0.5)(ratio) OVER w + quantileExactHigh(0.5)(ratio) OVER w) / 2) AS dev
+        FROM ratios WHERE recent WINDOW w AS (PARTITION BY name, stage)
+    )
+    GROUP BY name, stage
+),
+judged AS (SELECT * FROM ratios INNER JOIN thresholds USING (name, stage))
+SELECT name, step, rank, stage, ns, median, ratio, started, wall_only, threshold FROM judged
+WHERE (rank, name) IN (
+    SELECT rank, name FROM judged WHERE ratio >= threshold GROUP BY rank, name HAVING count() >= {{min_steps:UInt32}}
+)
+"""
+
 EVIDENCE_SQL = (
     "SELECT step, rank, round(sum(total_ns) / 1e6, 2) AS wall_ms, round(sum(total_cpu_ns) / 1e6, 2) AS cpu_ms FROM step_segments "
     "WHERE run_id = {run:String} AND name = {segment:String} AND rank IN {ranks:Array(UInt32)} "
@@ -50,50 +105,38 @@ def detect(ctx: RunContext) -> list[Finding]:
     last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
     if last_step == 0:
         return []
-    # Completed steps only: the newest is in progress (or was cut short by a hang or crash),
-    # and step 1 carries one-time start-up costs.
+    # Completed steps only: the newest is in progress (or was cut short by a hang or crash), and
+    # the first two carry start-up and warm-up costs (allocations, first-time code paths).
     last_step -= 1
-    first_step = max(2, last_step - 4 * s.straggler_window)
+    first_step = max(3, last_step - 4 * s.straggler_window)
     if last_step < first_step:
         return []
-    rows = ctx.query(SEGMENTS_SQL, {"run": ctx.run_id, "first_step": first_step, "last_step": last_step})
-    if rows.num_rows == 0:
-        return []
-    slow = _slow_segments(ctx, rows.to_pydict())
+    slow = _slow_segments(ctx, first_step, last_step)
     if not slow:
         return []
     arrivals = _arrivals(ctx, first_step)
     return _findings(ctx, slow, arrivals)
 
 
-def _slow_segments(ctx: RunContext, cols: dict[str, list]) -> dict[int, dict]:
+def _slow_segments(ctx: RunContext, first_step: int, last_step: int) -> dict[int, dict]:
     """rank -> its slowest persistently slow segment: {segment, ratio, since_step, since_ns, steps, peers_ms, ms}."""
     s = ctx.settings
-    # A segment is compared on CPU time when every piece of it, on every rank, had it measured.
-    wall_only = {name for name, has_cpu in zip(cols["name"], cols["has_cpu"]) if not has_cpu}
-    # (segment, step, stage) -> {rank: (ns, started)}
-    cells: dict[tuple[str, int, int], dict[int, tuple[int, int]]] = defaultdict(dict)
-    rows = zip(cols["name"], cols["step"], cols["rank"], cols["wall"], cols["cpu"], cols["started"])
-    for name, step, rank, wall, cpu, started in rows:
-        cells[(name, step, ctx.stage.get(rank, 0))][rank] = (wall if name in wall_only else cpu, started)
-    # (rank, segment) -> [(step, ratio, own ns, median ns, started)]
+    params = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step, "window": s.straggler_window,
+              "min_excess_ns": s.straggler_min_excess_s * 1e9, "excess": s.straggler_excess, "min_steps": s.straggler_min_steps}  # fmt: skip
+    cols = ctx.query(POINTS_SQL, params).to_pydict()
+    # (rank, segment) -> [(step, ratio, own ns, median ns, started)], for the series that may be slow
     series: dict[tuple[int, str], list[tuple[int, float, int, float, int]]] = defaultdict(list)
-    for (name, step, _stage), by_rank in cells.items():
-        if len(by_rank) < 2:
-            continue
-        values = np.array([v[0] for v in by_rank.values()], dtype=np.float64)
-        full_median = float(np.median(values))
-        for i, (rank, (ns, started)) in enumerate(by_rank.items()):
-            # In a small stage the straggler would pull the median towards itself: leave it out.
-            median = float(np.median(np.delete(values, i))) if len(values) <= 4 else full_median
-            if median <= 0:
-                continue
-            # An excess too small to matter (a millisecond of data loading) is no slowness.
-            ratio = ns / median if ns - median >= s.straggler_min_excess_s * 1e9 else min(ns / median, 1.0)
-            series[(rank, name)].append((step, ratio, ns, median, started))
+    thresholds: dict[tuple[str, int], float] = {}
+    wall_only: set[str] = set()
+    rows = zip(*(cols[c] for c in ("name", "step", "rank", "stage", "ns", "median", "ratio", "started", "wall_only", "threshold")))
+    for name, step, rank, stage, ns, median, ratio, started, wall, threshold in rows:
+        series[(rank, name)].append((step, ratio, ns, median, started))
+        thresholds[(name, stage)] = threshold
+        if wall:
+            wall_only.add(name)
     found: dict[int, dict] = {}
-    threshold = 1 + s.straggler_excess
     for (rank, name), points in series.items():
+        threshold = thresholds[(name, ctx.stage.get(rank, 0))]
         points.sort()
         recent = points[-s.straggler_window :]
         slow = [p for p in recent if p[1] >= threshold]
@@ -106,6 +149,7 @@ def _slow_segments(ctx: RunContext, cols: dict[str, list]) -> dict[int, dict]:
                 "segment": name,
                 "measure": "wall time" if name in wall_only else "CPU time",
                 "ratio": round(ratio, 3),
+                "threshold": round(threshold, 3),
                 "since_step": episode[0][0],
                 "since_ns": episode[0][4],
                 "last_ns": recent[-1][4],
@@ -159,6 +203,7 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
     evidence = {
         "segment": info["segment"],
         "measure": info["measure"],
+        "slow_above_ratio": info["threshold"],
         "ratio_to_stage_median": info["ratio"],
         "since_step": info["since_step"],
         "recent_steps": info["steps"],
