@@ -52,7 +52,7 @@ log = logging.getLogger("rankscope.agent")
 SCHEMA_VERSION = 1
 METHOD = "/rankscope.v1.Ingest/Send"
 WINDOW = 64  # calls in flight: the collector acknowledges a batch once written, in bulk
-CALL_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 30.0  # acknowledgements follow the write: a busy collector is slow, not gone
 BACKOFF_FIRST_S = 0.2
 BACKOFF_MAX_S = 5.0
 MAX_ATTEMPTS = 5  # for failures that are neither the network's nor the batch's fault
@@ -128,6 +128,8 @@ class Transport:
         on_command: Callable[[ingest_pb2.Command], None] | None = None,
         max_queue_bytes: int = 64 << 20,
         name: str = "",
+        window: int = WINDOW,
+        clock: ClockEstimator | None = None,
     ) -> None:
         self.config = config
         self.run_id = run_id
@@ -135,6 +137,10 @@ class Transport:
         self.name = name or f"rank{rank}"
         self.on_command = on_command
         self.max_queue_bytes = max_queue_bytes
+        # Calls in flight. A batch is acknowledged once written (every flush interval), so one
+        # Transport sends at most ``window`` batches per flush: one that speaks for many ranks
+        # needs a window to match.
+        self.window = window
         self._instance = os.urandom(8)
         self._seq = 0
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -142,7 +148,8 @@ class Transport:
         self._queued_bytes = 0
         self._rejected = (0, 0)  # (batches, events) refused by submit; under _budget_lock
         self._stats = TransportStats()
-        self._clock = ClockEstimator()
+        # Ranks that share one clock (a simulator's) may share one estimate that stops moving.
+        self._clock = clock if clock is not None else ClockEstimator()
         self._spool = Spool(config.spool_dir, f"{_safe(self.name)}-{os.getpid()}-{self._instance.hex()}", config.spool_max_bytes)
         self._thread: threading.Thread | None = None
         self._accepting = True
@@ -162,6 +169,7 @@ class Transport:
         self._registers: dict[int, Message] = {}
         self._reregister: deque[_Out] = deque()
         self._closing_at: float | None = None
+        self._close_probe = False  # closing while down: one more probe is owed
         self._channel: grpc.Channel | None = None
         self._send: Any = None
         self._metadata: tuple[tuple[str, str], ...] | None = None
@@ -266,7 +274,7 @@ class Transport:
         if time.monotonic() >= self._closing_at:
             return True
         idle = not (self._pending or self._retry or self._inflight) and self._spool.empty
-        return idle or (self._down and not self._inflight)
+        return idle or (self._down and not self._inflight and not self._close_probe)
 
     def _wait_s(self) -> float:
         now = time.monotonic()
@@ -290,6 +298,9 @@ class Transport:
                 self._completed(item)
             elif item[0] is _CLOSE:
                 self._closing_at = item[1]
+                # Believed down? Ask once more before giving up: "down" may only have meant slow
+                # acknowledgements, and the last batches (the rank's last word) matter most.
+                self._close_probe = self._down
                 if self._down:
                     self._next_probe = time.monotonic()  # one last try before spooling for good
             else:
@@ -335,6 +346,7 @@ class Transport:
         if self._down:
             if now < self._next_probe or self._inflight:
                 return
+            self._close_probe = False  # this is the probe closing asked for
             # The probe: its outcome decides whether the collector is back. The registrations
             # go first after a reconnect (the collector may have restarted, or be another).
             first = next(iter(self._registers.items()), None)
@@ -345,7 +357,7 @@ class Transport:
             else:
                 self._next_probe = now + self._backoff_s
             return
-        while len(self._inflight) < WINDOW:
+        while len(self._inflight) < self.window:
             out = self._next_out()
             if out is None:
                 return
