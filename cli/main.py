@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "diagnose": "rankscope.cli.diagnose",
     "scenario": "rankscope.cli.scenario",
     "spool": "rankscope.cli.spool",
+    "dashboard": "rankscope.cli.dashboard",
 }
 
 

@@ -1,0 +1,468 @@
+"""The dashboard's queries: one function per figure or table, each aggregating in SQL.
+
+Every function returns what its figure draws and nothing more (a heat map gets one value per
+cell, a timeline only the window it shows), so a page never pulls a whole run across the wire.
+
+Caching: each function is cached twice by Streamlit (``per_run``): briefly (``LIVE_TTL_S``) for a
+run that is still going, and for ``SETTLED_TTL_S`` once it is over. The ``Run`` passed in is part
+of the cache key, and a live run's ``Run`` changes with every new heartbeat (``last_ns``,
+``steps``), so cached answers for a live run also go stale as soon as the run moves on.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import pandas as pd
+import streamlit as st
+
+from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, Incident, from_rows
+from rankscope.dashboard.connection import query
+
+#: seconds a live run's answers are kept (live pages redraw every ui.REFRESH_S)
+LIVE_TTL_S = 2.0
+#: seconds a finished run's answers are kept (they do not change; this only bounds memory)
+SETTLED_TTL_S = 3600.0
+#: a run silent this long that never ended (its collector was stopped) is no longer refreshed
+STALE_S = 600.0
+#: the newest runs listed (older ones stay reachable with ?run=)
+RUNS_LISTED = 200
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run as the pages see it; ``status`` is ``hung`` while a hang incident is open, whatever
+    the collector recorded (a hung run killed by its launcher is stored as failed)."""
+
+    id: str
+    name: str
+    status: str  # running, hung, finished, failed
+    start_ns: int
+    end_ns: int  # 0 while the run is not over
+    last_ns: int  # the newest heartbeat, 0 when none arrived
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    steps: int  # the highest step any rank reached
+    open_incidents: int
+    incidents: int
+
+    @property
+    def live(self) -> bool:
+        """Whether data may still arrive (not ended, heard from lately): pages refresh only then."""
+        return self.end_ns == 0 and time.time_ns() - max(self.last_ns, self.start_ns) < STALE_S * 1e9
+
+    @property
+    def duration_s(self) -> float:
+        end = self.end_ns or self.last_ns or self.start_ns
+        return max(0.0, (end - self.start_ns) / 1e9)
+
+
+def per_run(fn: Callable[Concatenate[Run, P], R]) -> Callable[Concatenate[Run, P], R]:
+    """Cache ``fn(run, ...)`` for a short time while ``run`` is live, for long once it is over."""
+
+    def cache(ttl: float, kind: str) -> Callable[Concatenate[Run, P], R]:
+        def call(run: Run, *args: P.args, **kwargs: P.kwargs) -> R:
+            return fn(run, *args, **kwargs)
+
+        # Streamlit keys a cache by the function's name and source, and replaces a cache asked for
+        # with another TTL: each of the two needs a name of its own.
+        call.__module__, call.__qualname__ = fn.__module__, f"{fn.__qualname__}.{kind}"
+        return st.cache_data(ttl=ttl, max_entries=256, show_spinner=False)(call)
+
+    live, settled = cache(LIVE_TTL_S, "live"), cache(SETTLED_TTL_S, "settled")
+
+    @functools.wraps(fn)
+    def call(run: Run, *args: P.args, **kwargs: P.kwargs) -> R:
+        return (live if run.live else settled)(run, *args, **kwargs)
+
+    return call
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+RUNS_SQL = """
+SELECT r.run_id AS id, r.name AS name, r.status AS stored_status,
+       toUnixTimestamp64Nano(r.start_time) AS start_ns, toUnixTimestamp64Nano(r.end_time) AS end_ns,
+       r.world_size AS world_size, r.tp AS tp, r.pp AS pp, r.dp AS dp,
+       h.steps AS steps, h.last_ns AS last_ns,
+       i.open_incidents AS open_incidents, i.open_hangs AS open_hangs, i.incidents AS incidents
+FROM (SELECT * FROM runs FINAL ORDER BY start_time DESC LIMIT {limit:UInt32}) AS r
+LEFT JOIN (
+    SELECT run_id, max(step) AS steps, toUnixTimestamp64Nano(max(time)) AS last_ns FROM heartbeats
+    WHERE run_id IN (SELECT run_id FROM runs FINAL ORDER BY start_time DESC LIMIT {limit:UInt32}) GROUP BY run_id
+) AS h ON h.run_id = r.run_id
+LEFT JOIN (
+    SELECT run_id, countIf(status = 'open') AS open_incidents, countIf(status = 'open' AND kind = 'hang') AS open_hangs,
+           count() AS incidents
+    FROM incidents FINAL GROUP BY run_id
+) AS i ON i.run_id = r.run_id
+ORDER BY r.start_time DESC
+"""
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def runs() -> list[Run]:
+    """The newest runs, newest first (the list every page's run picker shows)."""
+    rows = query(RUNS_SQL, {"limit": RUNS_LISTED})
+    return [_run(r) for r in rows.to_dict("records")]
+
+
+def _run(r: dict[str, Any]) -> Run:
+    status = "hung" if r["open_hangs"] else r["stored_status"]
+    return Run(
+        id=r["id"], name=r["name"], status=status, start_ns=int(r["start_ns"]), end_ns=max(int(r["end_ns"]), 0),
+        last_ns=int(r["last_ns"]), world_size=int(r["world_size"]), tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]),
+        steps=int(r["steps"]), open_incidents=int(r["open_incidents"]), incidents=int(r["incidents"]),
+    )  # fmt: skip
+
+
+# --- incidents --------------------------------------------------------------------------------
+
+
+@per_run
+def incidents(run: Run) -> list[Incident]:
+    """Every incident of the run, open ones first, then by first sighting."""
+    rows = query(INCIDENTS_SQL, {"run": run.id}).to_dict("records")
+    for r in rows:  # evidence is JSON text written by the collector; keep a page alive if it is not
+        try:
+            json.loads(r["evidence"] or "{}")
+        except ValueError:
+            r["evidence"] = json.dumps({"unreadable evidence": r["evidence"]})
+    found = from_rows(rows)
+    return sorted(found, key=lambda i: (i.status != "open", i.finding.first_seen_ns))
+
+
+STACKS_SQL = (
+    "SELECT rank, host, toUnixTimestamp64Nano(time) AS time_ns, reason, method, text FROM stacks "
+    "WHERE run_id = {run:String} AND rank IN {ranks:Array(UInt32)} ORDER BY time DESC LIMIT 8"
+)
+
+
+@per_run
+def stacks(run: Run, ranks: tuple[int, ...]) -> pd.DataFrame:
+    """The newest stack dumps of ``ranks`` (py-spy or Python's own frames)."""
+    return query(STACKS_SQL, {"run": run.id, "ranks": list(ranks)})
+
+
+LATEST_COLLECTIVE_SQL = (
+    "SELECT group_name, seq FROM collectives WHERE run_id = {run:String} AND rank = 0 AND peer = -1 "
+    "ORDER BY issue_time DESC LIMIT 1"
+)
+
+
+@per_run
+def latest_collective(run: Run) -> tuple[str, int] | None:
+    """(group, seq) of rank 0's newest collective: a real example for the SQL cookbook."""
+    rows = query(LATEST_COLLECTIVE_SQL, {"run": run.id})
+    return (str(rows.iloc[0]["group_name"]), int(rows.iloc[0]["seq"])) if len(rows) else None
+
+
+# --- topology ---------------------------------------------------------------------------------
+
+RANKS_SQL = (
+    "SELECT rank, argMax(host, registered) AS host, argMax(pid, registered) AS pid, argMax(device, registered) AS device, "
+    "argMax(tp_rank, registered) AS tp, argMax(pp_rank, registered) AS pp, argMax(dp_rank, registered) AS dp "
+    "FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank"
+)
+
+
+@per_run
+def ranks(run: Run) -> pd.DataFrame:
+    """Who each rank is: rank, host, pid, device, tp, pp, dp."""
+    return query(RANKS_SQL, {"run": run.id})
+
+
+# --- overview ---------------------------------------------------------------------------------
+
+OVERVIEW_METRICS = ("step_time_s", "tokens_per_s", "mfu", "loss", "grad_norm")
+STEP_METRICS_SQL = """
+SELECT intDiv(step - 1, {every:UInt32}) * {every:UInt32} + 1 AS first_step, name,
+       median(value) AS mid, min(value) AS low, max(value) AS high, uniqExact(rank) AS ranks
+FROM step_metrics
+WHERE run_id = {run:String} AND name IN {names:Array(String)} AND isFinite(value)
+GROUP BY first_step, name ORDER BY name, first_step
+"""
+#: points per line on the overview: longer runs are averaged over buckets of steps
+OVERVIEW_POINTS = 2000
+
+
+@per_run
+def step_metrics(run: Run) -> pd.DataFrame:
+    """first_step, name, mid (median over ranks), low, high, ranks; long runs in buckets of steps."""
+    every = max(1, -(-run.steps // OVERVIEW_POINTS))
+    return query(STEP_METRICS_SQL, {"run": run.id, "names": list(OVERVIEW_METRICS), "every": every})
+
+
+# --- heat map ---------------------------------------------------------------------------------
+
+SEGMENTS_SQL = (
+    "SELECT name, any(kind) AS kind, sum(total_ns) / 1e9 AS total_s, max(step) AS last_step FROM step_segments WHERE run_id = {run:String} "
+    "GROUP BY name ORDER BY kind != 'compute', total_s DESC"
+)
+
+
+@per_run
+def segments(run: Run) -> pd.DataFrame:
+    """The segment names of the run (compute first, biggest first): name, kind, total_s, last_step."""
+    return query(SEGMENTS_SQL, {"run": run.id})
+
+
+# Each rank's time in the segment per step, divided by the median of its pipeline stage in that
+# step: ranks of one stage do the same work, so 1.0 is normal and 1.3 is 30% slow. CPU time when
+# every piece of the segment had it measured (host-only runs on shared cores), else wall time.
+HEAT_CELLS_SQL = """
+WITH cells AS (
+    SELECT step, rank, sum(total_ns) AS wall, sum(total_cpu_ns) AS cpu, sum(pieces) = sum(cpu_pieces) AS has_cpu
+    FROM step_segments
+    WHERE run_id = {run:String} AND name = {segment:String} AND step BETWEEN {first:UInt32} AND {last:UInt32}
+    GROUP BY step, rank
+),
+who AS (
+    SELECT rank, argMax(host, registered) AS host, argMax(pp_rank, registered) AS pp FROM ranks
+    WHERE run_id = {run:String} GROUP BY rank
+),
+timed AS (
+    SELECT c.step AS step, c.rank AS rank, w.host AS host, w.pp AS pp, if(min(c.has_cpu) OVER () = 1, c.cpu, c.wall) AS ns,
+           min(c.has_cpu) OVER () = 1 AS cpu_time
+    FROM cells AS c LEFT JOIN who AS w ON w.rank = c.rank
+),
+rated AS (
+    SELECT step, rank, host, pp AS stage, ns AS cell_ns, cpu_time, ns / nullIf(median(ns) OVER (PARTITION BY step, pp), 0) AS cell_ratio
+    FROM timed
+)
+"""
+HEAT_BY = {
+    # one row per rank
+    "rank": "SELECT step, toString(rank) AS row, rank, host, stage AS pp, cell_ns AS ns, cell_ratio AS ratio, cpu_time FROM rated",
+    # one row per host: its slowest rank (a straggler must not be averaged away)
+    "host": "SELECT step, host AS row, argMax(rank, cell_ratio) AS rank, host, min(stage) AS pp, max(cell_ns) AS ns, "
+    "max(cell_ratio) AS ratio, any(cpu_time) AS cpu_time FROM rated GROUP BY step, host",
+}
+
+
+@per_run
+def heat_cells(run: Run, segment: str, first: int, last: int, by: str) -> pd.DataFrame:
+    """step, row, rank, host, pp, ns, ratio (to the stage median), cpu_time; one row per cell.
+
+    ``by``: "rank" (a row per rank) or "host" (a row per host, its slowest rank's cell).
+    """
+    sql = HEAT_CELLS_SQL + HEAT_BY[by]
+    return query(sql, {"run": run.id, "segment": segment, "first": first, "last": last})
+
+
+# --- timeline ---------------------------------------------------------------------------------
+
+WINDOW_SQL = (
+    "SELECT toUnixTimestamp64Nano(min(first_start)) AS start_ns, toUnixTimestamp64Nano(max(last_end)) AS end_ns "
+    "FROM step_segments WHERE run_id = {run:String} AND step BETWEEN {first:UInt32} AND {last:UInt32}"
+)
+STEP_AT_SQL = (
+    "SELECT max(step) AS step FROM step_segments WHERE run_id = {run:String} AND first_start <= fromUnixTimestamp64Nano({at:Int64})"
+)
+
+
+@per_run
+def window(run: Run, first: int, last: int) -> tuple[int, int]:
+    """(start, end) in ns of steps ``first`` .. ``last`` on any rank; (0, 0) when they have no spans."""
+    row = query(WINDOW_SQL, {"run": run.id, "first": first, "last": last}).iloc[0]
+    start, end = int(row["start_ns"] or 0), int(row["end_ns"] or 0)
+    return (start, end) if start > 0 and end > start else (0, 0)
+
+
+@per_run
+def step_at(run: Run, at_ns: int) -> int:
+    """The step running at ``at_ns`` (the newest step begun by then; 1 before any)."""
+    step = query(STEP_AT_SQL, {"run": run.id, "at": at_ns}).iloc[0]["step"]
+    return max(1, int(step or 1))
+
+
+# Spans and operations are read by time on the chosen ranks: (run_id, rank, time) is the sort
+# key of both tables, so ClickHouse reads only that window.
+SPANS_SQL = """
+SELECT rank, step, name, kind, microbatch, toUnixTimestamp64Nano(start_time) AS start_ns, toUnixTimestamp64Nano(end_time) AS end_ns
+FROM spans
+WHERE run_id = {run:String} AND rank IN {ranks:Array(UInt32)}
+  AND start_time <= fromUnixTimestamp64Nano({end:Int64}) AND end_time >= fromUnixTimestamp64Nano({start:Int64})
+ORDER BY rank, start_time
+"""
+OPS_SQL = """
+SELECT rank, group_name, seq, op, peer, nbytes, state, step, toUnixTimestamp64Nano(issue_time) AS issue_ns,
+       toUnixTimestamp64Nano(start_time) AS start_ns, toUnixTimestamp64Nano(end_time) AS end_ns
+FROM collectives
+WHERE run_id = {run:String} AND rank IN {ranks:Array(UInt32)}
+  AND issue_time BETWEEN fromUnixTimestamp64Nano({start:Int64}) AND fromUnixTimestamp64Nano({end:Int64})
+ORDER BY rank, issue_time
+"""
+# The matched collectives of the window (same group and sequence on every member), the spread
+# of the members' arrivals and who came last: the rank the others waited for.
+SKEW_SQL = """
+SELECT group_name, seq, any(op) AS op, count() AS members,
+       (max(toUnixTimestamp64Nano(issue_time)) - min(toUnixTimestamp64Nano(issue_time))) / 1e6 AS skew_ms,
+       argMax(rank, issue_time) AS last_rank, argMin(rank, issue_time) AS first_rank,
+       toUnixTimestamp64Nano(max(issue_time)) AS last_issue_ns
+FROM collectives
+WHERE run_id = {run:String} AND peer = -1
+  AND issue_time BETWEEN fromUnixTimestamp64Nano({start:Int64}) AND fromUnixTimestamp64Nano({end:Int64})
+GROUP BY group_name, seq HAVING members > 1
+ORDER BY skew_ms DESC LIMIT {limit:UInt32}
+"""
+
+
+@per_run
+def spans(run: Run, rank_list: tuple[int, ...], start_ns: int, end_ns: int) -> pd.DataFrame:
+    """rank, step, name, kind, microbatch, start_ns, end_ns of the spans in the window."""
+    return query(SPANS_SQL, {"run": run.id, "ranks": list(rank_list), "start": start_ns, "end": end_ns})
+
+
+@per_run
+def operations(run: Run, rank_list: tuple[int, ...], start_ns: int, end_ns: int) -> pd.DataFrame:
+    """Collectives and point-to-point operations issued in the window by ``rank_list``."""
+    return query(OPS_SQL, {"run": run.id, "ranks": list(rank_list), "start": start_ns, "end": end_ns})
+
+
+@per_run
+def arrival_skew(run: Run, start_ns: int, end_ns: int, limit: int = 12) -> pd.DataFrame:
+    """The collectives of the window with the widest arrival spread, all members counted."""
+    return query(SKEW_SQL, {"run": run.id, "start": start_ns, "end": end_ns, "limit": limit})
+
+
+# --- 3D-parallel graph ------------------------------------------------------------------------
+
+# Every rank as it was at a moment: its coordinates, its last heartbeat by then (phase, status,
+# the first operation it was waiting in, everything in flight) and how it ended if it had.
+RANK_STATE_SQL = """
+SELECT who.rank AS rank, who.host AS host, who.pid AS pid, who.device AS device, who.tp AS tp, who.pp AS pp, who.dp AS dp,
+       beat.beat_ns AS beat_ns, beat.step AS step, beat.phase AS phase, beat.status AS beat_status,
+       beat.wait_group AS wait_group, beat.wait_seq AS wait_seq, beat.wait_op AS wait_op, beat.in_flight AS in_flight,
+       ended.exit_ns AS exit_ns, ended.reason AS exit_reason, ended.exit_code AS exit_code, ended.signal AS exit_signal,
+       ended.message AS exit_message
+FROM (
+    SELECT rank, argMax(host, registered) AS host, argMax(pid, registered) AS pid, argMax(device, registered) AS device,
+           argMax(tp_rank, registered) AS tp, argMax(pp_rank, registered) AS pp, argMax(dp_rank, registered) AS dp
+    FROM ranks WHERE run_id = {run:String} GROUP BY rank
+) AS who
+LEFT JOIN (
+    SELECT rank, toUnixTimestamp64Nano(max(time)) AS beat_ns, argMax(step, time) AS step, argMax(phase, time) AS phase,
+           argMax(status, time) AS status, argMax(inflight_group, time) AS groups, argMax(inflight_seq, time) AS seqs,
+           argMax(inflight_op, time) AS ops, argMax(inflight_waiting, time) AS waiting, indexOf(waiting, 1) AS first_wait,
+           if(first_wait > 0, groups[first_wait], '') AS wait_group, if(first_wait > 0, seqs[first_wait], 0) AS wait_seq,
+           if(first_wait > 0, ops[first_wait], '') AS wait_op,
+           arrayStringConcat(arrayMap((g, s, o) -> concat(o, ' ', g, ' #', toString(s)), groups, seqs, ops), ', ') AS in_flight
+    FROM heartbeats WHERE run_id = {run:String} AND time <= fromUnixTimestamp64Nano({at:Int64}) GROUP BY rank
+) AS beat ON beat.rank = who.rank
+LEFT JOIN (
+    SELECT rank, toUnixTimestamp64Nano(min(time)) AS exit_ns, argMin(reason, time) AS reason, argMin(exit_code, time) AS exit_code,
+           argMin(signal, time) AS signal, argMin(message, time) AS message
+    FROM exits WHERE run_id = {run:String} AND time <= fromUnixTimestamp64Nano({at:Int64}) GROUP BY rank
+) AS ended ON ended.rank = who.rank
+ORDER BY rank
+"""
+
+
+@per_run
+def rank_states(run: Run, at_ns: int) -> pd.DataFrame:
+    """One row per rank at ``at_ns`` (see RANK_STATE_SQL); ``states.classify`` names the state."""
+    return query(RANK_STATE_SQL, {"run": run.id, "at": at_ns})
+
+
+# --- hosts ------------------------------------------------------------------------------------
+
+HOSTS_SQL = """
+SELECT who.host AS host, who.ranks AS ranks, m.samples AS samples, m.gpus AS gpus, m.max_temp_c AS max_temp_c,
+       m.gpu_util AS gpu_util, m.throttled AS throttled, m.ecc_new AS ecc_new, m.xid_codes AS xid_codes
+FROM (SELECT host, groupArray(rank) AS ranks FROM (
+        SELECT rank, argMax(host, registered) AS host FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank
+     ) GROUP BY host) AS who
+LEFT JOIN (
+    SELECT host, count() AS samples, uniqExactIf(device, startsWith(name, 'hw.')) AS gpus,
+           maxIf(value, name = 'hw.temperature') AS max_temp_c, avgIf(value, name = 'hw.gpu.utilization') AS gpu_util,
+           countIf(startsWith(name, 'hw.gpu.throttle.') AND value > 0) AS throttled,
+           maxIf(value, name = 'hw.errors.ecc_uncorrected') - minIf(value, name = 'hw.errors.ecc_uncorrected') AS ecc_new,
+           uniqExactIf(name, startsWith(name, 'hw.gpu.xid.') AND value > 0) AS xid_codes
+    FROM metrics WHERE run_id = {run:String} GROUP BY host
+) AS m ON m.host = who.host
+ORDER BY host
+"""
+
+
+@per_run
+def hosts(run: Run) -> pd.DataFrame:
+    """Per host: its ranks, metric samples, GPUs, hottest GPU, mean GPU use, throttled samples,
+    new uncorrected ECC errors and Xid codes seen."""
+    return query(HOSTS_SQL, {"run": run.id})
+
+
+#: what the hosts page plots, in panel order: (metric, panel title, rate of a cumulative counter?)
+HOST_PANELS: tuple[tuple[str, str, bool], ...] = (
+    ("hw.gpu.utilization", "GPU utilisation", False),
+    ("hw.temperature", "GPU temperature (°C)", False),
+    ("hw.power", "GPU power (W)", False),
+    ("hw.gpu.memory.usage", "GPU memory used (bytes)", False),
+    ("hw.gpu.clock.sm", "SM clock (Hz)", False),
+    ("system.cpu.utilization", "host CPU utilisation", False),
+    ("system.memory.utilization", "host memory utilisation", False),
+    ("system.network.io.receive", "network receive (bytes/s)", True),
+    ("system.network.io.transmit", "network transmit (bytes/s)", True),
+)
+# Averages per time bucket, per metric and device; cumulative counters become rates (the
+# difference to the previous bucket's last value over the time between them; none for the first).
+HOST_SERIES_SQL = """
+SELECT name, device, time_ns,
+       if(name IN {counters:Array(String)}, (last - lagInFrame(last, 1, last) OVER w) / nullIf((at_ns - lagInFrame(at_ns, 1, at_ns) OVER w) / 1e9, 0),
+          mean) AS value
+FROM (
+    SELECT name, device, intDiv(toUnixTimestamp64Nano(time), {bucket_ns:Int64}) * {bucket_ns:Int64} AS time_ns,
+           avg(value) AS mean, argMax(value, time) AS last, toUnixTimestamp64Nano(max(time)) AS at_ns
+    FROM metrics WHERE run_id = {run:String} AND host = {host:String} AND name IN {names:Array(String)}
+    GROUP BY name, device, time_ns
+)
+WINDOW w AS (PARTITION BY name, device ORDER BY time_ns ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
+ORDER BY name, device, time_ns
+"""
+# Throttling (a 0/1 gauge per reason) while it is on, and ECC / Xid counters where they rose
+# (ECC counts since the driver loaded, Xid counts since the agent started), merged per bucket.
+HOST_EVENTS_SQL = """
+SELECT name, device, intDiv(toUnixTimestamp64Nano(time), {bucket_ns:Int64}) * {bucket_ns:Int64} AS time_ns,
+       max(value) AS peak
+FROM (
+    SELECT name, device, time, value,
+           value - lagInFrame(value, 1, if(startsWith(name, 'hw.gpu.xid.'), 0, value)) OVER (
+               PARTITION BY name, device ORDER BY time ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) AS rise
+    FROM metrics
+    WHERE run_id = {run:String} AND host = {host:String}
+      AND (startsWith(name, 'hw.gpu.throttle.') OR startsWith(name, 'hw.errors.ecc') OR startsWith(name, 'hw.gpu.xid.'))
+)
+WHERE if(startsWith(name, 'hw.gpu.throttle.'), value > 0, rise > 0)
+GROUP BY name, device, time_ns ORDER BY time_ns
+"""
+#: samples per line on the hosts page: a long run is averaged over wider buckets
+HOST_POINTS = 600
+
+
+def _bucket_ns(run: Run) -> int:
+    return (int(run.duration_s // HOST_POINTS) + 1) * 1_000_000_000
+
+
+@per_run
+def host_series(run: Run, host: str) -> pd.DataFrame:
+    """name, device, time_ns, value of the HOST_PANELS metrics of ``host``."""
+    names = [name for name, _, _ in HOST_PANELS]
+    counters = [name for name, _, rate in HOST_PANELS if rate]
+    params = {"run": run.id, "host": host, "names": names, "counters": counters, "bucket_ns": _bucket_ns(run)}
+    return query(HOST_SERIES_SQL, params)
+
+
+@per_run
+def host_events(run: Run, host: str) -> pd.DataFrame:
+    """name, device, time_ns, peak: the throttle / ECC / Xid samples of ``host`` that say something happened."""
+    return query(HOST_EVENTS_SQL, {"run": run.id, "host": host, "bucket_ns": _bucket_ns(run)})

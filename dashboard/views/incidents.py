@@ -1,0 +1,57 @@
+"""Incidents: the list, and one incident in full: summary, evidence, stack dump, the SQL that
+reproduces it, and links to the heat map, timeline and graph at that moment."""
+
+import streamlit as st
+
+from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.dashboard import data, ui
+from rankscope.dashboard.data import Run
+
+
+def body(run: Run) -> None:
+    ui.run_header(run, "Incidents")
+    incidents = data.incidents(run)
+    if not incidents:
+        st.success("No incidents for this run.")
+        return
+    st.markdown("\n".join(f"- **{i.finding.kind}** ({i.status}): {ui.escape(i.finding.summary)}" for i in incidents))
+    ids = [i.incident_id for i in incidents]
+    wanted = ui.param("incident")
+    chosen = st.selectbox("Incident", ids, index=ids.index(wanted) if wanted in ids else 0,
+                          format_func=lambda key: next(f"{i.finding.kind} ({i.status}): {i.finding.summary}"[:140] for i in incidents if i.incident_id == key))  # fmt: skip
+    if chosen != wanted:
+        st.query_params["incident"] = chosen
+    incident = next(i for i in incidents if i.incident_id == chosen)
+    f = incident.finding
+    st.subheader(f"{f.kind}: {', '.join(ui.who(r, ui.hosts_of(run)) for r in f.ranks) or 'the run'}")
+    ui.incident_box(run, incident, details=False)
+    st.markdown("**Evidence**")
+    st.json(dict(f.evidence), expanded=1)
+    st.markdown("**Stack dump**")
+    _stacks(run, f)
+    st.markdown("**The SQL that shows it** (copy it into `rankscope sql` or the SQL page)")
+    st.code(f.sql or "-- this incident carries no query", language="sql", wrap_lines=True)
+    st.page_link(ui.PAGES["sql"], label="Open it in the SQL console", icon=":material/database:", query_params={"run": run.id, "incident": f.key})
+
+
+def _stacks(run: Run, finding: Finding) -> None:
+    """The dumps attached to the incident (a hang's evidence), else those stored for its ranks."""
+    attached = finding.evidence.get("stacks") if isinstance(finding.evidence, dict) else None
+    if isinstance(attached, dict) and attached:
+        for rank, text in attached.items():
+            st.caption(f"rank {rank}")
+            st.code(str(text), language="text")
+        return
+    if isinstance(attached, str) and attached:
+        st.code(attached, language="text")
+        return
+    dumps = data.stacks(run, tuple(finding.ranks))
+    if dumps.empty:
+        st.caption(f"No stack dump stored for rank{'s' if len(finding.ranks) != 1 else ''} {', '.join(map(str, finding.ranks))}.")
+        return
+    for dump in dumps.itertuples():
+        st.caption(f"rank {dump.rank} on {dump.host}, {ui.clock(dump.time_ns)}, {dump.method} ({dump.reason})")
+        st.code(dump.text, language="text")
+
+
+ui.page(body)

@@ -1,0 +1,383 @@
+"""The dashboard on a real recorded run: an 8-rank training run with rank 5 made 1.3x slower.
+
+One run is recorded for the whole module (``scenarios.run``: a real collector, ``rankscope train``
+with the agent on, about a minute on two cores). Then:
+
+- a collector (``--no-diagnosis``: the incidents stay as the live diagnosis wrote them) serves the
+  store, and AppTest runs every page in this process reading through it, as the dashboard does by
+  default;
+- ``rankscope dashboard --store`` serves a copy of the store (chDB lets one process hold a store
+  directory, and the collector holds the original) to Debian's chromium driven by Playwright,
+  which opens every page, checks what a person looks for, downloads the trace and saves
+  screenshots under test-artifacts/dashboard/.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import socket
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from rankscope.agent import autoload
+from rankscope.collector.diagnosis import scenarios
+from rankscope.dashboard import connection, cookbook, data, export
+from rankscope.dashboard.connection import SOURCE_VARIABLE, Source
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "dashboard" / "app.py"
+ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]  # fmt: skip
+PAGES = ("runs", "overview", "heatmap", "timeline", "graph", "hosts", "incidents", "sql")
+STRAGGLER = "rank 5 (node-2)"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, scenarios.Score]:
+    """(run id, store, a copy of the store, the diagnosis's score) of one real straggler run."""
+    workdir = tmp_path_factory.mktemp("dashboard-run")
+    score = scenarios.run(scenarios.SCENARIOS["straggler-1.3"], workdir=workdir, log=lambda line: None)
+    copy = workdir / "store-copy"
+    shutil.copytree(workdir / "store", copy, symlinks=True)  # chDB links tables into store/ with relative symlinks
+    return score.run_id, workdir / "store", copy, score
+
+
+def _diagnosed(recorded: tuple[str, Path, Path, scenarios.Score]) -> str:
+    """The id of the incident naming rank 5: the pages that show incidents need the live diagnosis to have found it."""
+    score = recorded[3]
+    found = [i["incident_id"] for i in score.expected if 5 in i["ranks"]]
+    assert found, f"the live diagnosis (not the dashboard) missed rank 5: {score.line()}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def collector(recorded: tuple[str, Path, Path], module_runner) -> str:
+    """The address of a collector serving the recorded store."""
+    proc = module_runner.start(
+        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(recorded[1]), "--listen", "127.0.0.1:0", "--no-diagnosis"],
+        name="collector",
+    )
+    proc.wait_for("listening on ", timeout=60)
+    line = next(x for x in (proc.stdout + proc.stderr).splitlines() if "listening on " in x)
+    return line.split("listening on ", 1)[1].split(",", 1)[0].strip()
+
+
+@pytest.fixture(scope="module")
+def reading(collector: str) -> Iterator[str]:
+    """Point in-process pages at the collector; undo what running the app does to this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SOURCE_VARIABLE, Source(collector=collector).to_env())
+        mp.setattr(autoload, "_forbidden", autoload._forbidden)  # app.py's forbid() marks this process: undo it
+        yield collector
+        connection.reset()
+
+
+def _page(name: str, **params: str) -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params.update(params)
+    at.run()
+    if name != "overview":
+        at.switch_page(f"views/{name}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _text(at: AppTest) -> str:
+    """Everything a person can read on the page, as one string."""
+    parts = []
+    for kind in ("header", "subheader", "markdown", "caption", "error", "warning", "info", "success", "code"):
+        parts += [str(e.value) for e in getattr(at, kind)]
+    parts += [e.value.to_string() for e in at.table]
+    parts += [f"{m.label} {m.value}" for m in at.metric]
+    return "\n".join(parts)
+
+
+def _figure(at: AppTest, index: int = 0) -> dict:
+    return json.loads(at.get("plotly_chart")[index].proto.spec)
+
+
+def _array(value: object) -> np.ndarray:
+    """A figure's array as plotly.py writes it: a list, or base64 typed data (``bdata``)."""
+    if isinstance(value, dict) and "bdata" in value:
+        flat = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
+        shape = value.get("shape")
+        return flat.reshape([int(n) for n in str(shape).split(",")]) if shape else flat
+    return np.array(value, dtype=float)
+
+
+def _links(at: AppTest) -> list[tuple[str, str]]:
+    """(page file, query string) of every page link."""
+    return [(e.proto.page, e.proto.query_string) for e in at.get("page_link")]
+
+
+# --- AppTest, page by page --------------------------------------------------------------------
+
+
+def test_runs_lists_the_run_with_status_shape_and_steps(recorded, reading):
+    run_id = recorded[0]
+    text = _text(_page("runs"))
+    row = next(line for line in text.splitlines() if run_id in line and "|" in line)
+    assert "finished" in row and "2 × 2 × 2" in row and "| 14 |" in row
+    assert f"(./?run={run_id})" in row  # a link that opens the run (the run lives in the URL)
+
+
+def test_overview_names_the_run_its_incidents_and_draws_the_training_curves(recorded, reading):
+    _diagnosed(recorded)
+    run_id = recorded[0]
+    at = _page("overview")
+    text = _text(at)
+    assert f"Run **{run_id}**" in text and "finished" in text and "refreshing live" not in text
+    assert STRAGGLER in text and "slower" in text  # the closed straggler incident, in words
+    panels = [a["text"] for a in _figure(at)["layout"]["annotations"]]
+    assert panels[:2] == ["step time (s)", "tokens/s"] and "loss" in panels
+    assert "MFU is not reported" in text  # a CPU run has no peak FLOP/s
+    assert any(Path(page).stem == "heatmap" and "segment=" in query for page, query in _links(at))
+
+
+def test_heatmap_names_the_injected_straggler_and_outlines_it(recorded, reading):
+    at = _page("heatmap", run=recorded[0])
+    text = _text(at)
+    assert f"Slowest against its stage: {STRAGGLER}, stage 1" in text
+    assert "CPU time" in text
+    fig = _figure(at)
+    heat = fig["data"][0]
+    assert heat["type"] == "heatmap" and len(heat["y"]) == 8
+    row = heat["y"].index("rank 5 · node-2 · stage 1")
+    assert any(s["type"] == "rect" and s["y0"] == row - 0.5 for s in fig["layout"]["shapes"])
+    ratios, steps = _array(heat["z"])[row], _array(heat["x"])
+    assert np.nanmedian(ratios[steps >= 5]) > 1.1, "rank 5's backward is slower than its stage's median from step 5"
+    assert any(Path(page).stem == "timeline" and "ranks=" in query and "5" in query for page, query in _links(at))
+
+
+def test_timeline_draws_the_window_and_names_the_last_rank_to_arrive(recorded, reading):
+    at = _page("timeline", run=recorded[0], ranks="4,5,6,7", **{"from": "8", "to": "8"})
+    text = _text(at)
+    assert "Steps **8-8**, 4 ranks" in text
+    assert "arrived last" in text and "last to arrive" in text
+    traces = _figure(at)["data"]
+    assert {t["type"] for t in traces} == {"scattergl"}
+    assert {"compute spans", "tp collectives", "matched collectives", "sends", "receives"} <= {t["name"] for t in traces}
+    assert [b.label for b in at.get("download_button")] == ["Download trace (Perfetto / Chrome JSON)"]
+
+
+def test_graph_shows_every_rank_by_state_and_marks_the_straggler(recorded, reading):
+    _diagnosed(recorded)
+    run_id = recorded[0]
+    run = next(r for r in data.runs() if r.id == run_id)
+    middle = (run.start_ns + run.end_ns) // 2
+    at = _page("graph", run=run_id, at=str(middle))
+    assert "computing" in next(m.value for m in at.markdown if m.value.startswith("At **"))  # the states, counted in words
+    assert STRAGGLER in at.warning[0].value and "Straggler" in at.warning[0].value
+    fig = _figure(at)
+    ranks = {int(label) for t in fig["data"] if t.get("mode") == "markers+text" for label in t["text"]}
+    assert ranks == set(range(8))
+    assert {"tp group", "pipeline neighbours", "dp group"} <= {t["name"] for t in fig["data"]}
+
+
+def test_hosts_lists_every_host_and_plots_the_one_reporting(recorded, reading):
+    at = _page("hosts", run=recorded[0])
+    hosts = at.table[0].value["host"].tolist()
+    assert hosts == ["node-0", "node-1", "node-2", "node-3"]
+    panels = [a["text"] for a in _figure(at)["layout"]["annotations"]]
+    assert "host CPU utilisation" in panels
+    assert "reported no GPU metrics" in _text(at)
+
+
+def test_incidents_show_summary_evidence_sql_and_links_to_the_moment(recorded, reading):
+    incident = _diagnosed(recorded)
+    run_id = recorded[0]
+    at = _page("incidents", run=run_id, incident=incident)
+    text = _text(at)
+    assert next(s for s in at.selectbox if s.label == "Incident").value == incident
+    assert STRAGGLER in text and "slower" in text
+    assert "FROM step_segments" in at.code[0].value and run_id in at.code[0].value
+    assert "segment" in at.json[0].value
+    pages = {Path(page).stem for page, _ in _links(at)}
+    assert {"heatmap", "timeline", "graph", "sql"} <= pages
+    assert all(f"run={run_id}" in query for _, query in _links(at))
+
+
+def test_sql_console_runs_a_cookbook_query_and_offers_csv(recorded, reading):
+    at = _page("sql", run=recorded[0])
+    at.selectbox(key="sql_example").select("Slowest ranks per step").run()
+    at.button[0].click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    result = at.dataframe[0].value
+    assert list(result.columns) == ["step", "rank", "host", "stage", "compute_ms", "vs_stage_median"]
+    assert len(result) == 3 * 14
+    assert [b.label for b in at.get("download_button")] == ["Download CSV"]
+
+
+def test_every_cookbook_query_runs_on_the_recorded_run(recorded, reading):
+    run = next(r for r in data.runs() if r.id == recorded[0])
+    group, seq = data.latest_collective(run)
+    values = {"run": run.id, "group": group, "seq": seq, "host": "node-0"}
+    # a CPU run has no GPU; whether it has incidents is the diagnosis's business
+    may_be_empty = {"GPU temperature of one host", "Incidents of the run"}
+    for example in cookbook.EXAMPLES:
+        params = {name: values[name] for name in cookbook.placeholders(example.sql)}
+        rows = connection.query(example.sql, params)
+        assert example.title in may_be_empty or len(rows), example.title
+
+
+def test_a_refused_statement_is_a_message(recorded, reading):
+    at = _page("sql", run=recorded[0])
+    at.text_area(key="sql_text").input("DROP TABLE spans").run()
+    at.button[0].click().run()
+    assert not at.exception
+    assert "only read statements are accepted" in at.error[0].value
+
+
+def test_an_unknown_run_or_a_malformed_parameter_is_a_message(recorded, reading):
+    at = _page("heatmap", run="no-such-run")
+    assert "There is no run 'no-such-run'" in at.error[0].value
+    at = _page("graph", run=recorded[0], at="yesterday")
+    assert "Ignoring ?at='yesterday'" in _text(at)
+
+
+def test_every_page_redraws_within_a_second_once_cached(recorded, reading):
+    for name in PAGES:
+        at = _page(name, run=recorded[0])
+        started = time.perf_counter()
+        at.run()
+        elapsed = time.perf_counter() - started
+        assert not at.exception
+        assert elapsed < 1.0, f"{name} took {elapsed:.2f} s"
+
+
+def test_the_exported_trace_is_chrome_json_with_processes_tracks_and_flows(recorded, reading):
+    run = next(r for r in data.runs() if r.id == recorded[0])
+    who = data.ranks(run)
+    start, end = data.window(run, 6, 6)
+    ranks = tuple(range(8))
+    trace = json.loads(export.to_json(export.chrome_trace(data.spans(run, ranks, start, end), data.operations(run, ranks, start, end),
+                                                          who, run.id, start, end)))  # fmt: skip
+    events = trace["traceEvents"]
+    assert {e["ph"] for e in events} == {"M", "X", "s", "f"}
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes[5] == "rank 5 (node-2)" and len(processes) == 8
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name" and e["pid"] == 5}
+    assert {"segments", "communication", "tp[2]", "dp[3]", "pp[1]"} <= tracks
+    flows: dict[int, set[str]] = {}
+    for e in events:
+        if e["ph"] in ("s", "f"):
+            flows.setdefault(e["id"], set()).add(e["ph"])
+    assert len(flows) > 50 and all(phases == {"s", "f"} for phases in flows.values())
+    assert all(e.get("dur", 0) >= 0 and e["ts"] >= 0 for e in events if e["ph"] in ("X", "s", "f"))
+
+
+# --- a real browser ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(recorded, module_runner) -> str:
+    """``rankscope dashboard --store`` on the copy of the store; its base URL."""
+    port = _free_port()
+    proc = module_runner.start([sys.executable, "-m", "rankscope.cli.main", "dashboard", "--store", str(recorded[2]), "--port", str(port)],
+                               name="dashboard")  # fmt: skip
+    proc.wait_for(f"http://127.0.0.1:{port}/", timeout=30)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
+                return base
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"the dashboard never answered /_stcore/health\n{proc.output()}")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if not CHROMIUM.exists():
+        pytest.skip("/usr/bin/chromium is missing (make browser installs it): browser tests skipped")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+#: page -> (URL path, text that must show, whether it draws a figure)
+BROWSER_PAGES = {
+    "runs": ("runs", "newest first", False),
+    "overview": ("", "step time", True),
+    "heatmap": ("heatmap", f"Slowest against its stage: {STRAGGLER}", True),
+    "timeline": ("timeline", "Arrival skew", True),
+    "graph": ("graph", "Ranks not simply computing", True),
+    "hosts": ("hosts", "node-3", True),
+    "incidents": ("incidents", re.compile("The SQL that shows it|No incidents for this run"), False),
+    "sql": ("sql", "The three ranks per step whose compute took longest", False),
+}
+
+
+@pytest.mark.parametrize("name", list(BROWSER_PAGES))
+def test_every_page_in_a_real_browser(name, recorded, served, browser):
+    path, expected, has_figure = BROWSER_PAGES[name]
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{served}/{path}?run={recorded[0]}")
+        page.wait_for_selector("[data-testid='stAppViewContainer']", timeout=60_000)
+        page.get_by_text(expected).first.wait_for(timeout=60_000)
+        if has_figure:
+            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
+        page.wait_for_timeout(500)
+        assert page.locator("[data-testid='stException']").count() == 0
+        assert recorded[0] in page.inner_text("body")
+    finally:  # the screenshot shows what went wrong, too
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+        page.close()
+
+
+def test_a_click_on_the_heatmap_opens_the_timeline_of_that_rank_and_step(recorded, served, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{served}/heatmap?run={recorded[0]}&segment=backward")
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
+        page.wait_for_timeout(1000)
+        plot = page.locator(".js-plotly-plot .nsewdrag").first.bounding_box()
+        # rows are ranks 0-7, columns steps 1-14: the middle of rank 5's row at step 8
+        page.mouse.click(plot["x"] + plot["width"] * 7.5 / 14, plot["y"] + plot["height"] * 5.5 / 8)
+        page.wait_for_url("**/timeline?**", timeout=60_000)
+        page.get_by_text("Steps 8-8").first.wait_for(timeout=60_000)
+        assert "ranks=4%2C5%2C6%2C7" in page.url or "ranks=4,5,6,7" in page.url
+    finally:
+        page.close()
+
+
+def test_download_trace_in_the_browser(recorded, served, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{served}/timeline?run={recorded[0]}&from=6&to=6&ranks=4,5")
+        button = page.get_by_role("button", name="Download trace")
+        button.wait_for(timeout=60_000)
+        with page.expect_download(timeout=60_000) as download:
+            button.click()
+        trace = json.loads(Path(download.value.path()).read_text())
+    finally:
+        page.close()
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"rank 4 (node-2)", "rank 5 (node-2)"}
+    assert trace["otherData"]["run_id"] == recorded[0]

@@ -1,0 +1,259 @@
+"""The dashboard's pure parts on small hand-made frames: figures, rank states, the Perfetto export,
+the SQL cookbook's placeholders, the data source hand-over. No store, no Streamlit runtime.
+
+The pages on a real recorded run: tests/test_dashboard.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rankscope.collector.diagnosis.incidents import Finding, Incident
+from rankscope.dashboard import cookbook, export, figures, states
+from rankscope.dashboard.connection import SOURCE_VARIABLE, Source
+
+T0 = 1_800_000_000_000_000_000
+
+
+def _cells(ranks: int, steps: int, slow_rank: int | None = None, pp: int = 2) -> pd.DataFrame:
+    """Heat map cells of ``ranks`` ranks (two per host) over ``steps`` steps, one rank 30% slow."""
+    rank = np.repeat(np.arange(ranks), steps)
+    step = np.tile(np.arange(1, steps + 1), ranks)
+    ratio = np.ones(len(rank))
+    if slow_rank is not None:
+        ratio[rank == slow_rank] = 1.3
+    return pd.DataFrame({
+        "step": step, "row": rank.astype(str), "rank": rank, "host": [f"node-{r // 2}" for r in rank],
+        "pp": rank * pp // ranks, "ns": (ratio * 1e8).astype("int64"), "ratio": ratio, "cpu_time": True,
+    })  # fmt: skip
+
+
+# --- overview ---------------------------------------------------------------------------------
+
+
+def test_overview_has_a_panel_per_scalar_present_and_skips_the_absent_ones():
+    metrics = pd.DataFrame({
+        "first_step": [1, 2, 1, 2], "name": ["step_time_s", "step_time_s", "loss", "loss"],
+        "mid": [2.0, 1.5, 7.6, 7.4], "low": [1.9, 1.4, 7.6, 7.4], "high": [2.2, 1.6, 7.6, 7.4],
+    })  # fmt: skip
+    fig = figures.overview_figure(metrics)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles == ["step time (s)", "loss"]  # no MFU panel: it was not reported
+    medians = [t for t in fig.data if t.mode == "lines+markers"]
+    assert [list(t.y) for t in medians] == [[2.0, 1.5], [7.6, 7.4]]
+
+
+# --- heat map ---------------------------------------------------------------------------------
+
+
+def test_slowest_names_the_slow_rank_and_ignores_step_one():
+    cells = _cells(8, 10, slow_rank=5)
+    cells.loc[(cells["step"] == 1) & (cells["rank"] == 2), "ratio"] = 3.0  # start-up cost, not a straggler
+    top = figures.slowest(cells)
+    assert int(top.iloc[0]["rank"]) == 5
+    assert top.iloc[0]["ratio"] == pytest.approx(1.3)
+    assert top.iloc[0]["steps"] == 9
+    assert 2 not in set(top[top["ratio"] > 1.05]["rank"])
+
+
+def test_heatmap_orders_rows_by_stage_then_host_and_outlines_the_highlighted_row():
+    cells = _cells(8, 6, slow_rank=5).sample(frac=1, random_state=0)  # the query's order is arbitrary
+    fig = figures.heatmap_figure(cells, "backward", highlight=["5"])
+    heat = fig.data[0]
+    assert heat.type == "heatmap"
+    assert list(heat.y)[:2] == ["rank 0 · node-0 · stage 0", "rank 1 · node-0 · stage 0"]
+    z = np.array(heat.z)
+    assert z.shape == (8, 6)
+    assert np.allclose(z[list(heat.y).index("rank 5 · node-2 · stage 1")], 1.3)
+    boxes = [s for s in fig.layout.shapes if s.type == "rect"]
+    assert len(boxes) == 1 and boxes[0].y0 == 4.5  # row 5 is the sixth row
+    assert any(s.type == "line" for s in fig.layout.shapes)  # the stage boundary
+
+
+def test_a_heatmap_of_12288_ranks_is_one_image_built_in_well_under_three_seconds():
+    cells = _cells(12_288, 40, slow_rank=4_000, pp=16)
+    started = time.perf_counter()
+    fig = figures.heatmap_figure(cells, "forward", highlight=["4000"])
+    spec = fig.to_json()
+    elapsed = time.perf_counter() - started
+    assert fig.data[0].type == "image" and fig.data[0].source.startswith("data:image/png;base64,")
+    assert len(spec) < 2_000_000, "the browser gets a compact image, not a million cells"
+    assert elapsed < 1.5, f"figure took {elapsed:.2f} s"
+
+
+# --- timeline ---------------------------------------------------------------------------------
+
+
+def _window() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    ms = 1_000_000
+    spans = pd.DataFrame({
+        "rank": [0, 0, 1, 1], "step": [3] * 4, "name": ["forward", "grad_sync", "forward", "grad_sync"],
+        "kind": ["compute", "comm", "compute", "comm"], "microbatch": [0, -1, 0, -1],
+        "start_ns": [T0, T0 + 10 * ms, T0, T0 + 30 * ms], "end_ns": [T0 + 10 * ms, T0 + 40 * ms, T0 + 30 * ms, T0 + 40 * ms],
+    })  # fmt: skip
+    ops = pd.DataFrame({
+        "rank": [0, 1, 0, 1], "group_name": ["dp[0]", "dp[0]", "pp[0]", "pp[0]"], "seq": [7, 7, 3, 3],
+        "op": ["all_reduce", "all_reduce", "send", "recv"], "peer": [-1, -1, 1, 0], "nbytes": [4096] * 4,
+        "state": ["completed"] * 4, "step": [3] * 4,
+        "issue_ns": [T0 + 10 * ms, T0 + 30 * ms, T0 + 41 * ms, T0 + 40 * ms],
+        "start_ns": [T0 + 10 * ms, T0 + 30 * ms, T0 + 41 * ms, T0 + 40 * ms],
+        "end_ns": [T0 + 40 * ms, T0 + 40 * ms, T0 + 45 * ms, 0],  # the receive never completed
+    })  # fmt: skip
+    who = pd.DataFrame({"rank": [0, 1], "host": ["node-0", "node-0"]})
+    return spans, ops, who
+
+
+def test_timeline_draws_lanes_with_webgl_traces_and_links_matched_operations():
+    spans, ops, who = _window()
+    fig = figures.timeline_figure(spans, ops, who, T0, T0 + 50_000_000)
+    by_name = {t.name: t for t in fig.data}
+    assert {t.type for t in fig.data} == {"scattergl"}
+    assert {"compute spans", "comm spans", "dp collectives", "matched collectives", "sends", "receives", "send → receive"} <= set(by_name)
+    # the dp all-reduce of both ranks is joined through their arrivals (10 ms and 30 ms)
+    assert [x for x in by_name["matched collectives"].x if x is not None] == [10.0, 30.0]
+    # the send from rank 0 reaches rank 1's receive, which never completed: drawn to the window's end
+    assert [x for x in by_name["send → receive"].x if x is not None] == [41.0, 50.0]
+    assert list(fig.layout.yaxis.ticktext) == ["rank 0 (node-0)", "rank 1 (node-0)"]
+
+
+# --- the 3D-parallel graph and rank states ----------------------------------------------------
+
+
+def _beats(**columns: list) -> pd.DataFrame:
+    n = len(columns["rank"])
+    base = {
+        "host": ["node-0"] * n, "pid": [100] * n, "device": ["cpu"] * n, "tp": [0] * n, "pp": [0] * n, "dp": [0] * n,
+        "beat_ns": [T0] * n, "step": [5] * n, "phase": ["forward"] * n, "beat_status": ["running"] * n,
+        "wait_group": [""] * n, "wait_seq": [0] * n, "wait_op": [""] * n, "in_flight": [""] * n,
+        "exit_ns": [0] * n, "exit_reason": [""] * n, "exit_code": [0] * n, "exit_signal": [0] * n, "exit_message": [""] * n,
+    }  # fmt: skip
+    return pd.DataFrame({**base, **columns})
+
+
+def test_classify_names_each_state_by_its_rule():
+    rows = _beats(
+        rank=[0, 1, 2, 3, 4, 5, 6, 7, 8],
+        beat_ns=[T0, T0, T0, T0 - 60 * 10**9, T0, T0, 0, T0, T0],
+        beat_status=["running", "running", "running", "running", "stalled", "running", "running", "running", "running"],
+        wait_group=["", "dp[3]", "", "", "", "", "", "", ""],
+        wait_seq=[0, 812, 0, 0, 0, 0, 0, 0, 0],
+        wait_op=["", "all_reduce", "", "", "", "", "", "", ""],
+        exit_reason=["", "", "exception", "", "", "", "", "normal", ""],
+        exit_message=["", "", "RuntimeError: boom", "", "", "", "", "", ""],
+    )
+    out = states.classify(rows, at_ns=T0 + 10**9, stragglers=[5], roots=[8]).set_index("rank")
+    assert out["state"].to_dict() == {
+        0: "computing", 1: "waiting", 2: "crashed", 3: "silent", 4: "blocked", 5: "straggler", 6: "not started",
+        7: "finished", 8: "blocked",
+    }
+    assert out.loc[1, "detail"] == "waiting in all_reduce dp[3] #812"
+    assert "RuntimeError: boom" in out.loc[2, "detail"]
+    assert out.loc[8, "detail"].startswith("hang root")
+    assert states.worst(out["state"]) == "crashed"
+
+
+def test_active_incidents_are_those_begun_and_not_long_over():
+    def incident(first: int, last: int, status: str) -> Incident:
+        finding = Finding("hang", "hang", "critical", (1,), ("node-0",), first, last, "hang: rank 1")
+        return Incident("run", finding, status, 1)
+
+    closed = incident(T0, T0 + 10**9, "closed")
+    assert states.active_incidents([closed], "hang", T0 + 2 * 10**9) == [closed]  # within the grace time
+    assert states.active_incidents([closed], "hang", T0 + 10**12) == []
+    assert states.active_incidents([closed], "hang", T0 - 1) == []  # not begun yet
+    assert states.active_incidents([closed], "straggler", T0 + 1) == []
+
+
+def test_graph_places_ranks_by_coordinates_with_an_edge_per_neighbour_and_rings_the_root():
+    coords = [(t, p, d) for p in range(2) for d in range(2) for t in range(2)]  # Megatron's order
+    rows = _beats(rank=list(range(8)), tp=[c[0] for c in coords], pp=[c[1] for c in coords], dp=[c[2] for c in coords],
+                  host=[f"node-{r // 2}" for r in range(8)])  # fmt: skip
+    ranked = states.classify(rows, T0, roots=[1])
+    fig = figures.graph_figure(ranked, tp_size=2, roots=[1], root_hosts=["node-0"])
+    by_name = {t.name: t for t in fig.data}
+    segments = lambda name: sum(1 for x in by_name[name].x if x is None)  # noqa: E731
+    assert (segments("tp group"), segments("pipeline neighbours"), segments("dp group")) == (4, 4, 4)
+    assert list(by_name["hang root"].x) == [1.0]
+    assert list(by_name["host of the hang's root"].x) == [0.0]  # rank 0 shares node-0 with the root
+    assert any("hang root: rank 1 (node-0)" in a.text for a in fig.layout.annotations)
+    hosts = figures.host_states(ranked)
+    assert hosts.set_index("host").loc["node-0", "state"] == "blocked"
+    assert figures.host_graph_figure(hosts, ["node-0"]).data
+    assert figures.stage_states_figure(ranked).data
+
+
+# --- hosts ------------------------------------------------------------------------------------
+
+
+def test_host_figure_puts_the_events_strip_first_and_a_panel_per_metric():
+    series = pd.DataFrame({"name": ["hw.temperature"] * 2 + ["system.cpu.utilization"] * 2, "device": ["cuda:0", "cuda:0", "host", "host"],
+                           "time_ns": [T0, T0 + 10**9] * 2, "value": [70.0, 88.0, 0.5, 0.9]})  # fmt: skip
+    events = pd.DataFrame({"name": ["hw.gpu.throttle.hw_thermal"], "device": ["cuda:0"], "time_ns": [T0 + 10**9], "peak": [1.0]})
+    panels = (("hw.temperature", "GPU temperature (°C)", False), ("hw.power", "GPU power (W)", False),
+              ("system.cpu.utilization", "host CPU utilisation", False))  # fmt: skip
+    fig = figures.host_figure(series, events, panels)
+    assert [a.text for a in fig.layout.annotations] == ["events (throttling, ECC, Xid)", "GPU temperature (°C)", "host CPU utilisation"]
+    assert list(fig.data[0].y) == ["throttle.hw_thermal · cuda:0"]
+
+
+# --- Perfetto export --------------------------------------------------------------------------
+
+
+def test_chrome_trace_has_a_process_per_rank_a_track_per_stream_and_flows_for_matched_operations():
+    spans, ops, who = _window()
+    # a second dp all-reduce on rank 0 overlapping the first without nesting: it needs a track of its own
+    extra = ops.iloc[[0]].assign(seq=8, issue_ns=T0 + 20_000_000, start_ns=T0 + 20_000_000, end_ns=T0 + 48_000_000)
+    trace = export.chrome_trace(spans, pd.concat([ops, extra]), who, "run-1", T0, T0 + 50_000_000)
+    events = json.loads(export.to_json(trace))["traceEvents"]
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {(0, "rank 0 (node-0)"), (1, "rank 1 (node-0)")}
+    tracks = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {(0, "segments"), (0, "communication"), (0, "dp[0]"), (0, "dp[0] (2)"), (0, "pp[0]"), (1, "pp[0]")} <= tracks
+    _assert_nested(events)
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    by_id: dict[int, dict[str, dict]] = {}
+    for e in flows:
+        by_id.setdefault(e["id"], {})[e["ph"]] = e
+    assert all(set(pair) == {"s", "f"} and pair["f"]["bp"] == "e" for pair in by_id.values())
+    arrows = {(p["s"]["name"], p["s"]["pid"], p["f"]["pid"]) for p in by_id.values()}
+    # the all-reduce: from rank 1, which arrived last, to rank 0; the transfer: send (rank 0) -> receive (rank 1)
+    assert arrows == {("dp[0] #7", 1, 0), ("pp[0] #3", 0, 1)}
+
+
+def _assert_nested(events: list[dict]) -> None:
+    """Slices on one track never overlap without nesting (Perfetto's rule)."""
+    tracks: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for slices in tracks.values():
+        open_ends: list[float] = []
+        for start, end in sorted(slices):
+            open_ends = [x for x in open_ends if x > start]
+            assert all(end <= x for x in open_ends), f"overlapping slices {slices}"
+            open_ends.append(end)
+
+
+# --- SQL cookbook and the data source ---------------------------------------------------------
+
+
+def test_cookbook_placeholders_become_typed_values():
+    sql = cookbook.EXAMPLES[1].sql
+    assert cookbook.placeholders(sql) == {"run": "String", "group": "String", "seq": "Int64"}
+    assert cookbook.value("812", "Int64") == 812
+    assert cookbook.value("[1, 5]", "Array(UInt32)") == [1, 5]
+    assert cookbook.value("dp[3]", "String") == "dp[3]"
+    with pytest.raises(ValueError):
+        cookbook.value("twelve", "UInt32")
+
+
+def test_the_source_travels_in_the_environment_and_never_shows_a_password():
+    chosen = Source(clickhouse="http://me:secret@db.example:8123/rankscope")
+    assert Source.from_env({SOURCE_VARIABLE: chosen.to_env()}) == chosen
+    assert "secret" not in chosen.describe() and "db.example:8123" in chosen.describe()
+    assert Source.from_env({}).describe() == "collector at 127.0.0.1:7777"
