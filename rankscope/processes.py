@@ -86,8 +86,12 @@ def terminate_tree(popen: subprocess.Popen[bytes], grace_s: float) -> None:
             return
         time.sleep(0.05)
     # Also whatever the tree started during the grace period.
-    _signal({**pids, **_tree(popen.pid)}, popen.pid, signal.SIGKILL)
+    pids = {**pids, **_tree(popen.pid)}
+    _signal(pids, popen.pid, signal.SIGKILL)
     try:
         popen.wait(5.0)
     except subprocess.TimeoutExpired:
         pass
+    deadline = time.monotonic() + 5.0  # SIGKILL is not instant on a busy machine: wait until they are gone
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
