@@ -83,6 +83,7 @@ def spans(run_id: str, ranks: int, steps: range, seed: int = 0) -> pa.Table:
             "end_time": start + duration,
             "microbatch": np.array(micro, "int32")[segment],
             "attributes": strings(["", '{"layers": "0-5"}'], (segment == 0).astype("int32")),
+            "cpu_ns": np.full(n, -1, "int64"),  # GPU-timed spans: no thread CPU time
         },
         schema=arrow_schema(BY_NAME["spans"]),
     )

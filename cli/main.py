@@ -30,11 +30,14 @@ import rankscope
 COMMANDS: dict[str, str] = {
     "train": "rankscope.cli.train",
     "collector": "rankscope.cli.collector",
+    "schema": "rankscope.cli.schema",
     "sql": "rankscope.cli.sql",
     "diagnose": "rankscope.cli.diagnose",
     "scenario": "rankscope.cli.scenario",
     "spool": "rankscope.cli.spool",
+    "simulate": "rankscope.cli.simulate",
     "dashboard": "rankscope.cli.dashboard",
+    "demo": "rankscope.cli.demo",
 }
 
 

@@ -28,9 +28,12 @@ STATE_SQL = (
     "argMax(inflight_peer, time) AS peers, argMax(inflight_waiting, time) AS waiting "
     "FROM heartbeats WHERE run_id = {run:String} GROUP BY rank"
 )
+# Only the groups somebody waits in (all others are never looked at), and the direction of a
+# point-to-point operation worked out by the store (``_direction``'s rule): a run's collectives
+# are millions of rows at scale.
 ENTERED_SQL = (
-    "SELECT rank, group_name, peer, op, max(seq) AS seq FROM collectives WHERE run_id = {run:String} "
-    "GROUP BY rank, group_name, peer, op"
+    "SELECT rank, group_name, peer, position(splitByChar(':', op)[-1], 'send') > 0 AS sends, max(seq) AS seq "
+    "FROM collectives WHERE run_id = {run:String} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
 )
 EVIDENCE_SQL = (
     "SELECT rank, max(time) AS last_heartbeat, argMax(step, time) AS step, argMax(phase, time) AS phase, "
@@ -63,9 +66,10 @@ def detect(ctx: RunContext) -> list[Finding]:
         return []
     states = {r["rank"]: r for r in ctx.query(STATE_SQL, {"run": ctx.run_id}).to_pylist()}
     alive = {r for r, st in states.items() if (last_heartbeat - st["time_ns"]) / 1e9 < s.silent_after_s}
-    entered = _entered(ctx, states)
     waits = {r: _waits(st) for r, st in states.items() if r in alive}
-    edges = {r: _blockers(ctx, r, ws, entered) for r, ws in waits.items()}
+    entered = _entered(ctx, states, sorted({w.group for ws in waits.values() for w in ws}))
+    behind: dict[tuple[str, int], set[int]] = {}  # shared: thousands of ranks wait in the same collective
+    edges = {r: _blockers(ctx, r, ws, entered, behind) for r, ws in waits.items()}
     roots = _roots(edges)
     if not roots or any(r not in alive for r in roots):
         return []  # a silent root is a crash or a lost host: the crash detector reports it
@@ -111,19 +115,23 @@ def _waits(state: dict) -> list[Wait]:
     ]
 
 
-def _entered(ctx: RunContext, states: dict[int, dict]) -> dict[tuple, int]:
-    """Highest sequence entered: (rank, group) for collectives, (rank, group, op kind, peer) for point-to-point."""
+def _entered(ctx: RunContext, states: dict[int, dict], groups: list[str]) -> dict[tuple, int]:
+    """Highest sequence entered: (rank, group) for collectives, (rank, group, op kind, peer) for point-to-point.
+
+    From the store for ``groups`` only (those waited in); in flight, for every group.
+    """
     entered: dict[tuple, int] = defaultdict(int)
 
-    def note(rank: int, group: str, op: str, peer: int, seq: int) -> None:
-        key = (rank, group) if peer < 0 else (rank, group, _direction(op), peer)
+    def note(rank: int, group: str, peer: int, sends: bool, seq: int) -> None:
+        key = (rank, group) if peer < 0 else (rank, group, "send" if sends else "recv", peer)
         entered[key] = max(entered[key], seq)
 
-    for row in ctx.query(ENTERED_SQL, {"run": ctx.run_id}).to_pylist():
-        note(row["rank"], row["group_name"], row["op"], row["peer"], row["seq"])
+    rows = ctx.query(ENTERED_SQL, {"run": ctx.run_id, "groups": groups}).to_pydict()
+    for rank, group, peer, sends, seq in zip(rows["rank"], rows["group_name"], rows["peer"], rows["sends"], rows["seq"]):
+        note(rank, group, peer, sends, seq)
     for rank, st in states.items():  # in flight counts as entered, waiting or launched
         for g, seq, op, peer in zip(st["groups"], st["seqs"], st["ops"], st["peers"]):
-            note(rank, g, op, int(peer), int(seq))
+            note(rank, g, int(peer), _direction(op) == "send", int(seq))
     return entered
 
 
@@ -132,8 +140,13 @@ def _direction(op: str) -> str:
     return "send" if name in SENDS or "send" in name else "recv"
 
 
-def _blockers(ctx: RunContext, rank: int, waits: list[Wait], entered: dict[tuple, int]) -> set[int]:
-    """The ranks that have not entered an operation ``rank`` is blocked in."""
+def _blockers(
+    ctx: RunContext, rank: int, waits: list[Wait], entered: dict[tuple, int], behind: dict[tuple[str, int], set[int]]
+) -> set[int]:
+    """The ranks that have not entered an operation ``rank`` is blocked in.
+
+    ``behind`` caches, per collective (group, seq), the members that have not entered it.
+    """
     out: set[int] = set()
     for w in waits:
         if w.peer >= 0:
@@ -141,9 +154,10 @@ def _blockers(ctx: RunContext, rank: int, waits: list[Wait], entered: dict[tuple
             if entered.get((w.peer, w.group, opposite, rank), 0) < w.seq:
                 out.add(w.peer)
             continue
-        for member in ctx.groups.get(w.group, []):
-            if member != rank and entered.get((member, w.group), 0) < w.seq:
-                out.add(member)
+        key = (w.group, w.seq)
+        if key not in behind:
+            behind[key] = {m for m in ctx.groups.get(w.group, []) if entered.get((m, w.group), 0) < w.seq}
+        out |= behind[key] - {rank}
     return out
 
 

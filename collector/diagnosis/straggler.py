@@ -29,58 +29,57 @@ SEGMENTS_SQL = (
 )
 
 # Every (rank, segment, step) point compared with its stage, computed in the store: a 12,288-rank
-# job has about a million points in the window, too many to move and loop over in Python every
-# pass. Medians are exact and equal to numpy's (the mean of the two middle values: quantileExactLow
-# and quantileExactHigh); a stage of four ranks or fewer compares each rank with the median of the
-# others. ``recent``: among the last ``window`` points of its series. The threshold of a segment in
-# a stage is 1 + max(excess, 3 robust standard deviations (1.4826 MAD) of all its recent ratios).
-# Only the points of series slow at ``min_steps`` or more steps come back: the others cannot be
-# stragglers.
+# job has about a million points in the window, too many to move and loop over in Python on every
+# pass. One pass of nested window functions (a CTE referenced twice is planned and run twice):
+# - the measure: CPU time for a segment when every piece of it, on every rank, had it measured;
+# - the stage's median per (segment, step), exact and equal to numpy's (the mean of the two middle
+#   values: quantileExactLow and quantileExactHigh); in a stage of four ranks or fewer, the
+#   median of the others (the straggler would pull a small median towards itself);
+# - the ratio, capped at 1 when the excess is too small to matter (a millisecond of data loading);
+# - ``recent``: among the last ``window`` points of its (rank, segment) series;
+# - the threshold of a segment in a stage: 1 + max(excess, 3 robust standard deviations (1.4826
+#   MAD) of all its ranks' recent ratios), so that a busy host's noise does not read as a
+#   straggler while a real one still stands out.
+# Only the points of series slow at ``min_steps`` or more steps come back: no other can be a straggler.
 POINTS_SQL = f"""
-WITH
-seg AS ({SEGMENTS_SQL}),
-measured AS (
-    -- A segment is compared on CPU time when every piece of it, on every rank, had it measured.
-    SELECT name, step, rank, started, min(has_cpu) OVER (PARTITION BY name) = 0 AS wall_only, if(wall_only, wall, cpu) AS ns
-    FROM seg
-),
-staged AS (
-    SELECT m.*, greatest(r.pp, 0) AS stage FROM measured AS m
-    LEFT JOIN (SELECT rank, argMax(pp_rank, registered) AS pp FROM ranks WHERE run_id = {{run:String}} GROUP BY rank) AS r
-    USING (rank)
-),
-cells AS (
-    SELECT name, step, stage, count() AS n, quantileExactLow(0.5)(ns) AS lo, quantileExactHigh(0.5)(ns) AS hi,
-           groupArray(5)(ns) AS few
-    FROM staged GROUP BY name, step, stage HAVING n >= 2
-),
-points AS (
-    SELECT name, step, rank, stage, ns, started, wall_only, indexOf(few, ns) AS own,
-           arrayFilter((x, i) -> i != own, few, arrayEnumerate(few)) AS others,
-           if(n <= 4, (arrayReduce('quantileExactLow(0.5)', others) + arrayReduce('quantileExactHigh(0.5)', others)) / 2,
-              (lo + hi) / 2) AS median
-    FROM staged INNER JOIN cells USING (name, step, stage)
-),
-ratios AS (
-    -- An excess too small to matter (a millisecond of data loading) is no slowness.
-    SELECT name, step, rank, stage, ns, started, wall_only, median,
-           if(ns - median >= {{min_excess_ns:Float64}}, ns / median, least(ns / median, 1.0)) AS ratio,
-           row_number() OVER (PARTITION BY rank, name ORDER BY step DESC) <= {{window:UInt32}} AS recent
-    FROM points WHERE median > 0
-),
-thresholds AS (
-    SELECT name, stage, 1 + greatest({{excess:Float64}}, 3 * (1.4826 * ((quantileExactLow(0.5)(dev) + quantileExactHigh(0.5)(dev)) / 2))) AS threshold
+SELECT name, step, rank, stage, ns, median, ratio, started, wall_only, threshold FROM (
+  SELECT *, countIf(ratio >= threshold) OVER (PARTITION BY rank, name) AS slow_steps FROM (
+    SELECT *, 1 + greatest({{excess:Float64}}, 3 * (1.4826 * ((quantileExactLowIf(0.5)(dev, recent) OVER segment_stage
+                                                             + quantileExactHighIf(0.5)(dev, recent) OVER segment_stage) / 2))) AS threshold
     FROM (
-        SELECT name, stage, abs(ratio - (quantileExactLow(0.5)(ratio) OVER w + quantileExactHigh(0.5)(ratio) OVER w) / 2) AS dev
-        FROM ratios WHERE recent WINDOW w AS (PARTITION BY name, stage)
+      SELECT *, abs(ratio - (quantileExactLowIf(0.5)(ratio, recent) OVER segment_stage
+                             + quantileExactHighIf(0.5)(ratio, recent) OVER segment_stage) / 2) AS dev
+      FROM (
+        SELECT *, if(ns - median >= {{min_excess_ns:Float64}}, ns / median, least(ns / median, 1.0)) AS ratio,
+               row_number() OVER (PARTITION BY rank, name ORDER BY step DESC) <= {{window:UInt32}} AS recent
+        FROM (
+          SELECT *, arrayFilter((x, i) -> i != indexOf(few, ns), few, arrayEnumerate(few)) AS others,
+                 if(n <= 4, (arrayReduce('quantileExactLow(0.5)', others) + arrayReduce('quantileExactHigh(0.5)', others)) / 2,
+                    (lo + hi) / 2) AS median
+          FROM (
+            SELECT *, count() OVER cell AS n, quantileExactLow(0.5)(ns) OVER cell AS lo,
+                   quantileExactHigh(0.5)(ns) OVER cell AS hi, groupArray(5)(ns) OVER cell AS few
+            FROM (
+              SELECT s.*, greatest(r.pp, 0) AS stage FROM (
+                SELECT name, step, rank, started, min(has_cpu) OVER (PARTITION BY name) = 0 AS wall_only,
+                       if(wall_only, wall, cpu) AS ns
+                FROM ({SEGMENTS_SQL})
+              ) AS s
+              LEFT JOIN (SELECT rank, argMax(pp_rank, registered) AS pp FROM ranks WHERE run_id = {{run:String}} GROUP BY rank) AS r
+              USING (rank)
+            )
+            WINDOW cell AS (PARTITION BY name, step, stage)
+          )
+          WHERE n >= 2
+        )
+        WHERE median > 0
+      )
+      WINDOW segment_stage AS (PARTITION BY name, stage)
     )
-    GROUP BY name, stage
-),
-judged AS (SELECT * FROM ratios INNER JOIN thresholds USING (name, stage))
-SELECT name, step, rank, stage, ns, median, ratio, started, wall_only, threshold FROM judged
-WHERE (rank, name) IN (
-    SELECT rank, name FROM judged WHERE ratio >= threshold GROUP BY rank, name HAVING count() >= {{min_steps:UInt32}}
+    WINDOW segment_stage AS (PARTITION BY name, stage)
+  )
 )
+WHERE slow_steps >= {{min_steps:UInt32}}
 """
 
 EVIDENCE_SQL = (
@@ -89,12 +88,15 @@ EVIDENCE_SQL = (
     "GROUP BY step, rank ORDER BY step, rank"
 )
 
+# Only the groups of the ranks asked about: every group's collectives would be a million rows at scale.
 ARRIVALS_SQL = (
     "SELECT rank, count() AS collectives, countIf(is_last) AS last FROM ("
     "  SELECT rank, issue_time = max(issue_time) OVER (PARTITION BY group_name, seq) AS is_last,"
     "         count() OVER (PARTITION BY group_name, seq) AS members"
     "  FROM collectives WHERE run_id = {run:String} AND peer = -1 AND step >= {first_step:UInt32}"
-    ") WHERE members > 1 GROUP BY rank"
+    "  AND group_name IN (SELECT DISTINCT group_name FROM collectives WHERE run_id = {run:String} AND peer = -1"
+    "                     AND step >= {first_step:UInt32} AND rank IN {ranks:Array(UInt32)})"
+    ") WHERE members > 1 AND rank IN {ranks:Array(UInt32)} GROUP BY rank"
 )
 
 
@@ -114,7 +116,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     slow = _slow_segments(ctx, first_step, last_step)
     if not slow:
         return []
-    arrivals = _arrivals(ctx, first_step)
+    arrivals = _arrivals(ctx, first_step, sorted(slow))
     return _findings(ctx, slow, arrivals)
 
 
@@ -172,9 +174,9 @@ def _episode(points: list[tuple], threshold: float) -> list[tuple]:
     return points[start:]
 
 
-def _arrivals(ctx: RunContext, first_step: int) -> dict[int, tuple[int, int]]:
-    """rank -> (collectives it took part in, times it arrived last)."""
-    table = ctx.query(ARRIVALS_SQL, {"run": ctx.run_id, "first_step": first_step}).to_pydict()
+def _arrivals(ctx: RunContext, first_step: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
+    """rank -> (collectives it took part in, times it arrived last), for ``ranks``."""
+    table = ctx.query(ARRIVALS_SQL, {"run": ctx.run_id, "first_step": first_step, "ranks": ranks}).to_pydict()
     return {r: (n, last) for r, n, last in zip(table["rank"], table["collectives"], table["last"])}
 
 

@@ -1,0 +1,223 @@
+"""Diagnosis, right and fast: 8 real ranks, then 12,288 simulated ones.
+
+    python benchmarks/diagnosis.py [--skip-scenarios] [--tp 8 --pp 16 --dp 96] [--batches-per-s 300]
+
+(a) every built-in fault scenario (collector/diagnosis/scenarios.py) on a real 8-rank training run
+    with the agent and a real collector: passed (right kind, rank and host, nothing else), seconds
+    and steps from the fault to the incident;
+(b) one ``rankscope simulate`` run of TP x PP x DP ranks (12,288 by default) against one real
+    collector, a straggler injected early and a hang later: the rank and host each incident
+    names, when the live diagnosis first wrote it (straggler: after the fault began; hang: after
+    the hang threshold), what the collector took in; then, over the stored run (the collector
+    restarted without its own diagnosis, so nothing else runs), each detector's pass through a
+    collector client, median of ``--repeats``.
+
+Prints one markdown table per part. Every process it starts is stopped, the stores are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rankscope.processes import terminate_tree
+
+EXE = [sys.executable, "-m", "rankscope.cli.main"]
+STRAGGLER = (3000, 1.3, 4)  # rank, factor, from step
+HANG_RANK = 7777
+STEP_TIME_S = 2.0
+HANG_AFTER_S = 30.0
+FIRST_WRITTEN_SQL = (
+    "SELECT kind, ranks, hosts, any(summary) AS summary, toUnixTimestamp64Nano(min(first_seen)) AS first_seen_ns, "
+    "toInt64(min(version)) AS written_ns FROM incidents WHERE run_id = {run:String} GROUP BY kind, ranks, hosts"
+)
+STEP_START_SQL = (
+    "SELECT toUnixTimestamp64Nano(min(first_start)) AS ns FROM step_segments WHERE run_id = {run:String} AND step = {step:UInt32}"
+)
+
+
+def scenarios_table(log: Callable[[str], None]) -> list[str]:
+    """(a): every built-in scenario, in order."""
+    from rankscope.collector.diagnosis import scenarios
+
+    rows = ["| scenario | fault | passed | seconds to detect | steps to detect |", "|---|---|---|---|---|"]
+    for scenario in scenarios.SCENARIOS.values():
+        score = scenarios.run(scenario, log=log)
+        log(score.line())
+        seconds = f"{score.seconds_to_detect:.1f}" if score.seconds_to_detect is not None else "-"
+        steps = str(score.steps_to_detect) if score.steps_to_detect is not None else "-"
+        rows.append(f"| {scenario.name} | {scenario.inject or 'none'} | {'yes' if score.passed else 'NO'} | {seconds} | {steps} |")
+    return rows
+
+
+def start(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_collector(store: Path, log_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
+    proc = start([*EXE, "collector", "--store", str(store), "--listen", "127.0.0.1:0", *flags], log_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        match = re.search(r"listening on (\S+),", log_path.read_text(errors="replace"))
+        if match:
+            return proc, match.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    terminate_tree(proc, 5)
+    raise SystemExit(f"the collector did not start:\n{log_path.read_text(errors='replace')[-2000:]}")
+
+
+def wait_for_incidents(client: object, run_id: str, timeout_s: float, sim: subprocess.Popen[bytes]) -> list[dict]:
+    """Poll until a straggler and a hang naming the injected ranks are written (or time runs out)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sim.poll() is None:
+        found = client.query(FIRST_WRITTEN_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
+        named = {(i["kind"], tuple(i["ranks"])) for i in found}
+        if {("straggler", (STRAGGLER[0],)), ("hang", (HANG_RANK,))} <= named:
+            return found
+        time.sleep(1.0)
+    return client.query(FIRST_WRITTEN_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
+
+
+def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]) -> list[str]:
+    """(b): one simulated run with a straggler and a hang, then each detector's pass over it."""
+    from rankscope.collector.client import Client
+    from rankscope.collector.simulate.plan import Cadence
+
+    world = args.tp * args.pp * args.dp
+    cadence = Cadence.for_world(world, args.batches_per_s)
+    # A rank's data arrives once per flush interval: the hang comes after the straggler's first flush.
+    hang_step = int(cadence.flush_s / STEP_TIME_S) + 15
+    silent_after = 3 * cadence.heartbeat_s
+    run_id = f"bench-{world}"
+    store = work / "store"
+    collector, address = start_collector(store, work / "collector.log", "--hang-after", str(HANG_AFTER_S),
+                                         "--silent-after", f"{silent_after:.0f}")  # fmt: skip
+    inject = f"straggler:rank={STRAGGLER[0]},factor={STRAGGLER[1]},from_step={STRAGGLER[2]};hang:rank={HANG_RANK},step={hang_step}"
+    sim_log = work / "simulate.log"
+    sim = start([*EXE, "simulate", "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--steps", str(hang_step + 20),
+                 "--step-time", str(STEP_TIME_S), "--inject", inject, "--collector", address, "--run-id", run_id,
+                 "--batches-per-s", str(args.batches_per_s), "--hold", "900"], sim_log)  # fmt: skip
+    log(f"(b) simulating {world:,} ranks, {inject}; collector {address}, hang after {HANG_AFTER_S:g} s, silent after {silent_after:.0f} s")
+    client = Client(address, timeout_s=300)
+    try:
+        found = wait_for_incidents(client, run_id, timeout_s=hang_step * STEP_TIME_S + 600, sim=sim)
+        straggler_start = client.query(STEP_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
+    finally:
+        client.close()
+        terminate_tree(sim, 30)  # SIGTERM: the workers stop and print their totals
+        terminate_tree(collector, 60)
+    log(sim_log.read_text(errors="replace").splitlines()[-1])
+    rows = ["| measure | value |", "|---|---|"]
+    rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
+    rows += _incident_rows(found, straggler_start)
+    # Each detector over the stored run, nothing else running: the collector again, without diagnosis.
+    collector, address = start_collector(store, work / "collector-2.log", "--no-diagnosis")
+    try:
+        rows += _pass_rows(address, run_id, silent_after, args.repeats)
+    finally:
+        terminate_tree(collector, 60)
+    return rows
+
+
+def _ingest_rows(sim_output: str, world: int, cadence: object) -> list[str]:
+    registered = re.search(r"registered ([\d,]+) ranks in ([\d.]+) s", sim_output)
+    done = re.search(r"done: (\d+) steps in ([\d.]+) s; ([\d,]+) batches acknowledged.*events (\{.*\}) \(([\d,]+)/s\)", sim_output)
+    rows = [f"| simulated ranks (hosts of 8) | {world:,} |",
+            f"| heartbeat / data flush per rank (s) | {cadence.heartbeat_s:.0f} / {cadence.flush_s:.0f} |"]  # type: ignore[attr-defined]  # fmt: skip
+    if registered:
+        rows.append(f"| registration of every rank | {registered.group(2)} s |")
+    if done:
+        seconds = float(done.group(2))
+        acked = int(done.group(3).replace(",", ""))
+        rows.append(f"| batches acknowledged | {acked:,} in {seconds:.0f} s ({acked / seconds:,.0f}/s) |")
+        rows.append(f"| events sent (rows, heartbeats) | {done.group(4)}, {done.group(5)}/s over the run |")
+    return rows
+
+
+def _incident_rows(found: list[dict], straggler_start: int | None) -> list[str]:
+    rows = []
+    for kind, rank in (("straggler", STRAGGLER[0]), ("hang", HANG_RANK)):
+        hits = [i for i in found if i["kind"] == kind]
+        named = ", ".join(f"ranks {i['ranks']} hosts {i['hosts']}" for i in hits) or "nothing"
+        right = [i for i in hits if i["ranks"] == [rank]]
+        rows.append(f"| {kind} injected at rank {rank} (node-{rank // 8}): named | {named} |")
+        if not right:
+            continue
+        if kind == "straggler" and straggler_start:
+            rows.append(f"| straggler: written after the fault began | {(right[0]['written_ns'] - straggler_start) / 1e9:.0f} s |")
+        if kind == "hang":
+            threshold = right[0]["first_seen_ns"] + HANG_AFTER_S * 1e9
+            rows.append(f"| hang: root written after the {HANG_AFTER_S:g} s threshold | {(right[0]['written_ns'] - threshold) / 1e9:.1f} s |")
+    others = [f"{i['kind']} {i['ranks'][:4]}" for i in found if i["kind"] not in ("straggler", "hang")]
+    rows.append(f"| other incidents | {', '.join(others) or 'none'} |")
+    return rows
+
+
+def _pass_rows(address: str, run_id: str, silent_after: float, repeats: int) -> list[str]:
+    from rankscope.collector.client import Client
+    from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, slow_link, straggler
+    from rankscope.collector.diagnosis.context import RunContext, Settings
+
+    settings = Settings(hang_after_s=HANG_AFTER_S, silent_after_s=silent_after)
+    with Client(address, timeout_s=300) as client:
+        query = lambda sql, params: client.query(sql, params)  # noqa: E731
+        now_ns = int(query(engine.LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"])
+        ctx = RunContext.load(run_id, query, settings)
+        passes: dict[str, Callable[[], object]] = {
+            "run context (ranks, hosts, groups)": lambda: RunContext.load(run_id, query, settings),
+            "straggler.detect": lambda: straggler.detect(ctx),
+            "hang.detect": lambda: hang.detect(ctx),
+            "crash.detect": lambda: crash.detect(ctx, now_ns=now_ns),
+            "nan.detect": lambda: nan.detect(ctx),
+            "slow_link.detect": lambda: slow_link.detect(ctx),
+            "gpu.detect": lambda: gpu.detect(ctx),
+            "diagnose() (all of the above)": lambda: engine.diagnose(run_id, query, settings, now_ns=now_ns),
+        }
+        rows = []
+        for name, call in passes.items():
+            seconds = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                call()
+                seconds.append(time.perf_counter() - started)
+            rows.append(f"| pass over the stored run: {name} | {statistics.median(seconds):.2f} s (median of {repeats}) |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-scenarios", action="store_true", help="only part (b)")
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=16)
+    parser.add_argument("--dp", type=int, default=96)
+    parser.add_argument("--batches-per-s", type=float, default=300.0, help="the simulator's budget (default: 300)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    log = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731
+    work = Path(tempfile.mkdtemp(prefix="rankscope-bench-diagnosis-"))
+    started = time.monotonic()
+    try:
+        tables = [] if args.skip_scenarios else [["(a) 8 real ranks, built-in scenarios", *scenarios_table(log)]]
+        tables.append([f"(b) {args.tp * args.pp * args.dp:,} simulated ranks (tp {args.tp} x pp {args.pp} x dp {args.dp})",
+                       *scale_table(args, work, log)])  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for title, *rows in tables:
+        print(f"\n{title}\n")
+        print("\n".join(rows))
+    print(f"\n(total {time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

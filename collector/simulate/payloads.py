@@ -1,0 +1,86 @@
+"""A simulated rank's telemetry as the agent's own wire messages (telemetry.proto), one rank at a time.
+
+The columns come from ``rows`` already as numpy arrays; here they only become the packed
+little-endian ``bytes`` fields of one rank's batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+import rankscope
+from rankscope.collector.simulate.hang import Flight
+from rankscope.collector.simulate.rows import BF16, OP_NAMES, SPAN_KINDS, SPAN_NAMES, STEP_METRICS
+from rankscope.collector.simulate.topology import GROUP_KINDS, Topology
+from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+
+#: like the agent's heartbeat (heartbeat.py): at most this many operations in flight, oldest first
+IN_FLIGHT_LIMIT = 16
+
+
+def register(topo: Topology, rank: int, *, run_name: str, config_json: str, start_ns: int, pid: int) -> pb.Register:
+    tp, pp, dp = (int(c) for c in topo.coords[rank])
+    groups = [pb.Group(name=name, description=f"{kind} group (simulated)", ranks=topo.groups[name])
+              for kind, name in zip(GROUP_KINDS, topo.group_names(rank))]  # fmt: skip
+    local = rank % topo.ranks_per_host
+    return pb.Register(
+        world_size=topo.world_size, host=topo.host(rank), pid=pid, local_rank=local, device=f"cuda:{local} (simulated)",
+        tp=topo.tp, pp=topo.pp, dp=topo.dp, tp_rank=tp, pp_rank=pp, dp_rank=dp, groups=groups, run_name=run_name,
+        config_json=config_json, start_time_ns=start_ns, agent_version=f"{rankscope.__version__} (simulate)",
+    )  # fmt: skip
+
+
+def spans(cols: dict[str, np.ndarray]) -> pb.SpanBatch:
+    n = len(cols["name"])
+    return pb.SpanBatch(
+        count=n, strings=SPAN_NAMES, name=cols["name"].astype("<i4").tobytes(),
+        kind=SPAN_KINDS[cols["name"]].tobytes(), step=cols["step"].astype("<i4").tobytes(),
+        microbatch=cols["microbatch"].astype("<i4").tobytes(), start_ns=cols["start_ns"].astype("<i8").tobytes(),
+        end_ns=cols["end_ns"].astype("<i8").tobytes(), attributes=np.full(n, -1, "<i4").tobytes(),
+    )  # fmt: skip
+
+
+def collectives(topo: Topology, rank: int, cols: dict[str, np.ndarray]) -> pb.CollectiveBatch:
+    """String table: the rank's tp, pp and dp group names, then ``OP_NAMES`` (indices as in ``rows``)."""
+    n = len(cols["seq"])
+    issue = cols["issue_ns"].astype("<i8").tobytes()
+    return pb.CollectiveBatch(
+        count=n, strings=[*topo.group_names(rank), *OP_NAMES], group=cols["group"].astype("<i4").tobytes(),
+        seq=cols["seq"].astype("<i8").tobytes(), op=cols["op"].astype("<i4").tobytes(),
+        nbytes=cols["nbytes"].astype("<i8").tobytes(), dtype=np.full(n, BF16, "<i4").tobytes(),
+        peer=cols["peer"].astype("<i4").tobytes(), issue_ns=issue, start_ns=issue,
+        end_ns=cols["end_ns"].astype("<i8").tobytes(), state=np.zeros(n, "u1").tobytes(),
+        step=cols["step"].astype("<i4").tobytes(),
+    )  # fmt: skip
+
+
+def step_metrics(steps: np.ndarray, values: np.ndarray, times: np.ndarray) -> pb.StepMetricBatch:
+    """``values``: (steps, len(STEP_METRICS)) of one rank; ``times``: (steps,)."""
+    rows, names = values.shape
+    return pb.StepMetricBatch(
+        count=rows * names, strings=STEP_METRICS, step=np.repeat(steps, names).astype("<i4").tobytes(),
+        name=np.tile(np.arange(names), rows).astype("<i4").tobytes(), value=values.astype("<f8").tobytes(),
+        time_ns=np.repeat(times, names).astype("<i8").tobytes(),
+    )  # fmt: skip
+
+
+def heartbeat(
+    topo: Topology, rank: int, *, time_ns: int, step: int, phase: str, stalled: bool, last_progress_ns: int,
+    in_flight: Sequence[Flight] = (),
+) -> pb.HeartbeatBatch:
+    names = [*topo.group_names(rank), *OP_NAMES]
+    flights = [
+        pb.InFlight(group=names[f.group], seq=f.seq, op=names[f.op], peer=f.peer, issue_ns=f.issue_ns, waiting=f.waiting)
+        for f in in_flight[:IN_FLIGHT_LIMIT]
+    ]
+    beat = pb.Heartbeat(time_ns=time_ns, step=step, phase=phase, status="stalled" if stalled else "running",
+                        last_progress_ns=last_progress_ns, in_flight=flights)  # fmt: skip
+    return pb.HeartbeatBatch(heartbeats=[beat])
+
+
+def end(time_ns: int, reason: int, *, signal: int = 0, message: str = "") -> pb.EndOfRank:
+    exit_code = 1 if reason == pb.EndOfRank.REASON_EXCEPTION else 0
+    return pb.EndOfRank(time_ns=time_ns, reason=reason, exit_code=exit_code, signal=signal, message=message)
+

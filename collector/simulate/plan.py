@@ -1,0 +1,84 @@
+"""What one simulation is: the job, its faults, and how much of it is sent, how often.
+
+The collector's limit at scale is not rows but batches: every batch carries one rank (the wire
+contract's envelope), costs the collector about a millisecond of CPU whatever its size, and is
+acknowledged only once written. So the cadence is derived from a budget of batches per second
+(``Cadence.for_world``): each rank beats every ``heartbeat_s`` and sends its recorded steps every
+``flush_s`` (one span batch and one collective batch); a rank that has made no progress for
+``report_after_s`` beats at once, so the state of a hung job reaches the collector within seconds
+whatever the heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from rankscope.collector.simulate.model import StepModel, Timing
+from rankscope.collector.simulate.topology import Topology
+from rankscope.trainer.faults import Fault
+
+#: fault kinds the simulator plays (the trainer's grammar has more)
+SUPPORTED = ("straggler", "hang", "crash")
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How often each simulated rank talks to the collector, and how much it says."""
+
+    heartbeat_s: float
+    flush_s: float
+    #: every n-th step (and the first) is recorded in full; the others as per-rank summaries
+    sample_every: int = 10
+    report_after_s: float = 5.0
+    #: a heartbeat says "stalled" after this long without progress (the agent's RANKSCOPE_STALL_S)
+    stall_s: float = 20.0
+
+    @classmethod
+    def for_world(cls, world_size: int, batches_per_s: float) -> Cadence:
+        """A heartbeat every ``heartbeat_s`` (2 s at least) and a flush (two batches) every other: 2 * world / heartbeat_s batches/s."""
+        heartbeat = max(2.0, 2 * world_size / batches_per_s)
+        return cls(heartbeat_s=heartbeat, flush_s=2 * heartbeat)
+
+    def batches_per_s(self, world_size: int, reporters: int) -> float:
+        """Steady-state batches per second (heartbeats, spans, collectives, step scalars of the reporters)."""
+        return world_size / self.heartbeat_s + (2 * world_size + reporters) / self.flush_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a worker process needs (picklable, no torch)."""
+
+    topo: Topology
+    run_id: str
+    run_name: str
+    collector: str
+    spool_dir: str
+    steps: int
+    step_time_s: float
+    microbatches: int
+    seed: int
+    noise: float
+    faults: tuple[Fault, ...]
+    cadence: Cadence
+    #: after a hang, heartbeats go on this long before the launcher stops every rank
+    hold_s: float
+
+    def model(self) -> StepModel:
+        timing = Timing.for_step(self.step_time_s, self.topo.pp, self.microbatches, self.noise)
+        stragglers = [(f.rank, f.from_step, f.factor) for f in self.faults if f.kind == "straggler"]
+        return StepModel(self.topo, timing, self.microbatches, self.seed, stragglers)
+
+    @property
+    def stop(self) -> Fault | None:
+        """The hang or crash, if one is injected (at most one)."""
+        return next((f for f in self.faults if f.kind in ("hang", "crash")), None)
+
+    def config_json(self) -> str:
+        """What the run's ``runs.config`` says about the simulation."""
+        topo = self.topo
+        return json.dumps({
+            "simulated": True, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "steps": self.steps,
+            "step_time_s": self.step_time_s, "microbatches": self.microbatches, "seed": self.seed,
+            "inject": [asdict(f) for f in self.faults], "cadence": asdict(self.cadence),
+        })  # fmt: skip

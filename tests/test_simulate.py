@@ -1,0 +1,154 @@
+"""The scale simulator against a real collector: a scaled-down job (4 x 4 x 16 = 256 ranks), one fault each.
+
+The live diagnosis must name exactly the injected rank and its host, and nothing else. The pure
+parts (1F1B order, the hang's fixed point, the multi-rank Transport) are checked without processes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rankscope.collector.simulate.hang import PHASES, freeze
+from rankscope.collector.simulate.model import StepModel, Timing, one_f_one_b, topological
+from rankscope.collector.simulate.rows import ALL_REDUCE, RECV, SEND, Slice
+from rankscope.collector.simulate.topology import build
+
+SHAPE = ["--tp", "4", "--pp", "4", "--dp", "16"]
+INCIDENTS_SQL = "SELECT kind, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String} ORDER BY first_seen"
+STATUS_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {run:String}"
+
+
+def test_one_f_one_b_warms_up_then_alternates() -> None:
+    stages = one_f_one_b(4, 6)
+    assert [(op.backward, op.m) for op in stages[1]] == [
+        (False, 0), (False, 1), (False, 2), (True, 0), (False, 3), (True, 1), (False, 4), (True, 2),
+        (False, 5), (True, 3), (True, 4), (True, 5),
+    ]  # fmt: skip
+    order = topological(stages)
+    assert len(order) == 4 * 12 and order.index(stages[3][0]) > order.index(stages[2][0])  # a forward follows its input
+
+
+def test_straggler_slows_its_own_compute_and_its_peers_wait() -> None:
+    topo = build(2, 2, 2)
+    model = StepModel(topo, Timing.for_step(1.0, 2, 4, noise=0.0), 4, seed=0, factors=[(1, 2, 1.5)])
+    before, after = model.step(1, 0), model.step(2, 0)
+    assert after.fwd[0, 0, 1].sum() == pytest.approx(1.5 * before.fwd[0, 0, 1].sum(), rel=1e-6)
+    assert (after.fwd[0, 0, 0] == before.fwd[0, 0, 0]).all()  # its tp peer computes as fast as before ...
+    assert after.f_end[0, 0, 0] > before.f_end[0, 0, 0]  # ... and waits for it in the all-reduce
+    assert after.duration_ns > before.duration_ns  # the other replica waits in the dp all-reduce
+
+
+def test_hang_leaves_every_other_rank_waiting_on_the_chain_to_the_root() -> None:
+    topo = build(2, 4, 2)
+    model = StepModel(topo, Timing.for_step(1.0, 4, 4), 4, seed=0, factors=[])
+    frozen = freeze(model, model.step(3, 0), root=5)  # tp 1, stage 1, replica 0
+    assert frozen.flights[5] == [] and PHASES[frozen.phase[5]] == "recv_forward"
+    # its pipeline neighbour sent it activations (in flight: nobody received them) and waits for a gradient
+    assert [(f.op, f.peer) for f in frozen.flights[1] if f.waiting] == [(RECV, 5)]
+    assert all(f.op == SEND and f.peer == 5 for f in frozen.flights[1] if not f.waiting)
+    assert [(f.op, f.peer) for f in frozen.flights[4]] == [(ALL_REDUCE, -1)]  # its tp peer, in the all-reduce
+    other_replica = 2  # tp 0, stage 0, replica 1: waits in the dp all-reduce of the step
+    assert [(f.op, f.seq) for f in frozen.in_flight(other_replica, 0)] == [(ALL_REDUCE, 3)]
+    sends = Slice(model, 0, topo.world_size).full(model.step(3, 0))[1].columns
+    boundaries, microbatches, directions, pipelines = 3, 4, 2, 2 * 2
+    assert (sends["op"] == SEND).sum() == boundaries * microbatches * directions * pipelines
+
+
+@pytest.fixture
+def collector(proc_runner, tmp_path: Path) -> str:
+    proc = proc_runner.start(
+        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(tmp_path / "store"), "--listen", "127.0.0.1:0",
+         "--hang-after", "8", "--silent-after", "30", "--diagnose-every", "1", "--flush-interval", "0.5"],
+        name="collector",
+    )  # fmt: skip
+    proc.wait_for("listening on", timeout=60)
+    return proc.stdout.split("listening on ", 1)[1].split(",", 1)[0].strip()
+
+
+def simulate(proc_runner, address: str, run_id: str, *flags: str):
+    return proc_runner.start(
+        [sys.executable, "-m", "rankscope.cli.main", "simulate", *SHAPE, "--collector", address, "--run-id", run_id,
+         "--step-time", "0.5", "--batches-per-s", "400", *flags],
+        name=f"simulate-{run_id}",
+    )  # fmt: skip
+
+
+def incidents(address: str, run_id: str, until, timeout_s: float) -> list[dict]:
+    """Poll the incidents until ``until(incidents)`` holds (or time runs out); returns the last answer."""
+    from rankscope.collector.client import Client
+
+    with Client(address) as client:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = client.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()
+            if until(found, client) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_straggler_among_256_ranks_is_named_with_its_host(proc_runner, collector: str) -> None:
+    sim = simulate(proc_runner, collector, "straggler", "--steps", "12", "--inject", "straggler:rank=77,factor=1.3,from_step=3")
+    assert sim.wait(90) == 0, sim.output()
+
+    def settled(found: list[dict], client) -> bool:  # the run is over and the last passes saw it
+        return client.query(STATUS_SQL, {"run": "straggler"}).to_pylist()[0]["status"] == "finished" and bool(found)
+
+    found = incidents(collector, "straggler", settled, timeout_s=30)
+    assert [(i["kind"], i["ranks"], i["hosts"]) for i in found] == [("straggler", [77], ["node-9"])], found
+
+
+@pytest.mark.slow
+def test_hang_among_256_ranks_names_the_root(proc_runner, collector: str) -> None:
+    simulate(proc_runner, collector, "hang", "--steps", "40", "--inject", "hang:rank=150,step=6", "--hold", "120")
+    found = incidents(collector, "hang", lambda found, _: any(i["kind"] == "hang" for i in found), timeout_s=75)
+    assert [(i["kind"], i["ranks"], i["hosts"]) for i in found] == [("hang", [150], ["node-18"])], found
+    assert "255 ranks wait on it" in found[0]["summary"]
+
+
+@pytest.mark.slow
+def test_one_transport_for_many_ranks_registers_each_again_with_a_new_collector(proc_runner, tmp_path: Path) -> None:
+    """A Transport speaking for ranks 0-2: envelopes carry each payload's rank, and after the collector
+    is replaced (an empty store on the same address) every rank is registered again before its data."""
+    from test_agent_transport import agent_config, free_port, start_collector
+
+    from rankscope.agent.transport import Transport
+    from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+
+    def beat() -> pb.HeartbeatBatch:
+        return pb.HeartbeatBatch(heartbeats=[pb.Heartbeat(time_ns=time.time_ns(), step=1, phase="forward", status="running")])
+
+    def hosts(collector) -> dict[int, str]:  # rank -> host its heartbeats were stored with
+        rows = collector.query("SELECT rank, any(host) AS host FROM heartbeats WHERE run_id = 'multi' GROUP BY rank")
+        return {r["rank"]: r["host"] for r in rows}
+
+    port = free_port()
+    first = start_collector(proc_runner, tmp_path / "first", port)
+    transport = Transport(agent_config(first.address, tmp_path / "spool"), "multi", 0, window=8)
+    transport.start()
+    for rank in range(3):
+        transport.submit(pb.Register(world_size=3, host=f"host-{rank}", tp=1, pp=1, dp=3, start_time_ns=time.time_ns()), rank=rank)
+    deadline = time.monotonic() + 30
+    while transport.stats().acked < 3 and time.monotonic() < deadline:  # in flight together, data could overtake them
+        time.sleep(0.1)
+    for rank in range(3):
+        transport.submit(beat(), rank=rank)
+    while len(hosts(first)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hosts(first) == {0: "host-0", 1: "host-1", 2: "host-2"}
+    first.proc.kill()
+    for rank in range(3):  # they fail: the Transport spools them and probes until a collector answers
+        transport.submit(beat(), rank=rank)
+    deadline = time.monotonic() + 30
+    while transport.stats().spooled < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = start_collector(proc_runner, tmp_path / "second", port)
+    deadline = time.monotonic() + 60
+    while transport.stats().replayed < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    transport.close(timeout_s=30)
+    assert hosts(second) == {0: "host-0", 1: "host-1", 2: "host-2"}
