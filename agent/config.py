@@ -73,6 +73,8 @@ OTHER_PARTS = (
     "RANKSCOPE_INJECT",  # trainer: fault injection
     "RANKSCOPE_ROLE",  # autoload: marks collector/dashboard processes (and their children) as no rank
     "RANKSCOPE_AGENT_PID",  # autoload: set by an active agent, so its child processes stay off
+    "RANKSCOPE_TLS_CERT",  # collector: its TLS certificate (--tls-cert)
+    "RANKSCOPE_TLS_KEY",  # collector: its TLS private key (--tls-key)
 )
 
 DEFAULT_COLLECTOR = "127.0.0.1:7777"

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
+
+from rankscope.cli.tls import pem_file
 
 HELP = "run the collector: gRPC ingest from the agents, storage, read-only queries"
 
@@ -83,6 +86,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"gRPC address (default: {DEFAULT_LISTEN}; port 0 picks a free port, printed at start-up)")
     parser.add_argument("--token", metavar="TOKEN", default=os.environ.get("RANKSCOPE_TOKEN") or None,
                         help="require 'authorization: Bearer TOKEN' on every call (default: $RANKSCOPE_TOKEN; none if unset)")
+    parser.add_argument("--tls-cert", metavar="PEM", type=pem_file("CERTIFICATE"), default=os.environ.get("RANKSCOPE_TLS_CERT") or None,
+                        help="serve gRPC over TLS with this certificate chain, with --tls-key (default: $RANKSCOPE_TLS_CERT;"
+                             " plain text if unset); agents then need RANKSCOPE_TLS_CA")
+    parser.add_argument("--tls-key", metavar="PEM", type=pem_file("PRIVATE KEY"), default=os.environ.get("RANKSCOPE_TLS_KEY") or None,
+                        help="the certificate's private key (default: $RANKSCOPE_TLS_KEY)")
     parser.add_argument("--retention-days", metavar="N", type=_count(0),
                         help="keep N days of data, 0 for ever (default: leave the store's retention as it is; a new store keeps everything)")
     parser.add_argument("--metrics-port", metavar="PORT", type=_port,
@@ -122,19 +130,25 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.collector.server import ServerOptions, main
 
     past, future = args.time_window
-    options = ServerOptions(
-        listen=args.listen,
-        store_dir=args.store,
-        clickhouse_url=args.clickhouse,
-        token=args.token,
-        retention_days=args.retention_days,
-        metrics_port=args.metrics_port,
-        time_window=TimeWindow(past, future),
-        max_buffered_rows=args.max_buffered_rows,
-        flush_interval_s=args.flush_interval,
-        limits=Limits(args.query_max_rows, args.query_max_bytes, args.query_timeout),
-        diagnosis=None if args.no_diagnosis else Settings(hang_after_s=args.hang_after, silent_after_s=args.silent_after),
-        diagnose_interval_s=args.diagnose_every,
-        alert_webhook=args.alert_webhook,
-    )
+    try:
+        options = ServerOptions(
+            listen=args.listen,
+            store_dir=args.store,
+            clickhouse_url=args.clickhouse,
+            token=args.token,
+            retention_days=args.retention_days,
+            metrics_port=args.metrics_port,
+            time_window=TimeWindow(past, future),
+            max_buffered_rows=args.max_buffered_rows,
+            flush_interval_s=args.flush_interval,
+            limits=Limits(args.query_max_rows, args.query_max_bytes, args.query_timeout),
+            diagnosis=None if args.no_diagnosis else Settings(hang_after_s=args.hang_after, silent_after_s=args.silent_after),
+            diagnose_interval_s=args.diagnose_every,
+            alert_webhook=args.alert_webhook,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+    except ValueError as e:  # flags that only make sense together
+        print(f"rankscope collector: {e}", file=sys.stderr)
+        return 2
     return main(options)

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.agent.autoload import forbid
 
     forbid("dashboard")  # first: this process and what it starts are no training ranks
-    from rankscope.dashboard.connection import SOURCE_VARIABLE, TOKEN_VARIABLE, Source
+    from rankscope.dashboard.connection import SOURCE_VARIABLE, TLS_CA_VARIABLE, TOKEN_VARIABLE, Source
 
     if args.store is not None and not (Path(args.store) / "metadata").is_dir():
         print(f"rankscope dashboard: no store at {args.store} (a collector creates one: rankscope collector --store DIR)", file=sys.stderr)
@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ[SOURCE_VARIABLE] = chosen.to_env()
     if args.token:
         os.environ[TOKEN_VARIABLE] = args.token
+    if args.tls_ca:
+        os.environ[TLS_CA_VARIABLE] = str(Path(args.tls_ca).resolve())
     print(f"rankscope dashboard: http://{args.address}:{args.port}/ reading {chosen.describe()}", flush=True)
 
     from streamlit.web import cli as streamlit_cli

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rankscope.cli.tls import pem_file
+
 if TYPE_CHECKING:
     from rankscope.collector.client import Reader
 
@@ -18,7 +20,7 @@ DEFAULT_COLLECTOR = "127.0.0.1:7777"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """--collector / --clickhouse / --store (one of them) and --token."""
+    """--collector / --clickhouse / --store (one of them), --token and --tls-ca."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--collector", metavar="HOST:PORT",
                        help=f"ask the collector at HOST:PORT (the default, {DEFAULT_COLLECTOR})")  # fmt: skip
@@ -27,10 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="open an embedded store directory (only while no collector runs on it)")  # fmt: skip
     parser.add_argument("--token", default=os.environ.get("RANKSCOPE_TOKEN") or None,
                         help="the collector's token (default: $RANKSCOPE_TOKEN)")  # fmt: skip
+    parser.add_argument("--tls-ca", metavar="PEM", type=pem_file("CERTIFICATE"), default=os.environ.get("RANKSCOPE_TLS_CA") or None,
+                        help="CA bundle that signed the collector's certificate: talk TLS to it (default: $RANKSCOPE_TLS_CA;"
+                             " plain text if unset)")  # fmt: skip
 
 
 def open_reader(args: argparse.Namespace) -> Reader:
     """The reader the flags name; raises the client's QueryFailed subclasses when it cannot be reached."""
     from rankscope.collector.client import open_reader as open_any
 
-    return open_any(collector=args.collector, clickhouse=args.clickhouse, store=args.store, token=args.token)
+    return open_any(collector=args.collector, clickhouse=args.clickhouse, store=args.store, token=args.token, tls_ca=args.tls_ca)

@@ -63,14 +63,27 @@ class Reader(Protocol):
 
 
 class Client:
-    """A collector's Query service over gRPC (thread-safe: one channel, shared)."""
+    """A collector's Query service over gRPC (thread-safe: one channel, shared).
 
-    def __init__(self, target: str = DEFAULT_COLLECTOR, token: str | None = None, timeout_s: float = 30.0):
+    ``tls_ca``: the CA bundle (PEM) that signed the collector's certificate, for a collector
+    started with ``--tls-cert``; without it the channel is plain text. QueryFailed when the file
+    cannot be read.
+    """
+
+    def __init__(self, target: str = DEFAULT_COLLECTOR, token: str | None = None, timeout_s: float = 30.0, tls_ca: Path | None = None):
         self.target = target
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         # Results can be large (the collector caps them); the default 4 MiB receive limit is not.
-        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", -1)])
+        options = [("grpc.max_receive_message_length", -1)]
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            try:
+                ca = Path(tls_ca).read_bytes()
+            except OSError as e:
+                raise QueryFailed(f"cannot read the CA bundle {tls_ca}: {e.strerror or e}") from None
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca), options=options)
         self._stub = query_pb2_grpc.QueryStub(self._channel)
 
     def query(self, sql: str, params: Mapping[str, object] | None = None, max_rows: int = 0) -> pa.Table:
@@ -149,16 +162,20 @@ def open_reader(
     clickhouse: str | None = None,
     store: Path | None = None,
     token: str | None = None,
+    tls_ca: Path | None = None,
 ) -> Reader:
     """A reader for one of: a collector at HOST:PORT (default 127.0.0.1:7777), a ClickHouse URL,
     or an embedded store directory. Unreachable when a store cannot be opened.
+
+    ``token`` and ``tls_ca`` (TLS to the collector) apply to a collector only; an https:// URL
+    gives TLS to a ClickHouse server.
 
     The collector is not contacted here: its absence shows at the first query (Unreachable).
     """
     if sum(x is not None for x in (collector, clickhouse, store)) > 1:
         raise ValueError("give at most one of collector, clickhouse and store")
     if clickhouse is None and store is None:
-        return Client(collector or DEFAULT_COLLECTOR, token=token)
+        return Client(collector or DEFAULT_COLLECTOR, token=token, tls_ca=tls_ca)
     # The engine's catalogue: a directory without it never held a store (and must not become one here).
     if store is not None and not (Path(store) / "metadata").is_dir():
         raise Unreachable(f"no store at {store}: start a collector with --store {store} to create one")

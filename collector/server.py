@@ -69,6 +69,13 @@ class ServerOptions:
     diagnose_interval_s: float = 2.0
     #: POST every new incident as JSON to this URL
     alert_webhook: str | None = None
+    #: PEM certificate chain and private key: serve gRPC over TLS (both or neither)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its private key (--tls-cert and --tls-key), or neither")
 
 
 class _Refusal(Exception):
@@ -231,20 +238,40 @@ def _where(options: ServerOptions, store: Store) -> str:
 async def serve(options: ServerOptions, ready: Callable[[str], None] | None = None) -> None:
     """Run the collector until SIGINT or SIGTERM; ``ready`` gets the start-up line (default: print).
 
-    Raises StoreError (store unusable or held by another collector) or OSError (cannot listen).
+    Raises StoreError (store unusable or held by another collector) or OSError (cannot listen, or
+    cannot read the TLS files).
     """
     host, port = parse_listen(options.listen)
+    credentials = server_credentials(options)  # before the store: a bad file costs no store start-up
     if options.clickhouse_url is None:
         store = open_store(store_dir=options.store_dir, database=options.database)
     else:
         store = open_store(clickhouse_url=options.clickhouse_url, database=options.database)
     try:
-        await _run(store, options, host, port, ready or _print_line)
+        await _run(store, options, host, port, credentials, ready or _print_line)
     finally:
         store.close()
 
 
-async def _run(store: Store, options: ServerOptions, host: str, port: int, ready: Callable[[str], None]) -> None:
+def server_credentials(options: ServerOptions) -> grpc.ServerCredentials | None:
+    """TLS credentials from ``tls_cert`` and ``tls_key``; None for plain text. OSError naming the file."""
+    if options.tls_cert is None or options.tls_key is None:
+        return None
+    pair = (_read_pem("private key", options.tls_key), _read_pem("certificate", options.tls_cert))
+    return grpc.ssl_server_credentials([pair])
+
+
+def _read_pem(what: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise OSError(f"cannot read the TLS {what} {path}: {e.strerror or e}") from None
+
+
+async def _run(
+    store: Store, options: ServerOptions, host: str, port: int, credentials: grpc.ServerCredentials | None,
+    ready: Callable[[str], None],
+) -> None:
     await asyncio.to_thread(migrate, store, store.database, options.retention_days)
     guard = await asyncio.to_thread(guard_for, store)
     writer = Writer(
@@ -274,12 +301,13 @@ async def _run(store: Store, options: ServerOptions, host: str, port: int, ready
     ticker = asyncio.create_task(_tick(telemetry, stop))
     diagnosis = asyncio.create_task(_diagnose(collector, loop, stop)) if options.diagnosis is not None else None
     try:
-        bound = _bind(server, host, port)
+        bound = _bind(server, host, port, credentials)
         await server.start()
         metrics = ""
         if options.metrics_port is not None:
             metrics = f", metrics on http://{host}:{telemetry.serve(host, options.metrics_port)}/metrics"
-        ready(f"rankscope collector listening on {host}:{bound}, storing in {_where(options, store)}{metrics}")
+        tls = ", with TLS" if credentials is not None else ""
+        ready(f"rankscope collector listening on {host}:{bound}{tls}, storing in {_where(options, store)}{metrics}")
         await stop.wait()
     finally:
         # Stop taking calls at once and write every buffer now: the calls in flight get their
@@ -311,11 +339,19 @@ async def _diagnose(collector: Collector, loop: asyncio.AbstractEventLoop, stop:
     await live.run(stop)
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on host:port; the port bound (port 0 picks a free one). OSError when it cannot."""
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Listen on host:port, over TLS when ``credentials`` are given; the port bound (port 0 picks a
+    free one). OSError when it cannot."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as e:
+        if credentials is not None:  # gRPC says only "Failed to bind" when it cannot use the PEM files either
+            raise OSError(
+                f"cannot listen with TLS on {host}:{port} (in use, or the key does not belong to the certificate): {e}"
+            ) from None
         raise OSError(f"cannot listen on {host}:{port}: {e}") from None
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")

@@ -1,9 +1,10 @@
 """Where the dashboard reads from, and the one function every page query goes through.
 
 ``rankscope dashboard`` runs Streamlit in its own process and hands the data source over in the
-environment (``RANKSCOPE_DASHBOARD_SOURCE``, JSON; the token stays in ``RANKSCOPE_TOKEN``): the
-app script is executed by Streamlit, not called, so it cannot take arguments, and the
-environment also reaches AppTest, which runs the script inside a test process.
+environment (``RANKSCOPE_DASHBOARD_SOURCE``, JSON; the token stays in ``RANKSCOPE_TOKEN``, the
+collector's CA bundle in ``RANKSCOPE_TLS_CA``): the app script is executed by Streamlit, not
+called, so it cannot take arguments, and the environment also reaches AppTest, which runs the
+script inside a test process.
 
 The reader is a Streamlit resource: one per source for the whole server. A collector client is a
 gRPC channel shared by every session; an embedded store can only be opened by one process at a
@@ -25,6 +26,7 @@ from rankscope.collector.client import DEFAULT_COLLECTOR, Reader, open_reader
 
 SOURCE_VARIABLE = "RANKSCOPE_DASHBOARD_SOURCE"
 TOKEN_VARIABLE = "RANKSCOPE_TOKEN"
+TLS_CA_VARIABLE = "RANKSCOPE_TLS_CA"
 #: rows a page query may return; a larger answer means the page asked for too wide a window
 MAX_ROWS = 500_000
 
@@ -65,13 +67,14 @@ def _close(reader: Reader) -> None:
 
 
 @st.cache_resource(show_spinner=False, on_release=_close)
-def _reader(source: Source, token: str | None) -> Reader:
+def _reader(source: Source, token: str | None, tls_ca: str | None) -> Reader:
     """Opened once per source (raises the client's Unreachable when it cannot be; not cached then)."""
     return open_reader(
         collector=source.collector,
         clickhouse=source.clickhouse,
         store=Path(source.store) if source.store else None,
         token=token,
+        tls_ca=Path(tls_ca) if tls_ca else None,
     )
 
 
@@ -92,5 +95,5 @@ def query(sql: str, params: Mapping[str, object] | None = None, max_rows: int = 
     Times come back as timezone-aware pandas timestamps; the queries here mostly return
     integer nanoseconds instead, which survive every hop without rounding.
     """
-    reader = _reader(source(), os.environ.get(TOKEN_VARIABLE) or None)
+    reader = _reader(source(), os.environ.get(TOKEN_VARIABLE) or None, os.environ.get(TLS_CA_VARIABLE) or None)
     return reader.query(sql, params, max_rows=max_rows).to_pandas()
