@@ -3,7 +3,7 @@
 #   make test        install what is missing, then the whole test suite
 #   make test-fast   the same without the tests marked slow
 #   make bench       every benchmarks/*.py in turn
-#   make demo        the demo
+#   make demo        the demo (rankscope demo: collector, dashboard, 8-rank run; Ctrl-C stops it)
 #   make protos      regenerate protos/rankscope/v1/*_pb2*.py from the .proto files
 
 SHELL := /bin/bash
@@ -61,7 +61,7 @@ bench: install
 	@for b in $(BENCHMARKS); do echo "== $$b"; $(PY) "$$b"; echo; done
 
 demo: install
-	$(VENV)/bin/rankscope train --inject "straggler:rank=5,factor=1.5,from_step=5"
+	$(VENV)/bin/rankscope demo
 
 # Regenerate the wire contract's Python code after editing protos/rankscope/v1/*.proto.
 protos: install

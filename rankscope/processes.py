@@ -13,8 +13,7 @@ import signal
 import subprocess
 import time
 
-__all__ = ["terminate_tree"]
-
+__all__ = ["alive", "process_tree", "terminate_tree"]
 
 
 def _proc_table() -> dict[int, tuple[int, int, str, int]]:
@@ -34,8 +33,11 @@ def _proc_table() -> dict[int, tuple[int, int, str, int]]:
     return table
 
 
-def _tree(root: int) -> dict[int, int]:
-    """pid -> start time of the live (non-zombie) processes in root's group or below root."""
+def process_tree(root: int) -> dict[int, int]:
+    """pid -> start time of the live (non-zombie) processes in root's group or below root.
+
+    Read while root runs: what it started can only be found from it until it exits.
+    """
     table = _proc_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _, _) in table.items():
@@ -49,8 +51,8 @@ def _tree(root: int) -> dict[int, int]:
     return {pid: table[pid][3] for pid in found if pid in table and table[pid][2] != "Z"}
 
 
-def _alive(pids: dict[int, int]) -> dict[int, int]:
-    """Those of `pids` still running (same start time, so a reused pid is not mistaken)."""
+def alive(pids: dict[int, int]) -> dict[int, int]:
+    """Those of `pids` (from ``process_tree``) still running; same start time, so a reused pid is not mistaken."""
     table = _proc_table()
     return {pid: start for pid, start in pids.items() if pid in table and table[pid][3] == start and table[pid][2] != "Z"}
 
@@ -60,7 +62,7 @@ def _signal(pids: dict[int, int], pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-    for pid in _alive(pids):
+    for pid in alive(pids):
         try:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -73,7 +75,7 @@ def terminate_tree(popen: subprocess.Popen[bytes], grace_s: float) -> None:
     The tree is read before any signal: once a parent dies its children are re-parented and
     can no longer be found from it.
     """
-    pids = _tree(popen.pid)
+    pids = process_tree(popen.pid)
     if not pids:
         popen.poll()  # reap a zombie leader
         return
@@ -81,17 +83,17 @@ def terminate_tree(popen: subprocess.Popen[bytes], grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         popen.poll()
-        pids = _alive(pids)
+        pids = alive(pids)
         if not pids:
             return
         time.sleep(0.05)
     # Also whatever the tree started during the grace period.
-    pids = {**pids, **_tree(popen.pid)}
+    pids = {**pids, **process_tree(popen.pid)}
     _signal(pids, popen.pid, signal.SIGKILL)
     try:
         popen.wait(5.0)
     except subprocess.TimeoutExpired:
         pass
     deadline = time.monotonic() + 5.0  # SIGKILL is not instant on a busy machine: wait until they are gone
-    while _alive(pids) and time.monotonic() < deadline:
+    while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.05)

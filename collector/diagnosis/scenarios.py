@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -18,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.processes import terminate_tree
+from rankscope.collector.orchestration import CLI, agent_env, collector_command, start, stop, wait_for_address
 
-HOSTS = "node-{rank//2}"
 HANG_AFTER_S = 10.0
 
 
@@ -125,32 +123,26 @@ def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str],
     """Run one scenario end to end and score it; every process it starts is stopped before it returns."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rankscope-{scenario.name}-"))
     run_id = f"{scenario.name}-{uuid.uuid4().hex[:8]}"
-    exe = [sys.executable, "-m", "rankscope.cli.main"]
-    collector = _start(
-        [*exe, "collector", "--store", str(workdir / "store"), "--listen", "127.0.0.1:0", "--hang-after", str(HANG_AFTER_S),
-         "--diagnose-every", "1", "--flush-interval", "0.5"],
-        workdir / "collector.log", os.environ,
-    )  # fmt: skip
+    collector = start(collector_command(workdir / "store", "127.0.0.1:0", HANG_AFTER_S), workdir / "collector.log", os.environ)
     training: subprocess.Popen[bytes] | None = None
     try:
-        address = _wait_for_address(collector, workdir / "collector.log")
+        address = wait_for_address(collector, workdir / "collector.log")
         from rankscope.collector.client import Client
 
         client = Client(address)
-        env = {**os.environ, "RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_RUN_ID": run_id,
-               "RANKSCOPE_HOST": HOSTS, "RANKSCOPE_HEARTBEAT_S": "1", "RANKSCOPE_SPOOL_DIR": str(workdir / "spool")}  # fmt: skip
+        env = agent_env(address, run_id, workdir / "spool")
         flags = ["--steps", str(scenario.steps), *scenario.train_flags]
         if scenario.inject:
             flags += ["--inject", scenario.inject]
         log(f"{scenario.name}: training (run {run_id}): {scenario.doc}")
-        training = _start([*exe, "train", *flags], workdir / "train.log", env)
+        training = start([*CLI, "train", *flags], workdir / "train.log", env)
         score = _watch(scenario, run_id, client, training, log)
         client.close()
         return score
     finally:
         for proc in (training, collector):
             if proc is not None:
-                _stop(proc)
+                stop(proc)
 
 
 def _watch(scenario: Scenario, run_id: str, client: object, training: subprocess.Popen[bytes], log: Callable[[str], None]) -> Score:
@@ -183,28 +175,3 @@ def _timing(score: Score, client: object) -> None:
         score.seconds_to_detect = max(0.0, (now_ns - start[0]["ns"]) / 1e9)
     if step is not None and s.kind == "straggler":
         score.steps_to_detect = max(0, int(step) - s.fault_step + 1)
-
-
-def _start(cmd: list[str], log_path: Path, env: os._Environ[str] | dict[str, str]) -> subprocess.Popen[bytes]:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
-
-
-def _wait_for_address(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        for line in text.splitlines():
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].split(",", 1)[0].strip()
-        if proc.poll() is not None:
-            raise RuntimeError(f"the collector exited ({proc.returncode}):\n{text[-2000:]}")
-        time.sleep(0.1)
-    raise RuntimeError(f"the collector did not start within {timeout_s:.0f} s")
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """Stop a process and every process under it (torchrun's workers live in sessions of their own)."""
-    terminate_tree(proc, grace_s)
-    proc.wait()

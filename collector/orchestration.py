@@ -1,0 +1,78 @@
+"""Running a local rankscope set-up as child processes: a collector, an 8-rank training run, a dashboard.
+
+Shared by the fault scenarios (``collector/diagnosis/scenarios.py``) and ``rankscope demo``
+(``collector/demo.py``), so that both start the processes the same way and stop every one of them:
+each child runs in a session of its own with its output in a log file (a chatty child never blocks
+on a full pipe), and stopping one stops its whole tree (torchrun's workers included).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from rankscope.processes import terminate_tree
+
+#: the ``rankscope`` command of this interpreter (works without the console script on PATH)
+CLI = (sys.executable, "-m", "rankscope.cli.main")
+#: RANKSCOPE_HOST template: two ranks per simulated host (``host_of`` spells it out)
+HOSTS = "node-{rank//2}"
+
+__all__ = ["CLI", "HOSTS", "agent_env", "collector_command", "host_of", "start", "stop", "wait_for_address"]
+
+
+def host_of(rank: int) -> str:
+    """The simulated host ``HOSTS`` gives ``rank``."""
+    return f"node-{rank // 2}"
+
+
+def collector_command(store: Path, listen: str, hang_after_s: float) -> list[str]:
+    """``rankscope collector`` on an embedded store, diagnosing every second (incidents show up fast)."""
+    return [
+        *CLI, "collector", "--store", str(store), "--listen", listen, "--hang-after", str(hang_after_s),
+        "--diagnose-every", "1", "--flush-interval", "0.5",
+    ]  # fmt: skip
+
+
+def agent_env(address: str, run_id: str, spool_dir: Path) -> dict[str, str]:
+    """This process's environment plus the agent switched on, sending to ``address`` as run ``run_id``."""
+    return {
+        **os.environ, "RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_RUN_ID": run_id,
+        "RANKSCOPE_HOST": HOSTS, "RANKSCOPE_HEARTBEAT_S": "1", "RANKSCOPE_SPOOL_DIR": str(spool_dir),
+    }  # fmt: skip
+
+
+def start(cmd: list[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in a new session with stdout and stderr in ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True
+        )
+
+
+def wait_for_address(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60) -> str:
+    """The HOST:PORT a collector started by ``start`` listens on, read from its start-up line.
+
+    Raises RuntimeError with the end of its log if it exits first (store held, port in use).
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        for line in text.splitlines():
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].split(",", 1)[0].strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"the collector exited ({proc.returncode}):\n{text[-2000:]}")
+        time.sleep(0.1)
+    raise RuntimeError(f"the collector did not start within {timeout_s:.0f} s (log: {log_path})")
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """Stop a process and every process under it (torchrun's workers live in sessions of their own)."""
+    terminate_tree(proc, grace_s)
+    proc.wait()
