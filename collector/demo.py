@@ -244,7 +244,7 @@ class _Demo:
         self.out("")
         self.out(f"Everything is stopped. The data stays in {self.store}; for the postmortem:")
         self.out(f"  {c} sql --store {store} --param run={self.run_id} {shlex.quote(FOLLOW_UP_SQL)}")
-        self.out(f"  {c} diagnose --store {store} --run {self.run_id}")
+        self.out(f"  {c} diagnose --store {store} --run {self.run_id} --hang-after {self.options.hang_after_s:g}")
         self.out(f"  {c} dashboard --store {store}")
         self.out(f"Logs: {self.logs}")
 

@@ -104,10 +104,22 @@ def test_straggler_among_256_ranks_is_named_with_its_host(proc_runner, collector
 
 @pytest.mark.slow
 def test_hang_among_256_ranks_names_the_root(proc_runner, collector: str) -> None:
-    simulate(proc_runner, collector, "hang", "--steps", "40", "--inject", "hang:rank=150,step=6", "--hold", "120")
-    found = incidents(collector, "hang", lambda found, _: any(i["kind"] == "hang" for i in found), timeout_s=75)
+    """Heartbeats 16 s apart (the threshold is 8 s) and no early report: at the hang threshold many ranks were last heard
+    before the stall. They must not be named (nor anything else) until heard; then the root alone."""
+    from rankscope.collector.client import Client
+
+    simulate(proc_runner, collector, "hang", "--steps", "40", "--inject", "hang:rank=150,step=6", "--hold", "120",
+             "--heartbeat", "16", "--report-after", "60")  # fmt: skip
+
+    def whole(found: list[dict], _) -> bool:  # every rank heard since the stall waits on the root
+        return any(i["kind"] == "hang" and "255 ranks wait on it" in i["summary"] for i in found)
+
+    found = incidents(collector, "hang", whole, timeout_s=75)
     assert [(i["kind"], i["ranks"], i["hosts"]) for i in found] == [("hang", [150], ["node-18"])], found
     assert "255 ranks wait on it" in found[0]["summary"]
+    with Client(collector) as client:  # every version written while the ranks reported, not only the last
+        versions = client.query("SELECT DISTINCT kind, ranks FROM incidents WHERE run_id = 'hang'").to_pylist()
+    assert versions == [{"kind": "hang", "ranks": [150]}], versions
 
 
 @pytest.mark.slow

@@ -42,6 +42,8 @@ EVIDENCE_SQL = (
 )
 
 SENDS = ("send", "isend")
+#: roots named one by one in a summary; the evidence lists all of them
+MAX_NAMED = 8
 RECVS = ("recv", "irecv")
 
 
@@ -66,16 +68,25 @@ def detect(ctx: RunContext) -> list[Finding]:
         return []
     states = {r["rank"]: r for r in ctx.query(STATE_SQL, {"run": ctx.run_id}).to_pylist()}
     alive = {r for r, st in states.items() if (last_heartbeat - st["time_ns"]) / 1e9 < s.silent_after_s}
-    waits = {r: _waits(st) for r, st in states.items() if r in alive}
+    # What a rank said before the stall is no evidence of where it is stuck: at scale heartbeats
+    # are sparse (a minute apart), and the stalled ranks report one by one. Only the ranks heard
+    # from well after progress stopped wait or can be named; the others are not heard yet.
+    heard = {r for r in alive if states[r]["time_ns"] >= advanced + s.hang_after_s / 2 * 1e9}
+    waits = {r: _waits(states[r]) for r in heard}
     entered = _entered(ctx, states, sorted({w.group for ws in waits.values() for w in ws}))
     behind: dict[tuple[str, int], set[int]] = {}  # shared: thousands of ranks wait in the same collective
     edges = {r: _blockers(ctx, r, ws, entered, behind) for r, ws in waits.items()}
     roots = _roots(edges)
-    if not roots or any(r not in alive for r in roots):
+    if any(r not in alive for r in roots):
         return []  # a silent root is a crash or a lost host: the crash detector reports it
+    roots &= heard  # a rank not heard since the stall may be blocked too: its report is not in yet
+    if not roots:
+        return []
     waiting = sorted(r for r, out in edges.items() if out)
     root_list = sorted(roots)
-    where = ", ".join(f"{ctx.who(r)} in {states[r]['phase']} at step {states[r]['step']}" for r in root_list)
+    where = ", ".join(f"{ctx.who(r)} in {states[r]['phase']} at step {states[r]['step']}" for r in root_list[:MAX_NAMED])
+    if len(root_list) > MAX_NAMED:
+        where += f" and {len(root_list) - MAX_NAMED} more ranks"
     # Where the ranks waiting directly on a root are blocked: the operations the root never entered.
     blocked_in = sorted({f"{w.group} #{w.seq}" for r in waiting if edges[r] & roots for w in waits[r]})[:6]
     summary = (
@@ -90,6 +101,7 @@ def detect(ctx: RunContext) -> list[Finding]:
         "waits_for": {str(r): sorted(out) for r, out in edges.items() if out},
         "blocked_in": {str(r): [f"{w.op} {w.group} #{w.seq}" + (f" peer {w.peer}" if w.peer >= 0 else "") for w in waits[r]] for r in waiting},
         "root_phase": {str(r): states[r]["phase"] for r in root_list},
+        "not_heard_since_stall": len(alive - heard),
     }
     return [
         Finding(
