@@ -18,8 +18,10 @@ Prints one markdown table per part. Every process it starts is stopped, the stor
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,9 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rankscope.processes import terminate_tree
+from rankscope.collector.orchestration import CLI, start, stop, wait_for_address
 
-EXE = [sys.executable, "-m", "rankscope.cli.main"]
 STRAGGLER = (3000, 1.3, 4)  # rank, factor, from step
 HANG_RANK = 7777
 STEP_TIME_S = 2.0
@@ -58,33 +59,32 @@ def scenarios_table(log: Callable[[str], None]) -> list[str]:
     return rows
 
 
-def start(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    with open(log_path, "wb") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def start_collector(store: Path, log_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
-    proc = start([*EXE, "collector", "--store", str(store), "--listen", "127.0.0.1:0", *flags], log_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        match = re.search(r"listening on (\S+),", log_path.read_text(errors="replace"))
-        if match:
-            return proc, match.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    terminate_tree(proc, 5)
-    raise SystemExit(f"the collector did not start:\n{log_path.read_text(errors='replace')[-2000:]}")
+    """A collector on ``store`` and the address it listens on (stopped again if it does not come up)."""
+    proc = start([*CLI, "collector", "--store", str(store), "--listen", "127.0.0.1:0", *flags], log_path, os.environ)
+    try:
+        return proc, wait_for_address(proc, log_path, timeout_s=120)
+    except RuntimeError as e:
+        stop(proc, 5)
+        raise SystemExit(str(e)) from None
 
 
-def wait_for_incidents(client: object, run_id: str, timeout_s: float, sim: subprocess.Popen[bytes]) -> list[dict]:
-    """Poll until a straggler and a hang naming the injected ranks are written (or time runs out)."""
-    deadline = time.monotonic() + timeout_s
+def wait_for_incidents(client: object, run_id: str, timeout_s: float, sim: subprocess.Popen[bytes], sim_log: Path,
+                       log: Callable[[str], None]) -> list[dict]:  # fmt: skip
+    """Poll until a straggler and a hang naming the injected ranks are written (or time runs out).
+
+    Every 15 s, the simulator's latest progress line and the incidents so far.
+    """
+    deadline, shown = time.monotonic() + timeout_s, 0.0
     while time.monotonic() < deadline and sim.poll() is None:
         found = client.query(FIRST_WRITTEN_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
         named = {(i["kind"], tuple(i["ranks"])) for i in found}
         if {("straggler", (STRAGGLER[0],)), ("hang", (HANG_RANK,))} <= named:
             return found
+        if time.monotonic() - shown >= 15:
+            shown = time.monotonic()
+            last = (sim_log.read_text(errors="replace").splitlines() or ["starting"])[-1]
+            log(f"{last}; incidents so far: {sorted(f'{k} {list(r)[:4]}' for k, r in named) or 'none'}")
         time.sleep(1.0)
     return client.query(FIRST_WRITTEN_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
 
@@ -105,18 +105,18 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
                                          "--silent-after", f"{silent_after:.0f}")  # fmt: skip
     inject = f"straggler:rank={STRAGGLER[0]},factor={STRAGGLER[1]},from_step={STRAGGLER[2]};hang:rank={HANG_RANK},step={hang_step}"
     sim_log = work / "simulate.log"
-    sim = start([*EXE, "simulate", "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--steps", str(hang_step + 20),
+    sim = start([*CLI, "simulate", "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--steps", str(hang_step + 20),
                  "--step-time", str(STEP_TIME_S), "--inject", inject, "--collector", address, "--run-id", run_id,
-                 "--batches-per-s", str(args.batches_per_s), "--hold", "900"], sim_log)  # fmt: skip
+                 "--batches-per-s", str(args.batches_per_s), "--hold", "900"], sim_log, os.environ)  # fmt: skip
     log(f"(b) simulating {world:,} ranks, {inject}; collector {address}, hang after {HANG_AFTER_S:g} s, silent after {silent_after:.0f} s")
     client = Client(address, timeout_s=300)
     try:
-        found = wait_for_incidents(client, run_id, timeout_s=hang_step * STEP_TIME_S + 600, sim=sim)
+        found = wait_for_incidents(client, run_id, hang_step * STEP_TIME_S + 600, sim, sim_log, log)
         straggler_start = client.query(STEP_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
     finally:
         client.close()
-        terminate_tree(sim, 30)  # SIGTERM: the workers stop and print their totals
-        terminate_tree(collector, 60)
+        stop(sim, 30)  # SIGTERM: the workers stop and print their totals
+        stop(collector, 60)
     log(sim_log.read_text(errors="replace").splitlines()[-1])
     rows = ["| measure | value |", "|---|---|"]
     rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
@@ -126,7 +126,7 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     try:
         rows += _pass_rows(address, run_id, silent_after, args.repeats)
     finally:
-        terminate_tree(collector, 60)
+        stop(collector, 60)
     return rows
 
 
@@ -205,6 +205,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     log = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every process started is stopped
     work = Path(tempfile.mkdtemp(prefix="rankscope-bench-diagnosis-"))
     started = time.monotonic()
     try:

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from rankscope.cli.args import count, listen, port, seconds
 from rankscope.cli.tls import pem_file
 
 HELP = "run the collector: gRPC ingest from the agents, storage, read-only queries"
@@ -20,51 +21,11 @@ DEFAULT_LISTEN = "127.0.0.1:7777"
 DEFAULT_STORE = "rankscope-data"
 
 
-def _listen(text: str) -> str:
-    from rankscope.collector.server import parse_listen  # light: no grpc call, no chdb
-
-    try:
-        parse_listen(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _count(minimum: int) -> type[int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse  # type: ignore[return-value]
-
-
-def _port(text: str) -> int:
-    value = _count(0)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
-    return value
-
-
 def _window(text: str) -> tuple[float, float]:
     past, sep, future = text.partition(",")
     if not sep:
         raise argparse.ArgumentTypeError(f"expected PAST,FUTURE in seconds (e.g. 86400,3600), got {text!r}")
-    return _seconds(past), _seconds(future)
+    return seconds(past), seconds(future)
 
 
 def _clickhouse(text: str) -> str:
@@ -82,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help=f"embedded chDB store directory (default: ./{DEFAULT_STORE}); one collector per directory")
     where.add_argument("--clickhouse", metavar="URL", type=_clickhouse,
                        help="store in a ClickHouse server instead: http[s]://user:password@host:8123/database")
-    parser.add_argument("--listen", metavar="HOST:PORT", type=_listen, default=DEFAULT_LISTEN,
+    parser.add_argument("--listen", metavar="HOST:PORT", type=listen, default=DEFAULT_LISTEN,
                         help=f"gRPC address (default: {DEFAULT_LISTEN}; port 0 picks a free port, printed at start-up)")
     parser.add_argument("--token", metavar="TOKEN", default=os.environ.get("RANKSCOPE_TOKEN") or None,
                         help="require 'authorization: Bearer TOKEN' on every call (default: $RANKSCOPE_TOKEN; none if unset)")
@@ -91,30 +52,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              " plain text if unset); agents then need RANKSCOPE_TLS_CA")
     parser.add_argument("--tls-key", metavar="PEM", type=pem_file("PRIVATE KEY"), default=os.environ.get("RANKSCOPE_TLS_KEY") or None,
                         help="the certificate's private key (default: $RANKSCOPE_TLS_KEY)")
-    parser.add_argument("--retention-days", metavar="N", type=_count(0),
+    parser.add_argument("--retention-days", metavar="N", type=count(0),
                         help="keep N days of data, 0 for ever (default: leave the store's retention as it is; a new store keeps everything)")
-    parser.add_argument("--metrics-port", metavar="PORT", type=_port,
+    parser.add_argument("--metrics-port", metavar="PORT", type=port(),
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST from --listen)")
     parser.add_argument("--time-window", metavar="PAST,FUTURE", type=_window, default=(86_400.0, 3_600.0),
                         help="refuse batches with times more than PAST seconds before or FUTURE seconds after the"
                              " collector's clock (default: 86400,3600)")
-    parser.add_argument("--max-buffered-rows", metavar="N", type=_count(1), default=2_000_000,
+    parser.add_argument("--max-buffered-rows", metavar="N", type=count(1), default=2_000_000,
                         help="answer RESOURCE_EXHAUSTED (retry-after-ms) while more rows than N wait to be written"
                              " (default: 2000000; tests set it tiny to provoke back-pressure)")
-    parser.add_argument("--flush-interval", metavar="SECONDS", type=_seconds, default=1.0,
+    parser.add_argument("--flush-interval", metavar="SECONDS", type=seconds, default=1.0,
                         help="write a table's buffer once its oldest row is this old (default: 1); a batch is"
                              " acknowledged once written, so this bounds the ack latency of a lone batch")
-    parser.add_argument("--query-max-rows", metavar="N", type=_count(1), default=1_000_000,
+    parser.add_argument("--query-max-rows", metavar="N", type=count(1), default=1_000_000,
                         help="largest query result in rows (default: 1000000); callers may ask for less")
-    parser.add_argument("--query-max-bytes", metavar="N", type=_count(1), default=512 * 2**20,
+    parser.add_argument("--query-max-bytes", metavar="N", type=count(1), default=512 * 2**20,
                         help="largest query result in bytes (default: 512 MiB)")
-    parser.add_argument("--query-timeout", metavar="SECONDS", type=_seconds, default=60.0,
+    parser.add_argument("--query-timeout", metavar="SECONDS", type=seconds, default=60.0,
                         help="longest a query may run (default: 60)")
-    parser.add_argument("--hang-after", metavar="SECONDS", type=_seconds, default=30.0,
+    parser.add_argument("--hang-after", metavar="SECONDS", type=seconds, default=30.0,
                         help="a run whose steps stop advancing this long while heartbeats arrive is hung (default: 30)")
-    parser.add_argument("--silent-after", metavar="SECONDS", type=_seconds, default=15.0,
+    parser.add_argument("--silent-after", metavar="SECONDS", type=seconds, default=15.0,
                         help="a rank whose heartbeats stop this long without a last word is lost (default: 15)")
-    parser.add_argument("--diagnose-every", metavar="SECONDS", type=_seconds, default=2.0,
+    parser.add_argument("--diagnose-every", metavar="SECONDS", type=seconds, default=2.0,
                         help="seconds between two diagnosis passes over the active runs (default: 2)")
     parser.add_argument("--no-diagnosis", action="store_true", help="store only; run no detectors")
     parser.add_argument("--alert-webhook", metavar="URL", help="POST every new incident as JSON to URL")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rankscope.cli import source
+from rankscope.cli.args import port
 
 HELP = "serve the dashboard: runs, step times, heat map, timeline, 3D-parallel graph, hosts, incidents, SQL"
 
@@ -23,19 +24,9 @@ DEFAULT_PORT = 8501
 DEFAULT_ADDRESS = "127.0.0.1"
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {value}")
-    return value
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     source.add_arguments(parser)
-    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})")
+    parser.add_argument("--port", type=port(1), default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})")
     parser.add_argument("--address", default=DEFAULT_ADDRESS,
                         help=f"address to listen on (default: {DEFAULT_ADDRESS}; 0.0.0.0 for every interface)")  # fmt: skip
 

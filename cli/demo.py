@@ -13,8 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from rankscope.cli.collector import DEFAULT_LISTEN, DEFAULT_STORE, _listen, _seconds
-from rankscope.cli.dashboard import DEFAULT_PORT, _port
+from rankscope.cli.args import count, listen, port, seconds
+from rankscope.cli.collector import DEFAULT_LISTEN, DEFAULT_STORE
+from rankscope.cli.dashboard import DEFAULT_PORT
 
 HELP = "run the demo: collector, dashboard and an 8-rank CPU training job with a straggler, then a hang"
 
@@ -24,20 +25,10 @@ DEFAULT_HANG_RANK = 2
 DEFAULT_HANG_AFTER_S = 15.0
 
 
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of steps, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", metavar="DIR", type=Path, default=Path(DEFAULT_STORE),
                         help=f"embedded chDB store, kept after the demo (default: ./{DEFAULT_STORE})")
-    parser.add_argument("--steps", metavar="N", type=_steps, default=DEFAULT_STEPS,
+    parser.add_argument("--steps", metavar="N", type=count(1), default=DEFAULT_STEPS,
                         help=f"training steps (default: {DEFAULT_STEPS}; the hang comes at three quarters of them)")
     parser.add_argument("--straggler-rank", metavar="R", type=int, default=DEFAULT_STRAGGLER_RANK,
                         help=f"the rank whose compute gets 1.5x slower from step 5 (default: {DEFAULT_STRAGGLER_RANK})")
@@ -45,11 +36,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"the rank that later stops before a collective (default: {DEFAULT_HANG_RANK})")
     parser.add_argument("--inject", metavar="SPEC",
                         help="faults instead of the default straggler and hang, in `rankscope train --inject` grammar")
-    parser.add_argument("--hang-after", metavar="SECONDS", type=_seconds, default=DEFAULT_HANG_AFTER_S,
+    parser.add_argument("--hang-after", metavar="SECONDS", type=seconds, default=DEFAULT_HANG_AFTER_S,
                         help=f"the collector calls a run hung when its steps stall this long (default: {DEFAULT_HANG_AFTER_S:.0f})")
-    parser.add_argument("--listen", metavar="HOST:PORT", type=_listen, default=DEFAULT_LISTEN,
+    parser.add_argument("--listen", metavar="HOST:PORT", type=listen, default=DEFAULT_LISTEN,
                         help=f"the collector's gRPC address (default: {DEFAULT_LISTEN}; port 0 picks a free one)")
-    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"the dashboard's HTTP port (default: {DEFAULT_PORT})")
+    parser.add_argument("--port", type=port(1), default=DEFAULT_PORT, help=f"the dashboard's HTTP port (default: {DEFAULT_PORT})")
     parser.add_argument("--no-dashboard", action="store_true",
                         help="no dashboard: the demo ends (stopping the collector) once the training run is over")  # fmt: skip
 

@@ -12,6 +12,7 @@ import json
 import sys
 
 from rankscope.cli import source
+from rankscope.cli.args import seconds
 
 HELP = "name the rank and host behind the stragglers, hangs, crashes, NaNs and slow links of a run"
 
@@ -22,9 +23,9 @@ RUN_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {ru
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", metavar="RUN", help="the run id (default: the latest run)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
-    parser.add_argument("--hang-after", metavar="SECONDS", type=float, default=30.0,
+    parser.add_argument("--hang-after", metavar="SECONDS", type=seconds, default=30.0,
                         help="steps stalled this long while heartbeats arrive make a hang (default: 30)")  # fmt: skip
-    parser.add_argument("--silent-after", metavar="SECONDS", type=float, default=15.0,
+    parser.add_argument("--silent-after", metavar="SECONDS", type=seconds, default=15.0,
                         help="a rank silent this long without a last word is lost (default: 15)")  # fmt: skip
     source.add_arguments(parser)
 

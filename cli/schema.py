@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from rankscope.cli.collector import _count
+from rankscope.cli.args import count
 
 HELP = "print the CREATE statements of rankscope's tables (a ClickHouse cluster with --cluster)"
 
@@ -33,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              " (default: one server)")  # fmt: skip
     parser.add_argument("--database", metavar="DB", type=_identifier, default=DEFAULT_DATABASE,
                         help=f"database name (default: {DEFAULT_DATABASE}; the collector's --clickhouse URL names the same)")  # fmt: skip
-    parser.add_argument("--retention-days", metavar="N", type=_count(1),
+    parser.add_argument("--retention-days", metavar="N", type=count(1),
                         help="drop each day's partition N days after it ended (default: keep everything)")  # fmt: skip
 
 

@@ -10,46 +10,31 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+
+from rankscope.cli.args import count, positive, seconds
 
 HELP = "simulate a 3D-parallel job of thousands of ranks (faults injected) against a collector"
 
 
-def _positive(kind: type) -> Callable[[str], object]:
-    """An argparse type: a number of ``kind`` above 0."""
-
-    def parse(text: str) -> object:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-        return value
-
-    return parse
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
-    count, seconds = _positive(int), _positive(float)
-    parser.add_argument("--ranks", type=count, help="world size; must equal tp*pp*dp (a check, nothing more)")
-    parser.add_argument("--tp", type=count, default=8, help="tensor-parallel size (default: 8)")
-    parser.add_argument("--pp", type=count, default=16, help="pipeline stages (default: 16)")
-    parser.add_argument("--dp", type=count, default=96, help="data-parallel replicas (default: 96, 12,288 ranks in all)")
-    parser.add_argument("--steps", type=count, default=50, help="training steps (default: 50)")
+    parser.add_argument("--ranks", type=count(1), help="world size; must equal tp*pp*dp (a check, nothing more)")
+    parser.add_argument("--tp", type=count(1), default=8, help="tensor-parallel size (default: 8)")
+    parser.add_argument("--pp", type=count(1), default=16, help="pipeline stages (default: 16)")
+    parser.add_argument("--dp", type=count(1), default=96, help="data-parallel replicas (default: 96, 12,288 ranks in all)")
+    parser.add_argument("--steps", type=count(1), default=50, help="training steps (default: 50)")
     parser.add_argument("--step-time", metavar="SECONDS", type=seconds, default=2.0, help="nominal seconds per step (default: 2)")
-    parser.add_argument("--microbatches", type=count, default=8, help="microbatches per step (default: 8)")
+    parser.add_argument("--microbatches", type=count(1), default=8, help="microbatches per step (default: 8)")
     parser.add_argument("--inject", metavar="SPEC", default="",
                         help="faults, the trainer's grammar: straggler:rank=R,factor=F,from_step=S; hang:rank=R,step=S; crash:rank=R,step=S")
     parser.add_argument("--collector", metavar="HOST:PORT", default=os.environ.get("RANKSCOPE_COLLECTOR") or "127.0.0.1:7777",
                         help="the collector (default: $RANKSCOPE_COLLECTOR or 127.0.0.1:7777)")
     parser.add_argument("--run-id", metavar="ID", default="", help="the run's id (default: sim-<random>)")
-    parser.add_argument("--workers", type=count, default=2, help="worker processes, one Transport each (default: 2)")
-    parser.add_argument("--batches-per-s", metavar="N", type=seconds, default=300.0,
+    parser.add_argument("--workers", type=count(1), default=2, help="worker processes, one Transport each (default: 2)")
+    parser.add_argument("--batches-per-s", metavar="N", type=positive, default=300.0,
                         help="batches per second the collector is asked to take; sets the heartbeat and flush intervals (default: 300)")
     parser.add_argument("--heartbeat", metavar="SECONDS", type=seconds, help="seconds between a rank's heartbeats (default: from --batches-per-s)")
     parser.add_argument("--flush", metavar="SECONDS", type=seconds, help="seconds between a rank's data batches (default: twice the heartbeat)")
-    parser.add_argument("--sample-every", metavar="N", type=count, default=10,
+    parser.add_argument("--sample-every", metavar="N", type=count(1), default=10,
                         help="every N-th step (and the first) is sent in full detail, the others as per-rank summaries (default: 10)")
     parser.add_argument("--report-after", metavar="SECONDS", type=seconds, default=5.0,
                         help="a rank without progress this long sends a heartbeat at once (default: 5)")

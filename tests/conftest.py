@@ -12,6 +12,7 @@ files under ``tmp_path``, so a chatty child never blocks on a full pipe.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,13 @@ from rankscope.processes import terminate_tree
 pytest_plugins = ("pytester",)  # tests/test_infra.py runs pytest inside a test.
 
 TERM_GRACE_S = 5.0
+
+
+def free_port() -> int:
+    """A port nothing listens on now (for a collector or dashboard started next, or an unreachable one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Proc:

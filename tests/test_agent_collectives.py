@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import re
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Proc, ProcRunner
+from conftest import Proc, ProcRunner, free_port
 from rankscope.collector.client import Client
 
 pytestmark = pytest.mark.slow
@@ -119,12 +118,6 @@ def assert_lined_up(rows: list[dict[str, Any]], groups: dict[str, list[int]]) ->
     for key, ends in pairs.items():
         assert sorted(op for op, _ in ends) == ["recv", "send"] and ends[0][1] == ends[1][1], (key, ends)
     assert by_key, "no collectives recorded"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_plain_ddp_script_with_only_the_switch_on(

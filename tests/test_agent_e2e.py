@@ -9,7 +9,6 @@ by `rankscope spool replay` for what they left at exit).
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ProcRunner
+from conftest import ProcRunner, free_port
 
 from rankscope.collector.client import Client
 
@@ -27,12 +26,6 @@ STEPS = 30
 TRAIN = [sys.executable, "-m", "rankscope.cli.main", "train", "--tp", "1", "--pp", "2", "--dp", "2", "--layers", "2",
          "--hidden", "256", "--heads", "4", "--seq", "128", "--vocab", "512", "--micro-batch", "2", "--global-batch", "8",
          "--steps", str(STEPS)]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(400)

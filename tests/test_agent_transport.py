@@ -9,7 +9,6 @@ of the real collector that loses an acknowledgement, a fault the collector canno
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import textwrap
 import time
@@ -29,7 +28,7 @@ from rankscope.agent.transport import Transport
 from rankscope.collector.client import Client
 from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 
-from conftest import Proc, ProcRunner
+from conftest import Proc, ProcRunner, free_port
 
 TOKEN = "s3cret-token"
 EVENTS = 4096
@@ -67,13 +66,6 @@ def start_collector(runner: ProcRunner, store: Path, port: int = 0, *extra: str)
 @pytest.fixture(scope="module")
 def collector(module_runner: ProcRunner, tmp_path_factory: pytest.TempPathFactory) -> Collector:
     return start_collector(module_runner, tmp_path_factory.mktemp("store") / "store")
-
-
-def free_port() -> int:
-    """A port nothing listens on (for an unreachable collector, or one started later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- payloads and agents -------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import base64
 import json
 import re
 import shutil
-import socket
 import sys
 import time
 import urllib.request
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import free_port
 from streamlit.testing.v1 import AppTest
 
 from rankscope.agent import autoload
@@ -283,16 +284,10 @@ def test_the_exported_trace_is_chrome_json_with_processes_tracks_and_flows(recor
 # --- a real browser ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(recorded, module_runner) -> str:
     """``rankscope dashboard --store`` on the copy of the store; its base URL."""
-    port = _free_port()
+    port = free_port()
     proc = module_runner.start([sys.executable, "-m", "rankscope.cli.main", "dashboard", "--store", str(recorded[2]), "--port", str(port)],
                                name="dashboard")  # fmt: skip
     proc.wait_for(f"http://127.0.0.1:{port}/", timeout=30)

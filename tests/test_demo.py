@@ -12,14 +12,13 @@ import json
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ProcRunner
+from conftest import ProcRunner, free_port
 
 from rankscope.cli import demo as demo_command
 from rankscope.cli.main import main
@@ -35,7 +34,7 @@ def test_demo_runs_reports_the_straggler_and_stops_everything(proc_runner: ProcR
     store = tmp_path / "store"
     demo = proc_runner.start(
         [*EXE, "demo", "--store", str(store), "--steps", "30", "--inject", "straggler:rank=5,factor=1.5,from_step=3",
-         "--listen", "127.0.0.1:0", "--port", str(_free_port())],
+         "--listen", "127.0.0.1:0", "--port", str(free_port())],
         env={"TMPDIR": str(tmp_path)}, name="demo",  # its log directory goes under TMPDIR
     )  # fmt: skip
     demo.wait_for("INCIDENT straggler: rank 5 (node-2)", timeout=200)
@@ -81,9 +80,3 @@ def test_readme_and_makefile_match_the_demo() -> None:
     known = set(re.findall(r"--[a-z-]+", parser.format_help()))
     named = set(re.findall(r"`(--[a-z-]+)", section))
     assert named and named <= known, f"the README names flags `rankscope demo` lacks: {named - known}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

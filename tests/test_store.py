@@ -32,7 +32,7 @@ from rankscope.collector.store.base import (
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.ddl import create_statements
 from rankscope.collector.store.migrations import MIGRATIONS, Migration, migrate, retention
-from rankscope.collector.store.schema import BY_NAME, SCHEMA_VERSION, TABLES
+from rankscope.collector.store.schema import BY_NAME, SCHEMA_VERSION, TABLES, Table
 
 SERVER_URL = os.environ.get("RANKSCOPE_TEST_CLICKHOUSE_URL")
 T0 = 1_767_225_600_123_456_789  # 2026-01-01 00:00:00.123456789 UTC, in ns

@@ -23,7 +23,8 @@ ADVANCED_SQL = (
     "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM heartbeats WHERE run_id = {run:String} AND step = {step:UInt32}"
 )
 STATE_SQL = (
-    "SELECT rank, toUnixTimestamp64Nano(max(time)) AS time_ns, argMax(step, time) AS step, argMax(phase, time) AS phase, "
+    "SELECT rank, toUnixTimestamp64Nano(max(time)) AS time_ns, toUnixTimestamp64Nano(argMax(last_progress, time)) AS progress_ns, "
+    "argMax(step, time) AS step, argMax(phase, time) AS phase, "
     "argMax(inflight_group, time) AS groups, argMax(inflight_seq, time) AS seqs, argMax(inflight_op, time) AS ops, "
     "argMax(inflight_peer, time) AS peers, argMax(inflight_waiting, time) AS waiting "
     "FROM heartbeats WHERE run_id = {run:String} GROUP BY rank"
@@ -44,6 +45,8 @@ EVIDENCE_SQL = (
 SENDS = ("send", "isend")
 #: roots named one by one in a summary; the evidence lists all of them
 MAX_NAMED = 8
+#: a rank is heard as stuck when its heartbeat says nothing ended for this long (or a quarter of hang-after)
+QUIET_S = 5.0
 RECVS = ("recv", "irecv")
 
 
@@ -68,10 +71,12 @@ def detect(ctx: RunContext) -> list[Finding]:
         return []
     states = {r["rank"]: r for r in ctx.query(STATE_SQL, {"run": ctx.run_id}).to_pylist()}
     alive = {r for r, st in states.items() if (last_heartbeat - st["time_ns"]) / 1e9 < s.silent_after_s}
-    # What a rank said before the stall is no evidence of where it is stuck: at scale heartbeats
-    # are sparse (a minute apart), and the stalled ranks report one by one. Only the ranks heard
-    # from well after progress stopped wait or can be named; the others are not heard yet.
-    heard = {r for r in alive if states[r]["time_ns"] >= advanced + s.hang_after_s / 2 * 1e9}
+    # What a rank said before the stall, or while it was still making progress, is no evidence of
+    # where it is stuck: at scale heartbeats are sparse (a minute apart) and the stalled ranks
+    # report one by one. Only the ranks heard from since the stall, quiet for a while by their own
+    # account (no span or collective ended), wait or can be named; the others are not heard yet.
+    quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
+    heard = {r for r in alive if states[r]["time_ns"] > advanced and states[r]["time_ns"] - states[r]["progress_ns"] >= quiet_ns}
     waits = {r: _waits(states[r]) for r in heard}
     entered = _entered(ctx, states, sorted({w.group for ws in waits.values() for w in ws}))
     behind: dict[tuple[str, int], set[int]] = {}  # shared: thousands of ranks wait in the same collective

@@ -1,0 +1,69 @@
+"""Argument types shared by the commands: a bad value is refused by argparse with a clear message
+(``rankscope collector: error: argument --flush-interval: must be more than 0 seconds, got 0``)
+before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """A whole number of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def port(minimum: int = 0) -> Callable[[str], int]:
+    """A TCP port from ``minimum`` (0: the system picks a free one) to 65535."""
+
+    def parse(text: str) -> int:
+        value = count(minimum)(text)
+        if value > 65535:
+            raise argparse.ArgumentTypeError(f"a port is {minimum}-65535, got {value}")
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds, more than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A number more than 0 (a rate, a factor)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def listen(text: str) -> str:
+    """HOST:PORT to listen on (port 0 picks a free one)."""
+    from rankscope.collector.server import parse_listen  # light: no grpc call, no chdb
+
+    try:
+        parse_listen(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
