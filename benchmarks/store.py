@@ -11,8 +11,9 @@ In one run, on one temporary store:
     concurrent senders, each waiting for its acknowledgement before sending its next batch;
     rows/s, the Writer's insert latency, and b/a (medians of ``--insert-repeats`` alternated runs);
 (c) a run of ``--ranks`` ranks x ``--steps`` steps (20 spans, 8 collectives and one heartbeat
-    per rank and step: 10M spans by default), then the dashboard's standard queries, each
-    ``--repeats`` times: heat map, timeline, collective matching, last heartbeat per rank.
+    per rank and step: 10M spans by default), then the dashboard's own queries
+    (``dashboard/data.py``), each ``--repeats`` times: heat map by rank and by host, timeline,
+    collective skew, the 3D-parallel graph's rank states, collective matching.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from rankscope.collector.store.schema import BY_NAME
 from rankscope.collector.writer import BatchKey, Writer
 
 T0 = 1_767_225_600_000_000_000  # 2026-01-01 UTC, ns
+RUN = "run-big"
+#: the stored run's database: the store's default, as the collector's is, so that the
+#: dashboard's queries run unchanged
+RUN_DATABASE = "bench_run"
 STEP_NS = 900_000_000
 TP, PP = 8, 4
 # One step of one rank: (name, kind, microbatch), in time order.
@@ -189,14 +194,15 @@ def writer_insert(store: EmbeddedStore, rows: pa.Table, database: str, batch_row
 
 
 def load_run(store: EmbeddedStore, ranks: int, steps: int, chunk_steps: int) -> dict[str, int]:
-    """Store the run in inserts of ``chunk_steps`` steps; returns rows per table."""
-    migrate(store, "bench_run", None)
+    """Store the run in inserts of ``chunk_steps`` steps (``step_segments`` rolls up as it goes); rows per table."""
+    migrate(store, RUN_DATABASE, None)
+    store.insert_arrow(f"{RUN_DATABASE}.ranks", registrations(RUN, ranks))
     stored = {"spans": 0, "collectives": 0, "heartbeats": 0}
     for first in range(1, steps + 1, chunk_steps):
         window = range(first, min(first + chunk_steps, steps + 1))
         for name, make in (("spans", spans), ("collectives", collectives), ("heartbeats", heartbeats)):
-            rows = make("run-big", ranks, window)
-            store.insert_arrow(f"bench_run.{name}", rows)
+            rows = make(RUN, ranks, window)
+            store.insert_arrow(f"{RUN_DATABASE}.{name}", rows)
             stored[name] += rows.num_rows
     return stored
 
@@ -225,48 +231,57 @@ def timed(query: Callable[[], pa.Table], repeats: int) -> tuple[list[float], int
     return seconds, rows
 
 
-def dashboard_queries(store: EmbeddedStore, ranks: int, steps: int) -> dict[str, tuple[str, str, dict[str, object]]]:
-    """name -> (what it shows, SQL, parameters): the queries behind the dashboard's figures."""
-    run = {"run": "run-big"}
+def registrations(run_id: str, ranks: int) -> pa.Table:
+    """Every rank's registration: host (8 ranks each) and tp/pp/dp coordinates, as the heat map groups them."""
+    rank = np.arange(ranks, dtype="uint32")
+    return pa.table(
+        {
+            "run_id": strings([run_id], np.zeros(ranks, "int32")),
+            "rank": rank,
+            "host": strings([f"node-{h:04d}" for h in range(-(-ranks // 8))], rank // 8),
+            "pid": np.full(ranks, 1000, "uint32"),
+            "local_rank": (rank % 8).astype("int32"),
+            "device": strings(["cuda:0"], np.zeros(ranks, "int32")),
+            "tp_rank": (rank % TP).astype("int32"),
+            "pp_rank": (rank // TP % PP).astype("int32"),
+            "dp_rank": (rank // (TP * PP)).astype("int32"),
+            "clock_offset_ns": np.zeros(ranks, "int64"),
+            "agent_version": strings(["bench"], np.zeros(ranks, "int32")),
+            "registered": np.full(ranks, T0, "int64"),
+        },
+        schema=arrow_schema(BY_NAME["ranks"]),
+    )
+
+
+def dashboard_queries(ranks: int, steps: int) -> dict[str, tuple[str, str, dict[str, object]]]:
+    """name -> (what it shows, SQL, parameters): the dashboard's own queries (``dashboard/data.py``)."""
+    from rankscope.dashboard import data
+
+    run = {"run": RUN}
+    middle = steps // 2
+    window = {"start": T0 + (middle - 1) * STEP_NS, "end": T0 + (middle + 4) * STEP_NS}  # 5 steps
+    eight = {"ranks": list(range(8, 16))}
+    heat = data.HEAT_CELLS_SQL
     return {
-        "heat map: forward time per rank x step, whole run": (
-            f"{ranks} x {steps} cells",
-            "SELECT rank, step, sum(duration_ns) AS ns FROM bench_run.spans "
-            "WHERE run_id = {run:String} AND name = {name:String} GROUP BY rank, step",
-            {**run, "name": "forward"},
-        ),
-        "heat map: forward time per rank x 5-step bucket, whole run": (
-            f"{ranks} x {-(-steps // 5)} cells",
-            "SELECT rank, intDiv(step - 1, 5) AS bucket, sum(duration_ns) AS ns FROM bench_run.spans "
-            "WHERE run_id = {run:String} AND name = {name:String} GROUP BY rank, bucket",
-            {**run, "name": "forward"},
-        ),
-        "heat map: forward time per rank x step, last 50 steps": (
-            f"{ranks} x 50 cells",
-            "SELECT rank, step, sum(duration_ns) AS ns FROM bench_run.spans "
-            "WHERE run_id = {run:String} AND name = {name:String} AND step > {from:UInt32} GROUP BY rank, step",
-            {**run, "name": "forward", "from": max(0, steps - 50)},
-        ),
-        "timeline: spans of 8 ranks, 5 steps": (
-            "8 ranks x 5 steps",
-            "SELECT rank, name, kind, start_time, end_time, microbatch FROM bench_run.spans "
-            "WHERE run_id = {run:String} AND rank IN {ranks:Array(UInt32)} AND step BETWEEN {a:UInt32} AND {b:UInt32} "
-            "ORDER BY rank, start_time",
-            {**run, "ranks": list(range(8, 16)), "a": steps // 2, "b": steps // 2 + 4},
-        ),
+        "segments of the run (heat map's picker)": ("one row per segment", data.SEGMENTS_SQL, run),
+        "heat map by rank, whole run": (f"{ranks} x {steps} cells", heat + data.HEAT_BY["rank"],
+                                        {**run, "segment": "forward", "first": 1, "last": steps}),
+        "heat map by host, whole run": (f"{ranks // 8} x {steps} cells", heat + data.HEAT_BY["host"],
+                                        {**run, "segment": "forward", "first": 1, "last": steps}),
+        "heat map by rank, last 50 steps": (f"{ranks} x 50 cells", heat + data.HEAT_BY["rank"],
+                                            {**run, "segment": "forward", "first": max(1, steps - 49), "last": steps}),
+        "timeline: the window of 5 steps": ("start, end", data.WINDOW_SQL, {**run, "first": middle, "last": middle + 4}),
+        "timeline: spans of 8 ranks, 5 steps": ("8 ranks x 5 steps", data.SPANS_SQL, {**run, **eight, **window}),
+        "timeline: collectives of 8 ranks, 5 steps": ("8 ranks x 5 steps", data.OPS_SQL, {**run, **eight, **window}),
+        "timeline: most skewed collectives, 5 steps": ("20 collectives", data.SKEW_SQL, {**run, **window, "limit": 20}),
+        "3D-parallel graph: every rank's state": (f"{ranks} ranks", data.RANK_STATE_SQL, {**run, "at": window["end"]}),
         "matching: members of one (run, group, seq)": (
             "one collective",
-            "SELECT rank, op, issue_time, end_time, state FROM bench_run.collectives "
+            "SELECT rank, op, issue_time, end_time, state FROM collectives "
             "WHERE run_id = {run:String} AND group_name = {group:String} AND seq = {seq:Int64}",
             {**run, "group": "tp[13]", "seq": 2 * steps},
         ),
-        "last heartbeat per rank": (
-            f"{ranks} ranks",
-            "SELECT rank, max(time) AS last, argMax(step, time) AS step, argMax(status, time) AS status "
-            "FROM bench_run.heartbeats WHERE run_id = {run:String} GROUP BY rank",
-            run,
-        ),
-    }
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -281,7 +296,7 @@ def main() -> None:
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="rankscope-bench-"))
-    store = EmbeddedStore(tmp / "store")
+    store = EmbeddedStore(tmp / "store", database=RUN_DATABASE)
     try:
         print(f"store: {store.describe()}\n")
         rows = spans("bench", 1024, range(1, 1 + -(-args.rows // (1024 * len(SEGMENTS))))).slice(0, args.rows)
@@ -307,7 +322,7 @@ def main() -> None:
               f"({sum(stored.values()) / loading:,.0f} rows/s); the engine's merges then took {settled:.1f} s more\n")
         print(f"| dashboard query | result | rows | median ms | max ms (of {args.repeats}) | under 200 ms |")
         print("|---|---|---|---|---|---|")
-        for name, (shape, sql, params) in dashboard_queries(store, args.ranks, args.steps).items():
+        for name, (shape, sql, params) in dashboard_queries(args.ranks, args.steps).items():
             seconds, result_rows = timed(functools.partial(store.query_arrow, sql, params), args.repeats)
             median, worst = statistics.median(seconds) * 1e3, max(seconds) * 1e3
             verdict = "yes" if median < 200 else "no"
