@@ -255,6 +255,9 @@ def registrations(run_id: str, ranks: int) -> pa.Table:
 
 def dashboard_queries(ranks: int, steps: int) -> dict[str, tuple[str, str, dict[str, object]]]:
     """name -> (what it shows, SQL, parameters): the dashboard's own queries (``dashboard/data.py``)."""
+    import streamlit.logger
+
+    streamlit.logger.set_log_level("error")  # not one "no runtime" warning per cached function
     from rankscope.dashboard import data
 
     run = {"run": RUN}
