@@ -36,26 +36,23 @@ def port(minimum: int = 0) -> Callable[[str], int]:
     return parse
 
 
-def seconds(text: str) -> float:
-    """A duration in seconds, more than 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
-    return value
+def _above_zero(expected: str, unit: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0{unit}, got {text}")
+        return value
+
+    return parse
 
 
-def positive(text: str) -> float:
-    """A number more than 0 (a rate, a factor)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
+#: a duration in seconds, more than 0
+seconds = _above_zero("seconds", " seconds")
+#: a number more than 0 (a rate, a factor)
+positive = _above_zero("a number", "")
 
 
 def listen(text: str) -> str:
