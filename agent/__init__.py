@@ -41,7 +41,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: the running agent's recorder (set by rankscope.agent.runtime); None while the agent is off
 _recorder: Recorder | None = None
-#: whether the agent may still start in this process: decorators must then resolve at call time
+#: whether the agent may still start in this process: decorators must then resolve at call time.
+#: Cleared wherever activation is decided against, so that ``span`` takes the no-op fast path.
 _may_start = os.environ.get("RANKSCOPE_ENABLE") == "1"
 
 
@@ -107,6 +108,7 @@ def init() -> bool:
             activate()
         except Exception as exc:  # noqa: BLE001 - the agent must never break training
             _warn("init", exc)
+        _may_start = enabled()  # decided either way: a refused agent does not come back
     return enabled()
 
 

@@ -31,6 +31,8 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
+from rankscope import agent as api
+
 __all__ = ["activate", "active", "boot", "forbid", "when_imported"]
 
 ROLE_VARIABLE = "RANKSCOPE_ROLE"
@@ -54,7 +56,10 @@ def boot() -> None:
     global _booted
     try:
         with _lock:
-            if _booted or os.environ.get(ROLE_VARIABLE):
+            if os.environ.get(ROLE_VARIABLE):  # started by a process that is no rank
+                _stay_off()
+                return
+            if _booted:
                 return
             _booted = True
         when_imported("torch", _on_torch)
@@ -71,6 +76,7 @@ def forbid(role: str, *, children: bool = True) -> None:
     """
     global _forbidden
     _forbidden = role
+    _stay_off()
     if children:
         os.environ[ROLE_VARIABLE] = role
 
@@ -92,7 +98,7 @@ def activate(rank: int | None = None) -> bool:
             return active()
         parent = os.environ.get(PARENT_VARIABLE)
         if parent and parent != str(os.getpid()):
-            return False  # a subprocess or multiprocessing worker of an active rank
+            return _stay_off()  # a subprocess or multiprocessing worker of an active rank
         _tried = True
         _install()
         try:
@@ -100,7 +106,7 @@ def activate(rank: int | None = None) -> bool:
 
             config = load_config(os.environ)
             if config is None:
-                return False
+                return _stay_off()
             os.environ[PARENT_VARIABLE] = str(os.getpid())
             if config.debug:
                 shown = rank if rank is not None else config.rank
@@ -111,7 +117,15 @@ def activate(rank: int | None = None) -> bool:
             _active = True
         except Exception as exc:  # noqa: BLE001 - the agent must never break training
             _warn("start", f"could not start ({exc!r}); training continues without it")
+            return _stay_off()
         return active()
+
+
+def _stay_off() -> bool:
+    """Activation is decided against: the public API drops its wait for a late start, so that
+    ``span`` hands out its no-op object instead of checking for the agent at every call."""
+    api._may_start = False
+    return False
 
 
 def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
@@ -178,6 +192,7 @@ def _after_fork_in_child() -> None:
     """A forked child (data-loader worker) is a copy of a rank, not a rank: it stays quiet."""
     global _forked, _lock
     _forked = True
+    _stay_off()
     _lock = threading.RLock()  # another thread of the parent may have held it at the fork
 
 

@@ -32,15 +32,6 @@ class ClockEstimator:
         self._best = min(self._samples, key=lambda s: s[0])
 
     @property
-    def known(self) -> bool:
-        return self._best is not None
-
-    @property
     def offset_ns(self) -> int:
         """The current estimate; 0 before the first sample."""
         return self._best[1] if self._best is not None else 0
-
-    @property
-    def round_trip_ns(self) -> int:
-        """Round trip of the sample behind the estimate (its error is at most half of it)."""
-        return self._best[0] if self._best is not None else 0

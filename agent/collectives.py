@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import pickle
 import threading
 import time
@@ -45,7 +46,6 @@ import torch.distributed as dist
 from rankscope.agent.config import warn_once
 from rankscope.agent.recorder import COMPLETED, FAILED, PENDING, Recorder, Span
 from rankscope.agent.state import InFlightOp
-from rankscope.agent.timing import CpuClock
 from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
 
 # ProcessGroup method -> (op name, index of the argument holding this rank's tensors, kind)
@@ -283,7 +283,6 @@ class Collectives:
         self._on_gpu: list[tuple[int, _Pending]] = []  # completed on the CPU side, in flight on the GPU
         self._gaps: dict[tuple[str, int], int] = {}  # (torch group name, seq) -> dumps it was looked for
         self._last_dump = 0.0
-        self._ops: dict[str, int] = {}
 
     # --- hot path -------------------------------------------------------------------------------
 
@@ -311,10 +310,11 @@ class Collectives:
         paused = None
         try:
             ch = self.channel(pg)
-            if args and getattr(args[-1], "asyncOp", True) is False:
+            synchronous = bool(args) and getattr(args[-1], "asyncOp", True) is False
+            if synchronous:
                 paused = self.rec.pause()
             issue = self.rec.clock.wall_ns()
-            start = issue if isinstance(self.rec.clock, CpuClock) else self.rec.clock.now()
+            start = issue if self.rec.cpu_clock else self.rec.clock.now()
             with self._lock:
                 before = self._before(ch)
                 ch.issuing += 1
@@ -333,7 +333,7 @@ class Collectives:
             with self._lock:
                 ch.issuing -= 1
                 seq = self._after(ch, spec, before, args)
-            self._track(work, ch, spec, seq, issue, start, args, paused)
+            self._track(work, ch, spec, seq, issue, start, args, synchronous, paused)
         except Exception as exc:  # noqa: BLE001 - the collective runs; only its record is lost
             self.rec.resume(paused)
             warn_once("collective-track", f"a collective could not be recorded ({exc!r})")
@@ -370,7 +370,7 @@ class Collectives:
 
     def _track(
         self, work: Any, ch: _Channel, spec: tuple[str, int | None, str], seq: int, issue: int, start: int, args: tuple,
-        paused: list[Span] | None,
+        synchronous: bool, paused: list[Span] | None,
     ) -> None:  # fmt: skip
         """Keep the operation until it completes: when its synchronous caller's ``wait`` returns,
         or, for asynchronous ones (``opts.asyncOp``, true unless torch says otherwise), in a
@@ -379,7 +379,7 @@ class Collectives:
         nbytes, dtype = _measure(args[index] if index is not None and index < len(args) else args)
         p = _Pending()
         p.c, p.ch, p.seq, p.op, p.nbytes, p.issue, p.start = self, ch, seq, op, nbytes, issue, start
-        p.op_id = self._op_id(op)
+        p.op_id = self.rec.strings.id(op)
         p.dtype_id = self.rec.strings.id(dtype)
         p.peer = -1 if kind in ("c", "any") else ch.info.ranks[int(args[1])]
         p.step = self.state.step
@@ -391,19 +391,13 @@ class Collectives:
             return
         p.key = id(work)
         self._by_work[p.key] = p
-        if getattr(args[-1], "asyncOp", True) if args else True:
+        if not synchronous:
             try:
                 future = work.get_future()
             except Exception:  # noqa: BLE001 - no future for this Work: completed when its wait() returns
                 return
             p.callback = True
             future.then(p.complete)
-
-    def _op_id(self, op: str) -> int:
-        found = self._ops.get(op)
-        if found is None:
-            found = self._ops[op] = self.rec.strings.id(op)
-        return found
 
     def wait(self, original: Callable[..., Any], work: Any, args: tuple, kwargs: dict) -> Any:
         """``Work.wait``: the thread blocks here, so the heartbeat says so and compute spans split.
@@ -444,7 +438,7 @@ class Collectives:
             )
             if state == PENDING or p.flight is None:
                 return
-            if isinstance(self.rec.clock, CpuClock):
+            if self.rec.cpu_clock:
                 self.state.leave(p.ch.info.name, p.seq, p.op, p.peer, self.rec.clock.wall_ns())
             else:
                 with self._lock:
@@ -512,7 +506,7 @@ class Collectives:
                 found.add(key)
                 continue
             self.rec.add_collective(
-                self.rec.strings.id(info.name), e.seq, self._op_id(e.op), e.nbytes, self.rec.strings.id(e.dtype), -1,
+                self.rec.strings.id(info.name), e.seq, self.rec.strings.id(e.op), e.nbytes, self.rec.strings.id(e.dtype), -1,
                 e.issue_ns, e.start_ns, e.end_ns, COMPLETED if done else PENDING, self.rec.step_at(e.issue_ns),
             )  # fmt: skip
             self.state.leave(info.name, e.seq, e.op, -1, e.end_ns or self.rec.clock.wall_ns())
@@ -601,7 +595,7 @@ class FlightRecorder:
 def _entry(e: dict[str, Any]) -> FrEntry:
     op = str(e.get("profiling_name", "")).split(":", 1)[-1]
     sizes, dtypes = e.get("input_sizes") or [], e.get("input_dtypes") or []
-    nbytes = sum(_numel(s) * _DTYPE_BYTES.get(d, 0) for s, d in zip(sizes, dtypes))
+    nbytes = sum(math.prod(map(int, s)) * _DTYPE_BYTES.get(d, 0) for s, d in zip(sizes, dtypes))
     started, completed = e.get("time_discovered_started_ns"), e.get("time_discovered_completed_ns")
     return FrEntry(
         group=str(e["process_group"][0]), seq=int(e["collective_seq_id"]), op=FR_OPS.get(op, op),
@@ -609,13 +603,6 @@ def _entry(e: dict[str, Any]) -> FrEntry:
         issue_ns=int(e["time_created_ns"]), start_ns=int(started or 0), end_ns=int(completed or 0),
         completed=e.get("state") == "completed",
     )  # fmt: skip
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _last_completed(status: dict[str, Any]) -> dict[str, int]:

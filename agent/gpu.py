@@ -49,10 +49,6 @@ class GpuDevice:
         except nvml.NVMLError:
             self._events = None  # not supported here, or not permitted: no Xid counts
 
-    def name(self) -> str:
-        name = self.nvml.nvmlDeviceGetName(self.handle)
-        return name.decode() if isinstance(name, bytes) else str(name)
-
     def utilization(self) -> tuple[float, float]:
         """(compute, memory controller) busy fractions, 0..1, over NVML's last sample period."""
         rates = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)

@@ -187,20 +187,21 @@ class Span:
             self._tid = _thread_id()
             self._cpu0 = _thread_cpu_ns()
         else:
-            self._cpu0 = -1
+            self._cpu0 = self._tid = -1
         self._start = rec.now()
         return self
 
-    def _cpu(self) -> int:
-        """CPU time of the current piece so far; -1 unmeasured or when another thread asks."""
-        if self._cpu0 < 0 or _thread_id() != self._tid:
+    def _cpu(self, tid: int, now_cpu: int) -> int:
+        """CPU time of the current piece at ``now_cpu``, read on thread ``tid``; -1 when unmeasured
+        or read on another thread (whose CPU clock says nothing about this one's)."""
+        if self._cpu0 < 0 or now_cpu < 0 or tid != self._tid:
             return -1
-        return _thread_cpu_ns() - self._cpu0
+        return now_cpu - self._cpu0
 
     def __exit__(self, kind: object, value: object, tb: object) -> None:
         rec = self._rec
         end = rec.now()
-        cpu = self._cpu()
+        cpu = self._cpu(_thread_id(), _thread_cpu_ns()) if self._cpu0 >= 0 else -1  # no syscall when not measured
         stack = self._stack
         try:
             if stack[-1] is self:
@@ -237,7 +238,8 @@ class Recorder:
     def __init__(self, clock: Clock, state: RankState, capacity: int = 1 << 16, flush_rows: int = 4096, batch_rows: int = 8192):
         self.clock = clock
         self.now = clock.now  # the hot path's bound method; follows ``use_clock``
-        self.measure_cpu = isinstance(clock, CpuClock) and cores_shared()
+        self.cpu_clock = isinstance(clock, CpuClock)  # the host's clock, not a device's; follows ``use_clock``
+        self.measure_cpu = self.cpu_clock and cores_shared()
         self.state = state
         self.strings = StringTable()
         self.capacity = capacity
@@ -264,7 +266,8 @@ class Recorder:
         """Take timestamps from ``clock`` from now on (tokens already taken stay valid)."""
         self.clock = clock
         self.now = clock.now
-        self.measure_cpu = isinstance(clock, CpuClock) and cores_shared()
+        self.cpu_clock = isinstance(clock, CpuClock)
+        self.measure_cpu = self.cpu_clock and cores_shared()
 
     # --- spans (hot path) -------------------------------------------------------------------
 
@@ -296,6 +299,8 @@ class Recorder:
         """
         paused: list[Span] = []
         try:
+            tid = _thread_id()
+            now_cpu = _thread_cpu_ns() if self.measure_cpu else -1
             for s in self._blocked_stack():
                 if s.kind == COMM:
                     continue
@@ -303,19 +308,23 @@ class Recorder:
                     s._part = 0
                 paused.append(s)
                 s._part += 1
-                self.add_span(
-                    s._name_id, s.kind, s.step, s._mb, s._start, self.now(), self._piece_attrs(s._attrs, s._part - 1), s._cpu()
-                )
+                attrs = self._piece_attrs(s._attrs, s._part - 1)
+                self.add_span(s._name_id, s.kind, s.step, s._mb, s._start, self.now(), attrs, s._cpu(tid, now_cpu))
         except Exception as exc:  # noqa: BLE001
             warn_once("span-pause", f"a span could not be split ({exc!r})")
         return paused or None
 
     def resume(self, paused: list[Span] | None) -> None:
-        """The collective returned: the paused spans start their next piece now."""
+        """The collective returned: the paused spans start their next piece now.
+
+        A piece resumed on another thread than its span's (an autograd worker's wait) cannot be
+        measured on the span's CPU clock: -1.
+        """
         if paused:
+            tid = _thread_id()
+            now_cpu = _thread_cpu_ns() if self.measure_cpu else -1
             for s in paused:
-                if s._cpu0 >= 0:
-                    s._cpu0 = _thread_cpu_ns()
+                s._cpu0 = now_cpu if tid == s._tid else -1
                 s._start = self.now()
 
     def _blocked_stack(self) -> list[Span]:
@@ -375,46 +384,39 @@ class Recorder:
         self, group: int, seq: int, op: int, nbytes: int, dtype: int, peer: int,
         issue: int, start: int, end: int, state: int, step: int,
     ) -> None:  # fmt: skip
-        with self._lock:
-            rows = self._collectives.active
-            i = rows.n
-            if i >= self.capacity:
-                self.state.dropped += 1
-                return
-            c = rows.views
-            c[0][i] = group
-            c[1][i] = seq
-            c[2][i] = op
-            c[3][i] = nbytes
-            c[4][i] = dtype
-            c[5][i] = peer
-            c[6][i] = issue
-            c[7][i] = start
-            c[8][i] = end
-            c[9][i] = state
-            c[10][i] = step
-            rows.n = i + 1
-        if i + 1 == self.flush_rows:
-            self.wake.set()
+        self._append(self._collectives, (group, seq, op, nbytes, dtype, peer, issue, start, end, state, step))
 
     def add_scalar(self, step: int, name: int, value: Any, time_ns: int) -> None:
         """One step scalar; a tensor value is read later by the background thread (no device sync here)."""
-        if not isinstance(value, (int, float)):
-            with self._lock:
-                self._deferred.append((step, name, value, time_ns))
+        if isinstance(value, (int, float)):
+            self._append(self._scalars, (step, name, value, time_ns))
             return
+        detach = getattr(value, "detach", None)
+        if detach is not None:
+            value = detach()  # keeps the number, not the autograd graph behind it
         with self._lock:
-            rows = self._scalars.active
+            if len(self._deferred) >= self.capacity:  # bounded like the columns, for a drainer that falls behind
+                self.state.dropped += 1
+            else:
+                self._deferred.append((step, name, value, time_ns))
+
+    def _append(self, table: _Table, row: tuple[Any, ...]) -> None:
+        """One row into ``table``: ``add_span`` generalised, for the rarer rows (it stays unrolled, for speed)."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            rows = table.active
             i = rows.n
             if i >= self.capacity:
                 self.state.dropped += 1
                 return
-            c = rows.views
-            c[0][i] = step
-            c[1][i] = name
-            c[2][i] = value
-            c[3][i] = time_ns
+            for column, value in zip(rows.views, row):
+                column[i] = value
             rows.n = i + 1
+        finally:
+            lock.release()
+        if i + 1 == self.flush_rows:
+            self.wake.set()
 
     # --- steps --------------------------------------------------------------------------------
 

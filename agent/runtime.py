@@ -157,7 +157,7 @@ class Agent:
         """One round of background work (also run once more at the end, ``final``)."""
         if self.transport is None:
             self._connect(final)
-        if isinstance(self.rec.clock, CpuClock) and (clock := cuda_clock()) is not None:
+        if self.rec.cpu_clock and (clock := cuda_clock()) is not None:
             self.rec.use_clock(clock)
         self.rec.clock.calibrate()
         self.collectives.poll()
@@ -341,6 +341,7 @@ def _after_fork_in_child() -> None:
     global _agent
     _agent = None
     api._attach(None)
+    api._may_start = False  # for good: span() takes its no-op fast path
     uninstall_collectives()
     try:
         signal.set_wakeup_fd(-1)

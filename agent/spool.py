@@ -18,6 +18,7 @@ All methods are called from one thread (the transport's sender).
 from __future__ import annotations
 
 import fcntl
+import glob
 import os
 import struct
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ class Spool:
             lock = _OwnerLock.take_if_dead(lock_path)
             if lock is None:
                 continue
-            paths = sorted(self.directory.glob(f"{_glob_escape(owner)}.*.seg"))
+            paths = sorted(self.directory.glob(f"{glob.escape(owner)}.*.seg"))
             if not paths:
                 lock.release(delete=True)
                 continue
@@ -280,14 +281,10 @@ def leftovers(directory: Path) -> list[Path]:
     for lock_path in sorted(directory.glob("*.lock")):
         lock = _OwnerLock.take_if_dead(lock_path)
         if lock is not None:
-            found += sorted(directory.glob(f"{_glob_escape(lock_path.name[: -len('.lock')])}.*.seg"))
+            found += sorted(directory.glob(f"{glob.escape(lock_path.name[: -len('.lock')])}.*.seg"))
             lock.release(delete=False)
     return found
 
 
 def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return a[0] + b[0], a[1] + b[1]
-
-
-def _glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from ingest import sender, start_collector  # benchmarks/ingest.py, beside this file
+from ingest import sender  # benchmarks/ingest.py, beside this file
+from rankscope.collector.orchestration import start_collector, stop
 
 MICRO = textwrap.dedent(
     """
@@ -97,7 +99,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rankscope-agent-bench-"))
-    collector, address, _ = start_collector(workdir / "store")
+    collector, address = start_collector(workdir / "store", workdir / "collector.log", "--no-diagnosis")
     try:
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.repeats):
@@ -114,8 +116,8 @@ def main() -> None:
         proc.join()
         events_per_s = (submitted - dropped) / (ended - began)
     finally:
-        collector.terminate()
-        collector.wait(60)
+        stop(collector, 60)
+        shutil.rmtree(workdir, ignore_errors=True)
     if not on["agent_on"]:
         sys.exit("the agent did not start in the micro-benchmark process (is the package installed with its .pth?)")
     off_med, on_med = statistics.median(times[False]), statistics.median(times[True])

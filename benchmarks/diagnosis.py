@@ -30,7 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rankscope.collector.orchestration import CLI, start, stop, wait_for_address
+from rankscope.collector.diagnosis.scenarios import FAULT_START_SQL
+from rankscope.collector.orchestration import CLI, start, start_collector, stop
 
 STRAGGLER = (3000, 1.3, 4)  # rank, factor, from step
 HANG_RANK = 7777
@@ -39,9 +40,6 @@ HANG_AFTER_S = 30.0
 FIRST_WRITTEN_SQL = (
     "SELECT kind, ranks, hosts, any(summary) AS summary, toUnixTimestamp64Nano(min(first_seen)) AS first_seen_ns, "
     "toInt64(min(version)) AS written_ns FROM incidents WHERE run_id = {run:String} GROUP BY kind, ranks, hosts"
-)
-STEP_START_SQL = (
-    "SELECT toUnixTimestamp64Nano(min(first_start)) AS ns FROM step_segments WHERE run_id = {run:String} AND step = {step:UInt32}"
 )
 
 
@@ -57,16 +55,6 @@ def scenarios_table(log: Callable[[str], None]) -> list[str]:
         steps = str(score.steps_to_detect) if score.steps_to_detect is not None else "-"
         rows.append(f"| {scenario.name} | {scenario.inject or 'none'} | {'yes' if score.passed else 'NO'} | {seconds} | {steps} |")
     return rows
-
-
-def start_collector(store: Path, log_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A collector on ``store`` and the address it listens on (stopped again if it does not come up)."""
-    proc = start([*CLI, "collector", "--store", str(store), "--listen", "127.0.0.1:0", *flags], log_path, os.environ)
-    try:
-        return proc, wait_for_address(proc, log_path, timeout_s=120)
-    except RuntimeError as e:
-        stop(proc, 5)
-        raise SystemExit(str(e)) from None
 
 
 def wait_for_incidents(client: object, run_id: str, timeout_s: float, sim: subprocess.Popen[bytes], sim_log: Path,
@@ -112,7 +100,7 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     client = Client(address, timeout_s=300)
     try:
         found = wait_for_incidents(client, run_id, hang_step * STEP_TIME_S + 600, sim, sim_log, log)
-        straggler_start = client.query(STEP_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
+        straggler_start = client.query(FAULT_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
     finally:
         client.close()
         stop(sim, 30)  # SIGTERM: the workers stop and print their totals

@@ -14,15 +14,15 @@ import argparse
 import multiprocessing as mp
 import os
 import re
-import signal
-import subprocess
-import sys
+import shutil
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from rankscope.collector.orchestration import free_port, start_collector, stop
 
 SPAN_NAMES = ["forward", "backward", "optimizer", "data", "send_forward_recv_backward", "grad_sync"]
 GROUPS = ["tp[0]", "tp[1]", "pp[0]", "dp[0]", "dp[1]"]
@@ -89,26 +89,6 @@ def sender(address: str, run_id: str, rank: int, seconds: float, batch: int, spo
     out.put((submitted, stats.acked, stats.dropped_events, refused, began, time.time()))
 
 
-def start_collector(store: Path) -> tuple[subprocess.Popen[bytes], str, int]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(store), "--listen", "127.0.0.1:0",
-           "--metrics-port", str(port), "--no-diagnosis"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    line = proc.stdout.readline().decode()  # type: ignore[union-attr]
-    match = re.search(r"listening on (\S+),", line)
-    if not match:
-        raise SystemExit(f"collector did not start: {line}{proc.stdout.read().decode()}")  # type: ignore[union-attr]
-    return proc, match.group(1), port
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def insert_latency(metrics_port: int) -> tuple[float, int]:
     """Mean insert latency (s) and number of inserts, from the collector's Prometheus histogram."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
@@ -146,7 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rankscope-ingest-"))
     store = workdir / "store"
-    collector, address, metrics_port = start_collector(store)
+    metrics_port = free_port()
+    collector, address = start_collector(store, workdir / "collector.log", "--metrics-port", str(metrics_port), "--no-diagnosis")
     run_id = f"bench-{os.getpid()}"
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
@@ -169,11 +150,13 @@ def main() -> None:
                 for t in ("spans", "collectives")
             )
     finally:
-        collector.send_signal(signal.SIGTERM)
-        collector.wait(60)
+        stop(collector, 60)  # SIGTERM: it writes what it holds
     submitted = sum(r[0] for r in results)
     dropped = sum(r[2] for r in results)
-    raw = raw_insert_rate(store, 1_000_000)
+    try:
+        raw = raw_insert_rate(store, 1_000_000)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     e2e = written / elapsed
     print("| measure | value |")
     print("|---|---|")

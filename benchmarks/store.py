@@ -94,6 +94,12 @@ def spans(run_id: str, ranks: int, steps: range, seed: int = 0) -> pa.Table:
     )
 
 
+def coords(rank: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tp, pp, dp) of each rank in Megatron's order: rank = tp + dp*TP + pp*TP*DP (the trainer's ``Layout``)."""
+    dp_size = ranks // (TP * PP)
+    return rank % TP, rank // (TP * dp_size), rank // TP % dp_size
+
+
 def collectives(run_id: str, ranks: int, steps: range) -> pa.Table:
     """Each rank's collectives with Megatron's groups: rank = tp + dp*TP + pp*TP*DP."""
     dp_size = ranks // (TP * PP)
@@ -102,7 +108,7 @@ def collectives(run_id: str, ranks: int, steps: range) -> pa.Table:
     step = np.repeat(np.array(steps, "int64"), per_step)
     rank = np.tile(np.repeat(np.arange(ranks), len(COLLECTIVES)), len(steps))
     which = np.tile(np.arange(len(COLLECTIVES)), ranks * len(steps))
-    tp, dp, pp = rank % TP, rank // TP % dp_size, rank // (TP * dp_size)
+    tp, pp, dp = coords(rank, ranks)
     kind = np.array([k for k, _ in COLLECTIVES])[which]
     group_index = np.select([kind == "tp", kind == "dp"], [rank // TP, pp * TP + tp], dp * TP + tp)
     group_names = [f"{k}[{i}]" for k in ("tp", "dp", "pp") for i in range(ranks)]
@@ -234,6 +240,7 @@ def timed(query: Callable[[], pa.Table], repeats: int) -> tuple[list[float], int
 def registrations(run_id: str, ranks: int) -> pa.Table:
     """Every rank's registration: host (8 ranks each) and tp/pp/dp coordinates, as the heat map groups them."""
     rank = np.arange(ranks, dtype="uint32")
+    tp, pp, dp = coords(rank, ranks)
     return pa.table(
         {
             "run_id": strings([run_id], np.zeros(ranks, "int32")),
@@ -242,9 +249,9 @@ def registrations(run_id: str, ranks: int) -> pa.Table:
             "pid": np.full(ranks, 1000, "uint32"),
             "local_rank": (rank % 8).astype("int32"),
             "device": strings(["cuda:0"], np.zeros(ranks, "int32")),
-            "tp_rank": (rank % TP).astype("int32"),
-            "pp_rank": (rank // TP % PP).astype("int32"),
-            "dp_rank": (rank // (TP * PP)).astype("int32"),
+            "tp_rank": tp.astype("int32"),
+            "pp_rank": pp.astype("int32"),
+            "dp_rank": dp.astype("int32"),
             "clock_offset_ns": np.zeros(ranks, "int64"),
             "agent_version": strings(["bench"], np.zeros(ranks, "int32")),
             "registered": np.full(ranks, T0, "int64"),

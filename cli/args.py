@@ -5,7 +5,16 @@ before anything starts."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rankscope.collector.diagnosis.context import Settings
+
+#: the detectors' thresholds shared by ``collector`` and ``diagnose`` (``Settings``' defaults: a test keeps them equal)
+HANG_AFTER_S = 30.0
+SILENT_AFTER_S = 15.0
 
 
 
@@ -42,8 +51,8 @@ def _above_zero(expected: str, unit: str) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be more than 0{unit}, got {text}")
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be more than 0{unit} and finite, got {text}")
         return value
 
     return parse
@@ -64,3 +73,18 @@ def listen(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def add_thresholds(parser: argparse.ArgumentParser) -> None:
+    """``--hang-after`` and ``--silent-after``: the same flags wherever the detectors run."""
+    parser.add_argument("--hang-after", metavar="SECONDS", type=seconds, default=HANG_AFTER_S,
+                        help=f"a run whose steps stop advancing this long while heartbeats arrive is hung (default: {HANG_AFTER_S:g})")
+    parser.add_argument("--silent-after", metavar="SECONDS", type=seconds, default=SILENT_AFTER_S,
+                        help=f"a rank whose heartbeats stop this long without a last word is lost (default: {SILENT_AFTER_S:g})")  # fmt: skip
+
+
+def thresholds(args: argparse.Namespace) -> Settings:
+    """The detectors' settings from ``add_thresholds``' flags."""
+    from rankscope.collector.diagnosis.context import Settings  # pyarrow: only once the command runs
+
+    return Settings(hang_after_s=args.hang_after, silent_after_s=args.silent_after)

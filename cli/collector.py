@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from rankscope.cli.args import count, listen, port, seconds
+from rankscope.cli.args import add_thresholds, count, listen, port, seconds, thresholds
 from rankscope.cli.tls import pem_file
 
 HELP = "run the collector: gRPC ingest from the agents, storage, read-only queries"
@@ -71,10 +71,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="largest query result in bytes (default: 512 MiB)")
     parser.add_argument("--query-timeout", metavar="SECONDS", type=seconds, default=60.0,
                         help="longest a query may run (default: 60)")
-    parser.add_argument("--hang-after", metavar="SECONDS", type=seconds, default=30.0,
-                        help="a run whose steps stop advancing this long while heartbeats arrive is hung (default: 30)")
-    parser.add_argument("--silent-after", metavar="SECONDS", type=seconds, default=15.0,
-                        help="a rank whose heartbeats stop this long without a last word is lost (default: 15)")
+    add_thresholds(parser)
     parser.add_argument("--diagnose-every", metavar="SECONDS", type=seconds, default=2.0,
                         help="seconds between two diagnosis passes over the active runs (default: 2)")
     parser.add_argument("--no-diagnosis", action="store_true", help="store only; run no detectors")
@@ -85,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.agent.autoload import forbid
 
     forbid("collector")  # never a training rank, nor anything it starts
-    from rankscope.collector.diagnosis.context import Settings
     from rankscope.collector.ingest import TimeWindow
     from rankscope.collector.query import Limits
     from rankscope.collector.server import ServerOptions, main
@@ -103,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             max_buffered_rows=args.max_buffered_rows,
             flush_interval_s=args.flush_interval,
             limits=Limits(args.query_max_rows, args.query_max_bytes, args.query_timeout),
-            diagnosis=None if args.no_diagnosis else Settings(hang_after_s=args.hang_after, silent_after_s=args.silent_after),
+            diagnosis=None if args.no_diagnosis else thresholds(args),
             diagnose_interval_s=args.diagnose_every,
             alert_webhook=args.alert_webhook,
             tls_cert=args.tls_cert,

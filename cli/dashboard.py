@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     forbid("dashboard")  # first: this process and what it starts are no training ranks
     from rankscope.dashboard.connection import SOURCE_VARIABLE, TLS_CA_VARIABLE, TOKEN_VARIABLE, Source
 
-    if args.store is not None and not (Path(args.store) / "metadata").is_dir():
+    from rankscope.collector.client import is_store
+
+    if args.store is not None and not is_store(args.store):
         print(f"rankscope dashboard: no store at {args.store} (a collector creates one: rankscope collector --store DIR)", file=sys.stderr)
         return 1
     chosen = Source(collector=args.collector, clickhouse=args.clickhouse, store=str(Path(args.store).resolve()) if args.store else None)

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         inject = args.inject or default_faults(args.steps, args.straggler_rank, args.hang_rank)
-        check_faults(inject, args.steps)
+        faults = check_faults(inject, args.steps)
     except ValueError as e:  # FaultSpecError included
         print(f"rankscope demo: {e}", file=sys.stderr)
         return 2
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     forbid("demo", children=False)  # no training rank; the ranks of its training run must record
     options = DemoOptions(
-        store=args.store, steps=args.steps, inject=inject, listen=args.listen,
+        store=args.store, steps=args.steps, inject=inject, faults=faults, listen=args.listen,
         dashboard_port=None if args.no_dashboard else args.port, hang_after_s=args.hang_after, command=_command_name(),
     )  # fmt: skip
     try:

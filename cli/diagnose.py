@@ -12,7 +12,7 @@ import json
 import sys
 
 from rankscope.cli import source
-from rankscope.cli.args import seconds
+from rankscope.cli.args import add_thresholds, thresholds
 
 HELP = "name the rank and host behind the stragglers, hangs, crashes, NaNs and slow links of a run"
 
@@ -23,16 +23,12 @@ RUN_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {ru
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", metavar="RUN", help="the run id (default: the latest run)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
-    parser.add_argument("--hang-after", metavar="SECONDS", type=seconds, default=30.0,
-                        help="steps stalled this long while heartbeats arrive make a hang (default: 30)")  # fmt: skip
-    parser.add_argument("--silent-after", metavar="SECONDS", type=seconds, default=15.0,
-                        help="a rank silent this long without a last word is lost (default: 15)")  # fmt: skip
+    add_thresholds(parser)
     source.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.collector.client import QueryFailed
-    from rankscope.collector.diagnosis.context import Settings
     from rankscope.collector.diagnosis.engine import diagnose
     from rankscope.collector.diagnosis.incidents import Ledger
 
@@ -47,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             if not status or status[0]["status"] is None:
                 print(f"rankscope diagnose: no run {run_id!r} in the store", file=sys.stderr)
                 return 2
-            settings = Settings(hang_after_s=args.hang_after, silent_after_s=args.silent_after)
+            settings = thresholds(args)
             findings = diagnose(run_id, lambda sql, params: reader.query(sql, params), settings)
         finally:
             reader.close()

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = Options(
         tp=args.tp, pp=args.pp, dp=args.dp, steps=args.steps, step_time_s=args.step_time, microbatches=args.microbatches,
-        inject=args.inject, collector=args.collector, run_id=args.run_id, workers=args.workers,
+        inject=args.inject, collector=args.collector, run_id=args.run_id,
         batches_per_s=args.batches_per_s, heartbeat_s=args.heartbeat, flush_s=args.flush, sample_every=args.sample_every,
         report_after_s=args.report_after, hold_s=args.hold, seed=args.seed,
     )  # fmt: skip

@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from rankscope.cli.args import seconds
+
 HELP = "replay telemetry that agents spooled to disk while the collector was unreachable"
 
 
@@ -25,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the collector (default: $RANKSCOPE_COLLECTOR, else 127.0.0.1:7777)")
     replay.add_argument("--token", metavar="TOKEN", default=os.environ.get("RANKSCOPE_TOKEN"),
                         help="the collector's token (default: $RANKSCOPE_TOKEN)")
-    replay.add_argument("--timeout", metavar="SECONDS", type=float, default=300.0,
+    replay.add_argument("--timeout", metavar="SECONDS", type=seconds, default=300.0,
                         help="give up after this long; what is left stays for next time (default: 300)")
 
 

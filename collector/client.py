@@ -156,6 +156,12 @@ class StoreReader:
         self.close()
 
 
+def is_store(path: str | Path) -> bool:
+    """Whether ``path`` holds an embedded store: the engine's catalogue (a directory without it never held
+    one, and must not become one by being read)."""
+    return (Path(path) / "metadata").is_dir()
+
+
 def open_reader(
     *,
     collector: str | None = None,
@@ -176,8 +182,7 @@ def open_reader(
         raise ValueError("give at most one of collector, clickhouse and store")
     if clickhouse is None and store is None:
         return Client(collector or DEFAULT_COLLECTOR, token=token, tls_ca=tls_ca)
-    # The engine's catalogue: a directory without it never held a store (and must not become one here).
-    if store is not None and not (Path(store) / "metadata").is_dir():
+    if store is not None and not is_store(store):
         raise Unreachable(f"no store at {store}: start a collector with --store {store} to create one")
     try:
         opened = open_store(clickhouse_url=clickhouse) if clickhouse else open_store(store_dir=store)

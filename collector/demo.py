@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from rankscope.collector.diagnosis.scenarios import INCIDENTS_SQL
+from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
 from rankscope.collector.orchestration import CLI, agent_env, collector_command, host_of, start, stop, wait_for_address
 from rankscope.trainer.faults import Fault, parse
 
@@ -59,6 +59,8 @@ class DemoOptions:
     store: Path
     steps: int
     inject: str
+    #: ``inject`` parsed and checked (``check_faults``)
+    faults: list[Fault]
     listen: str
     #: the dashboard's HTTP port, or None for no dashboard (then the demo ends with the run)
     dashboard_port: int | None
@@ -115,7 +117,7 @@ class _Demo:
     def __init__(self, options: DemoOptions, out: Callable[[str], None]) -> None:
         self.options = options
         self.out = out
-        self.faults = check_faults(options.inject, options.steps)
+        self.faults = options.faults
         self.run_id = f"demo-{uuid.uuid4().hex[:8]}"
         self.logs = Path(tempfile.mkdtemp(prefix="rankscope-demo-"))
         self.store = options.store.resolve()

@@ -9,12 +9,14 @@ on a full pipe), and stopping one stops its whole tree (torchrun's workers inclu
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from rankscope.agent.config import render_host
 from rankscope.processes import terminate_tree
 
 #: the ``rankscope`` command of this interpreter (works without the console script on PATH)
@@ -22,12 +24,12 @@ CLI = (sys.executable, "-m", "rankscope.cli.main")
 #: RANKSCOPE_HOST template: two ranks per simulated host (``host_of`` spells it out)
 HOSTS = "node-{rank//2}"
 
-__all__ = ["CLI", "HOSTS", "agent_env", "collector_command", "host_of", "start", "stop", "wait_for_address"]
+__all__ = ["CLI", "HOSTS", "agent_env", "collector_command", "free_port", "host_of", "listen_address", "start", "start_collector", "stop", "wait_for_address"]
 
 
 def host_of(rank: int) -> str:
-    """The simulated host ``HOSTS`` gives ``rank``."""
-    return f"node-{rank // 2}"
+    """The simulated host ``HOSTS`` gives ``rank`` (the agent's own reading of the template)."""
+    return render_host(HOSTS, rank, 0, 0)
 
 
 def collector_command(store: Path, listen: str, hang_after_s: float) -> list[str]:
@@ -63,13 +65,41 @@ def wait_for_address(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: f
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log_path.read_text(errors="replace")
-        for line in text.splitlines():
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].split(",", 1)[0].strip()
+        address = listen_address(text)
+        if address:
+            return address
         if proc.poll() is not None:
             raise RuntimeError(f"the collector exited ({proc.returncode}):\n{text[-2000:]}")
         time.sleep(0.1)
     raise RuntimeError(f"the collector did not start within {timeout_s:.0f} s (log: {log_path})")
+
+
+def listen_address(output: str) -> str | None:
+    """The HOST:PORT of a collector's start-up line (``... listening on HOST:PORT, storing in ...``), if printed."""
+    for line in output.splitlines():
+        if "listening on " in line:
+            return line.split("listening on ", 1)[1].split(",", 1)[0].strip()
+    return None
+
+
+def start_collector(store: Path, log_path: Path, *flags: str, timeout_s: float = 120) -> tuple[subprocess.Popen[bytes], str]:
+    """``rankscope collector`` on ``store`` and a free port, with ``flags``; its HOST:PORT once it listens.
+
+    RuntimeError (the collector stopped again) if it does not come up.
+    """
+    proc = start([*CLI, "collector", "--store", str(store), "--listen", "127.0.0.1:0", *flags], log_path, os.environ)
+    try:
+        return proc, wait_for_address(proc, log_path, timeout_s)
+    except RuntimeError:
+        stop(proc, 5)
+        raise
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a metrics endpoint or a dashboard started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:

@@ -12,7 +12,6 @@ of the cache key, and a live run's ``Run`` changes with every new heartbeat (``l
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,13 +131,7 @@ def _run(r: dict[str, Any]) -> Run:
 @per_run
 def incidents(run: Run) -> list[Incident]:
     """Every incident of the run, open ones first, then by first sighting."""
-    rows = query(INCIDENTS_SQL, {"run": run.id}).to_dict("records")
-    for r in rows:  # evidence is JSON text written by the collector; keep a page alive if it is not
-        try:
-            json.loads(r["evidence"] or "{}")
-        except ValueError:
-            r["evidence"] = json.dumps({"unreadable evidence": r["evidence"]})
-    found = from_rows(rows)
+    found = from_rows(query(INCIDENTS_SQL, {"run": run.id}).to_dict("records"))
     return sorted(found, key=lambda i: (i.status != "open", i.finding.first_seen_ns))
 
 
@@ -374,6 +367,17 @@ ORDER BY rank
 def rank_states(run: Run, at_ns: int) -> pd.DataFrame:
     """One row per rank at ``at_ns`` (see RANK_STATE_SQL); ``states.classify`` names the state."""
     return query(RANK_STATE_SQL, {"run": run.id, "at": at_ns})
+
+
+FIRST_EXIT_SQL = "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM exits WHERE run_id = {run:String}"
+
+
+@per_run
+def first_exit(run: Run) -> int:
+    """When the first rank of the run ended, in ns; 0 while none has."""
+    rows = query(FIRST_EXIT_SQL, {"run": run.id})
+    ns = rows.iloc[0]["ns"] if len(rows) else None  # min over no rows: one row of 0 (or NULL)
+    return int(ns) if pd.notna(ns) and ns > 0 else 0
 
 
 # --- hosts ------------------------------------------------------------------------------------

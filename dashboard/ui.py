@@ -18,6 +18,7 @@ import pandas as pd
 import streamlit as st
 
 from rankscope.collector.client import QueryFailed, ResultTooLarge, Unauthenticated, Unreachable
+from rankscope.collector.diagnosis.context import who  # noqa: F401 - the pages name ranks as the incidents do: ui.who
 from rankscope.collector.diagnosis.incidents import Incident
 from rankscope.dashboard import connection, data
 from rankscope.dashboard.data import Run
@@ -200,12 +201,6 @@ def duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min" if hours else (f"{minutes} min {secs:02d} s" if minutes else f"{secs} s")
 
 
-def who(rank: int, hosts: Mapping[int, str]) -> str:
-    """``rank 5 (node-2)``: how the diagnosis names a rank, so the page and the incidents agree."""
-    host = hosts.get(int(rank))
-    return f"rank {rank} ({host})" if host else f"rank {rank}"
-
-
 def hosts_of(run: Run) -> dict[int, str]:
     ranks = data.ranks(run)
     return dict(zip(ranks["rank"].astype(int), ranks["host"]))
@@ -244,9 +239,9 @@ def evidence_links(run: Run, incident: Incident) -> list[Link]:
     f = incident.finding
     ranks = ",".join(str(r) for r in f.ranks)
     base = {RUN_PARAM: run.id}
-    peers = [int(r) for r in f.evidence.get("stage_ranks", [])] if isinstance(f.evidence, Mapping) else []
+    peers = [int(r) for r in f.evidence.get("stage_ranks", [])]
     lanes = ",".join(str(r) for r in sorted(set(f.ranks) | set(peers))[:16])
-    segment = f.evidence.get("segment") if isinstance(f.evidence, Mapping) else None
+    segment = f.evidence.get("segment")
     heat = Link(PAGES["heatmap"], "heat map", {**base, "ranks": ranks, **({"segment": str(segment)} if segment else {})})
     timeline = Link(PAGES["timeline"], "timeline", {**base, "ranks": lanes or ranks, "at": str(f.first_seen_ns)})
     graph = Link(PAGES["graph"], "3D-parallel graph", {**base, "at": str(f.last_seen_ns)})

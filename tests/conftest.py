@@ -12,15 +12,17 @@ files under ``tmp_path``, so a chatty child never blocks on a full pipe.
 from __future__ import annotations
 
 import os
-import socket
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from rankscope.collector.orchestration import CLI, free_port, listen_address
 from rankscope.processes import terminate_tree
 
 pytest_plugins = ("pytester",)  # tests/test_infra.py runs pytest inside a test.
@@ -28,11 +30,7 @@ pytest_plugins = ("pytester",)  # tests/test_infra.py runs pytest inside a test.
 TERM_GRACE_S = 5.0
 
 
-def free_port() -> int:
-    """A port nothing listens on now (for a collector or dashboard started next, or an unreachable one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["Proc", "ProcRunner", "Running", "free_port", "start_collector"]
 
 
 class Proc:
@@ -148,6 +146,28 @@ class ProcRunner:
         """Kill every started process tree (idempotent; the fixture calls it at teardown)."""
         for proc in self.procs:
             terminate_tree(proc.popen, self.term_grace_s)
+
+
+
+@dataclass
+class Running:
+    """A started collector: its process, gRPC address, metrics URL (when asked for) and store directory."""
+
+    proc: Proc
+    target: str
+    metrics_url: str | None
+    store: Path
+
+
+def start_collector(
+    runner: ProcRunner, store: Path, *flags: str, listen: str = "127.0.0.1:0", name: str = "collector", timeout: float = 90
+) -> Running:
+    """``rankscope collector --store STORE --listen LISTEN FLAGS...``, once it listens."""
+    proc = runner.start([*CLI, "collector", "--store", str(store), "--listen", listen, *flags], name=name)
+    proc.wait_for("listening on", timeout)
+    line = next(text for text in proc.stdout.splitlines() if "listening on" in text)
+    metrics_url = re.search(r"metrics on (\S+)", line)
+    return Running(proc, listen_address(line) or "", metrics_url.group(1) if metrics_url else None, store)
 
 
 @pytest.fixture

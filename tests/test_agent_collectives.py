@@ -13,17 +13,15 @@ collective is present on every member of the group with the same op, and every p
 from __future__ import annotations
 
 import collections
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Proc, ProcRunner, free_port
+from conftest import Proc, ProcRunner, Running, free_port, start_collector
 from rankscope.collector.client import Client
 
 pytestmark = pytest.mark.slow
@@ -32,34 +30,19 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 NOT_LAUNCHED = {"RANK": "", "WORLD_SIZE": "", "LOCAL_RANK": "", "TORCHELASTIC_RUN_ID": ""}
 
 
-@dataclass
-class Collector:
-    proc: Proc
-    target: str
-
-
 @pytest.fixture(scope="module")
-def collector(module_runner: ProcRunner, tmp_path_factory: pytest.TempPathFactory) -> Collector:
+def collector(module_runner: ProcRunner, tmp_path_factory: pytest.TempPathFactory) -> Running:
     """``rankscope collector --store DIR`` on a free port, once it listens."""
-    store = tmp_path_factory.mktemp("agent-store") / "data"
-    proc = module_runner.start(
-        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(store), "--listen", "127.0.0.1:0",
-         "--flush-interval", "0.2"],
-        name="collector",
-    )
-    proc.wait_for("listening on", 90)
-    found = re.search(r"listening on (\S+),", proc.stdout)
-    assert found, proc.output()
-    return Collector(proc, found.group(1))
+    return start_collector(module_runner, tmp_path_factory.mktemp("agent-store") / "data", "--flush-interval", "0.2")
 
 
 @pytest.fixture(scope="module")
-def client(collector: Collector) -> Iterator[Client]:
+def client(collector: Running) -> Iterator[Client]:
     with Client(collector.target) as c:
         yield c
 
 
-def agent_env(collector: Collector, spool: Path, **extra: str) -> dict[str, str]:
+def agent_env(collector: Running, spool: Path, **extra: str) -> dict[str, str]:
     """The agent on, pointed at the test's collector; nothing else."""
     return {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(spool), **extra}
 
@@ -121,7 +104,7 @@ def assert_lined_up(rows: list[dict[str, Any]], groups: dict[str, list[int]]) ->
 
 
 def test_a_plain_ddp_script_with_only_the_switch_on(
-    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+    torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:
     proc = torchrun([str(SCRIPTS / "ddp_plain.py"), "--steps", "4"], 4, env=agent_env(collector, tmp_path))
     assert proc.wait(180) == 0, proc.output()
@@ -145,7 +128,7 @@ def test_a_plain_ddp_script_with_only_the_switch_on(
 
 
 def test_every_operation_lines_up_and_plain_processes_agree_on_a_run_id(
-    proc_runner: ProcRunner, collector: Collector, client: Client, tmp_path: Path
+    proc_runner: ProcRunner, collector: Running, client: Client, tmp_path: Path
 ) -> None:
     port = free_port()
     procs = [
@@ -180,7 +163,7 @@ def test_every_operation_lines_up_and_plain_processes_agree_on_a_run_id(
 
 
 def test_dtensor_tensor_parallel_inside_fsdp2_lines_up(
-    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+    torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:
     proc = torchrun([str(SCRIPTS / "dtensor_fsdp.py"), "--steps", "3"], 4, env=agent_env(collector, tmp_path))
     assert proc.wait(180) == 0, proc.output()

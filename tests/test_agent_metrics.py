@@ -1,8 +1,8 @@
 """The agent's periodic reports: host/GPU metrics, heartbeats, stall detection and stack dumps.
 
 Everything goes through a real Transport to the real collector and is read back with SQL.
-This machine has no GPU: NVML is absent, so the GPU instruments are checked to stay away
-quietly; host metrics come from the real /proc.
+Without a GPU NVML finds none, and the GPU instruments are checked to stay away quietly (those
+tests skip where NVML finds one); host metrics come from the real /proc.
 """
 
 from __future__ import annotations
@@ -34,6 +34,19 @@ from test_agent_transport import TOKEN, Collector, agent_config, collector, free
 # --- metrics ---------------------------------------------------------------------------------------
 
 
+def _gpu_here() -> bool:
+    """Whether the agent's own NVML look-up finds a GPU on this machine."""
+    gpu = open_gpu(0)
+    if gpu is not None:
+        gpu.close()
+    return gpu is not None
+
+
+#: for the tests of the GPU-less path, which a machine with a GPU (as NVML sees it) cannot take
+without_gpu = pytest.mark.skipif(_gpu_here(), reason="NVML finds a GPU here")
+
+
+@without_gpu
 def test_host_metrics_reach_the_collector(collector: Collector, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run_id = run_name()
     t = Transport(agent_config(collector.address, tmp_path / "spool"), run_id, 0)
@@ -65,6 +78,7 @@ def test_host_metrics_reach_the_collector(collector: Collector, tmp_path: Path, 
     assert [r.getMessage() for r in caplog.records if r.name == "rankscope.agent"] == []
 
 
+@without_gpu
 def test_no_gpu_and_not_first_on_host_reports_nothing(collector: Collector, tmp_path: Path) -> None:
     assert open_gpu(0) is None  # nvidia-ml-py without a driver: quietly no GPU
     run_id = run_name()

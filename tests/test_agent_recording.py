@@ -45,7 +45,7 @@ def span_rows(rec: Recorder) -> list[dict[str, Any]]:
             "name": np.frombuffer(batch.name, "<i4"), "kind": np.frombuffer(batch.kind, "u1"),
             "step": np.frombuffer(batch.step, "<i4"), "mb": np.frombuffer(batch.microbatch, "<i4"),
             "start": np.frombuffer(batch.start_ns, "<i8"), "end": np.frombuffer(batch.end_ns, "<i8"),
-            "attrs": np.frombuffer(batch.attributes, "<i4"),
+            "attrs": np.frombuffer(batch.attributes, "<i4"), "cpu": np.frombuffer(batch.cpu_ns, "<i8"),
         }  # fmt: skip
         assert all(len(c) == batch.count for c in cols.values())
         for i in range(batch.count):
@@ -106,6 +106,23 @@ def test_a_wait_splits_every_open_non_comm_span_around_it() -> None:
     assert pieces["forward"][0]["attrs"] == {"layer": 3, "part": 0}
     (exchange,) = [r for r in rows if r["name"] == "exchange"]
     assert exchange["attrs"] is None and exchange["end"] - exchange["start"] >= 20_000_000  # comm keeps its waits
+
+
+def test_cpu_time_counts_work_on_the_spans_own_thread_only() -> None:
+    rec = recorder()
+    rec.measure_cpu = True  # as on a host whose ranks share cores
+    with rec.Span(rec, "load", "data", 1, None, {}):
+        time.sleep(0.05)
+    with rec.Span(rec, "backward", "compute", 1, None, {}):
+        paused = rec.pause()  # a wait on this thread ends piece 0
+        resumer = threading.Thread(target=rec.resume, args=(paused,))  # ... and returns on an autograd worker
+        resumer.start()
+        resumer.join()
+    rows = {(r["name"], (r["attrs"] or {}).get("part")): r for r in span_rows(rec)}
+    load = rows["load", None]
+    assert 0 <= load["cpu"] < (load["end"] - load["start"]) // 2  # sleeping is no work
+    assert rows["backward", 0]["cpu"] >= 0
+    assert rows["backward", 1]["cpu"] == -1  # the worker's CPU clock says nothing about this thread's
 
 
 def test_a_span_can_end_on_another_thread() -> None:
@@ -181,6 +198,16 @@ def test_scalars_keep_nan_and_read_tensors_off_the_hot_path() -> None:
     assert values["loss"] == 2.5 and values["inf"] == math.inf and values["t"] == 3.0 and values["np"] == 7.0
     assert math.isnan(values["nan"]) and math.isnan(values["junk"])
     assert set(np.frombuffer(batch.step, "<i4")) == {5} and set(np.frombuffer(batch.time_ns, "<i8")) == {now}
+
+
+def test_tensor_scalars_are_bounded_and_keep_no_autograd_graph() -> None:
+    rec = recorder(capacity=2)
+    weight = torch.ones(1, requires_grad=True)
+    for _ in range(3):
+        rec.add_scalar(1, rec.strings.id("loss"), (weight * 2).sum(), 0)
+    assert rec.state.dropped == 1 and all(value.grad_fn is None for _, _, value, _ in rec._deferred)
+    (batch,) = list(rec.drain())
+    assert np.frombuffer(batch.value, "<f8").tolist() == [2.0, 2.0]
 
 
 def test_the_step_timeline_dates_late_events() -> None:
@@ -390,6 +417,28 @@ def test_the_api_does_nothing_while_off(monkeypatch: pytest.MonkeyPatch) -> None
     agent.record_scalars(3, loss=1.0)
     agent.name_groups({"tp[0]": None})
     agent.set_topology(2, 2, 2)
+    assert not agent.enabled() and agent._recorder is None
+
+
+def test_a_refused_activation_leaves_the_api_on_its_no_op_path(proc_runner: ProcRunner) -> None:
+    """A forked child, and a process whose activation is refused (here: a bad setting), stop
+    waiting for a late start: ``span`` hands out the no-op object, not one that looks again."""
+    code = """
+        import os
+        from rankscope import agent
+        from rankscope.agent.autoload import activate
+        print("before", type(agent.span("x")).__name__, flush=True)
+        pid = os.fork()
+        if pid == 0:
+            print("forked", agent.span("x") is agent._NOOP_SPAN, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("refused", activate(), agent.span("x") is agent._NOOP_SPAN, flush=True)
+    """
+    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_STALL_S": "soon", "RANKSCOPE_ROLE": "", "RANKSCOPE_AGENT_PID": "", "RANK": ""}
+    proc = proc_runner.start([sys.executable, "-c", textwrap.dedent(code)], env=env, name="refused")
+    assert proc.wait(60) == 0, proc.output()
+    assert proc.stdout.splitlines() == ["before _LateSpan", "forked True", "refused False True"]
 
 
 def test_a_decorator_finds_the_agent_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 from test_agent_collectives import (  # noqa: F401 - client and collector are fixtures
-    Collector, agent_env, assert_lined_up, client, collectives, collector, exits, members, query,
+    agent_env, assert_lined_up, client, collectives, collector, exits, members, query,
 )
 
-from conftest import Proc
+from conftest import Proc, Running
 from rankscope.collector.client import Client
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def losses(path: Path) -> list[float]:
 
 
 def test_3d_parallel_collectives_line_up_and_the_losses_do_not_change(
-    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+    torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:
     flags = [*layout(2, 2, 2), *TINY, "--steps", "3"]
     on, off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
@@ -96,7 +96,7 @@ def compute_ms(client: Client, run: str, name: str) -> dict[tuple[int, int], flo
 
 
 def test_a_stragglers_peer_keeps_its_own_compute_time(
-    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+    torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:
     """Two tp ranks on two cores: rank 1 computes 3x as long from step 5; rank 0 waits for it in
     every tp all-reduce, and those waits must stay out of rank 0's forward and backward."""
@@ -125,7 +125,7 @@ def heartbeats(client: Client, run: str, rank: int) -> list[dict[str, Any]]:
 
 
 def test_a_rank_blocked_by_a_hang_shows_it_and_still_ends_on_sigterm(
-    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+    torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:
     flags = [*layout(1, 1, 2), *TINY, "--steps", "4", "--timeout", "600", "--inject", "hang:rank=1,step=2"]
     env = agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="hang", RANKSCOPE_HEARTBEAT_S="0.3")
@@ -148,7 +148,7 @@ def test_a_rank_blocked_by_a_hang_shows_it_and_still_ends_on_sigterm(
 
 
 def test_a_crash_is_reported_with_its_exception(
-    torchrun: Callable[..., Proc], collector: Collector, client: Client, tmp_path: Path
+    torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:
     flags = [*layout(1, 1, 2), *TINY, "--steps", "4", "--inject", "crash:rank=1,step=2"]
     proc = train(torchrun, flags, 2, agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="crash"))

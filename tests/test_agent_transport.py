@@ -28,6 +28,7 @@ from rankscope.agent.transport import Transport
 from rankscope.collector.client import Client
 from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 
+import conftest
 from conftest import Proc, ProcRunner, free_port
 
 TOKEN = "s3cret-token"
@@ -51,16 +52,10 @@ class Collector:
 
 
 def start_collector(runner: ProcRunner, store: Path, port: int = 0, *extra: str) -> Collector:
-    """``rankscope collector`` on ``store``; returns once it listens (port 0: a free one)."""
-    proc = runner.start(
-        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(store), "--listen", f"127.0.0.1:{port}",
-         "--token", TOKEN, "--flush-interval", "0.1", *extra],
-        name=f"collector-{store.name}",
-    )  # fmt: skip
-    proc.wait_for("listening on", timeout=120)
-    line = next(line for line in proc.stdout.splitlines() if "listening on" in line)
-    bound = line.split("listening on ", 1)[1].split(",", 1)[0]
-    return Collector(proc, bound)
+    """``rankscope collector`` on ``store`` with the token; returns once it listens (port 0: a free one)."""
+    running = conftest.start_collector(runner, store, "--token", TOKEN, "--flush-interval", "0.1", *extra,
+                                       listen=f"127.0.0.1:{port}", name=f"collector-{store.name}", timeout=120)  # fmt: skip
+    return Collector(running.proc, running.target)
 
 
 @pytest.fixture(scope="module")

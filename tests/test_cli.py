@@ -46,3 +46,17 @@ def test_train_forwards_every_argument_unparsed(monkeypatch: pytest.MonkeyPatch)
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+def test_the_shared_detector_flags_default_to_the_detectors_own_settings() -> None:
+    """``collector`` and ``diagnose`` take --hang-after / --silent-after from cli/args.py, which must not import the
+    detectors at parse time: their defaults are copies of ``Settings``' and must stay equal."""
+    import argparse
+
+    from rankscope.cli.args import add_thresholds, thresholds
+    from rankscope.collector.diagnosis.context import Settings
+
+    parser = argparse.ArgumentParser()
+    add_thresholds(parser)
+    assert thresholds(parser.parse_args([])) == Settings()
+    assert thresholds(parser.parse_args(["--hang-after", "10", "--silent-after", "4"])) == Settings(hang_after_s=10, silent_after_s=4)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 from test_collector_ingest import end, heartbeats, register, spans
-from test_collector_server import start_collector
+from conftest import start_collector
 
 from rankscope.collector.client import Client
 from rankscope.protos.rankscope.v1 import ingest_pb2_grpc

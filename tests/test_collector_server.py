@@ -11,7 +11,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,8 +21,10 @@ from test_collector_ingest import collectives, end, envelope, heartbeats, metric
 from rankscope.collector.client import Client, QueryRefused, ResultTooLarge, Unauthenticated
 from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
+from conftest import Running, start_collector
+
 if TYPE_CHECKING:
-    from conftest import Proc, ProcRunner
+    from conftest import ProcRunner
 
 pytestmark = pytest.mark.slow
 
@@ -31,29 +32,6 @@ TOKEN = "test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 QUERY_MAX_ROWS = 10_000
 MAX_BUFFERED_ROWS = 1_000
-
-
-@dataclass
-class Running:
-    """A started collector: its process, gRPC address, metrics URL and store directory."""
-
-    proc: Proc
-    target: str
-    metrics_url: str | None
-    store: Path
-
-
-def start_collector(runner: ProcRunner, store: Path, *flags: str, name: str = "collector") -> Running:
-    """``rankscope collector --store STORE --listen 127.0.0.1:0 FLAGS...``, once it listens."""
-    proc = runner.start(
-        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(store), "--listen", "127.0.0.1:0", *flags], name=name
-    )
-    proc.wait_for("listening on", 90)
-    line = next(text for text in proc.stdout.splitlines() if "listening on" in text)
-    target = re.search(r"listening on (\S+),", line)
-    metrics_url = re.search(r"metrics on (\S+)", line)
-    assert target, line
-    return Running(proc, target.group(1), metrics_url.group(1) if metrics_url else None, store)
 
 
 @pytest.fixture(scope="module")

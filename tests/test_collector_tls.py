@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from test_agent_transport import TOKEN, agent_config, register, run_name, span_batch
-from test_collector_server import start_collector
+from conftest import start_collector
 
 from rankscope.agent.transport import Transport
 from rankscope.cli.main import main

@@ -14,7 +14,6 @@ with the agent on, about a minute on two cores). Then:
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import shutil
@@ -23,27 +22,26 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import free_port, start_collector
+from dashboard_pages import PAGES, array, open_page, page_text, read_from
 from streamlit.testing.v1 import AppTest
 
-from rankscope.agent import autoload
 from rankscope.collector.diagnosis import scenarios
 from rankscope.dashboard import connection, cookbook, data, export
-from rankscope.dashboard.connection import SOURCE_VARIABLE, Source
+from rankscope.dashboard.connection import Source
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "dashboard" / "app.py"
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]  # fmt: skip
-PAGES = ("runs", "overview", "heatmap", "timeline", "graph", "hosts", "incidents", "sql")
 STRAGGLER = "rank 5 (node-2)"
 
 
@@ -68,56 +66,20 @@ def _diagnosed(recorded: tuple[str, Path, Path, scenarios.Score]) -> str:
 @pytest.fixture(scope="module")
 def collector(recorded: tuple[str, Path, Path], module_runner) -> str:
     """The address of a collector serving the recorded store."""
-    proc = module_runner.start(
-        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(recorded[1]), "--listen", "127.0.0.1:0", "--no-diagnosis"],
-        name="collector",
-    )
-    proc.wait_for("listening on ", timeout=60)
-    line = next(x for x in (proc.stdout + proc.stderr).splitlines() if "listening on " in x)
-    return line.split("listening on ", 1)[1].split(",", 1)[0].strip()
+    return start_collector(module_runner, recorded[1], "--no-diagnosis", timeout=60).target
 
 
 @pytest.fixture(scope="module")
 def reading(collector: str) -> Iterator[str]:
     """Point in-process pages at the collector; undo what running the app does to this process."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SOURCE_VARIABLE, Source(collector=collector).to_env())
-        mp.setattr(autoload, "_forbidden", autoload._forbidden)  # app.py's forbid() marks this process: undo it
+        read_from(mp, Source(collector=collector))
         yield collector
         connection.reset()
 
 
-def _page(name: str, **params: str) -> AppTest:
-    at = AppTest.from_file(str(APP), default_timeout=60)
-    at.query_params.update(params)
-    at.run()
-    if name != "overview":
-        at.switch_page(f"views/{name}.py").run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
-
-
-def _text(at: AppTest) -> str:
-    """Everything a person can read on the page, as one string."""
-    parts = []
-    for kind in ("header", "subheader", "markdown", "caption", "error", "warning", "info", "success", "code"):
-        parts += [str(e.value) for e in getattr(at, kind)]
-    parts += [e.value.to_string() for e in at.table]
-    parts += [f"{m.label} {m.value}" for m in at.metric]
-    return "\n".join(parts)
-
-
 def _figure(at: AppTest, index: int = 0) -> dict:
     return json.loads(at.get("plotly_chart")[index].proto.spec)
-
-
-def _array(value: object) -> np.ndarray:
-    """A figure's array as plotly.py writes it: a list, or base64 typed data (``bdata``)."""
-    if isinstance(value, dict) and "bdata" in value:
-        flat = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
-        shape = value.get("shape")
-        return flat.reshape([int(n) for n in str(shape).split(",")]) if shape else flat
-    return np.array(value, dtype=float)
 
 
 def _links(at: AppTest) -> list[tuple[str, str]]:
@@ -130,7 +92,7 @@ def _links(at: AppTest) -> list[tuple[str, str]]:
 
 def test_runs_lists_the_run_with_status_shape_and_steps(recorded, reading):
     run_id = recorded[0]
-    text = _text(_page("runs"))
+    text = page_text(open_page("runs"))
     row = next(line for line in text.splitlines() if run_id in line and "|" in line)
     assert "finished" in row and "2 × 2 × 2" in row and "| 14 |" in row
     assert f"(./?run={run_id})" in row  # a link that opens the run (the run lives in the URL)
@@ -139,8 +101,8 @@ def test_runs_lists_the_run_with_status_shape_and_steps(recorded, reading):
 def test_overview_names_the_run_its_incidents_and_draws_the_training_curves(recorded, reading):
     _diagnosed(recorded)
     run_id = recorded[0]
-    at = _page("overview")
-    text = _text(at)
+    at = open_page("overview")
+    text = page_text(at)
     assert f"Run **{run_id}**" in text and "finished" in text and "refreshing live" not in text
     assert STRAGGLER in text and "slower" in text  # the closed straggler incident, in words
     panels = [a["text"] for a in _figure(at)["layout"]["annotations"]]
@@ -150,8 +112,8 @@ def test_overview_names_the_run_its_incidents_and_draws_the_training_curves(reco
 
 
 def test_heatmap_names_the_injected_straggler_and_outlines_it(recorded, reading):
-    at = _page("heatmap", run=recorded[0])
-    text = _text(at)
+    at = open_page("heatmap", run=recorded[0])
+    text = page_text(at)
     assert f"Slowest against its stage: {STRAGGLER}, stage 1" in text
     assert "CPU time" in text
     fig = _figure(at)
@@ -159,14 +121,15 @@ def test_heatmap_names_the_injected_straggler_and_outlines_it(recorded, reading)
     assert heat["type"] == "heatmap" and len(heat["y"]) == 8
     row = heat["y"].index("rank 5 · node-2 · stage 1")
     assert any(s["type"] == "rect" and s["y0"] == row - 0.5 for s in fig["layout"]["shapes"])
-    ratios, steps = _array(heat["z"])[row], _array(heat["x"])
+    ratios, steps = array(heat["z"])[row], array(heat["x"])
     assert np.nanmedian(ratios[steps >= 5]) > 1.1, "rank 5's backward is slower than its stage's median from step 5"
-    assert any(Path(page).stem == "timeline" and "ranks=" in query and "5" in query for page, query in _links(at))
+    timeline = [parse_qs(query) for path, query in _links(at) if Path(path).stem == "timeline"]
+    assert any("5" in q.get("ranks", [""])[0].split(",") for q in timeline), timeline
 
 
 def test_timeline_draws_the_window_and_names_the_last_rank_to_arrive(recorded, reading):
-    at = _page("timeline", run=recorded[0], ranks="4,5,6,7", **{"from": "8", "to": "8"})
-    text = _text(at)
+    at = open_page("timeline", run=recorded[0], ranks="4,5,6,7", **{"from": "8", "to": "8"})
+    text = page_text(at)
     assert "Steps **8-8**, 4 ranks" in text
     assert "arrived last" in text and "last to arrive" in text
     traces = _figure(at)["data"]
@@ -180,7 +143,7 @@ def test_graph_shows_every_rank_by_state_and_marks_the_straggler(recorded, readi
     run_id = recorded[0]
     run = next(r for r in data.runs() if r.id == run_id)
     middle = (run.start_ns + run.end_ns) // 2
-    at = _page("graph", run=run_id, at=str(middle))
+    at = open_page("graph", run=run_id, at=str(middle))
     assert "computing" in next(m.value for m in at.markdown if m.value.startswith("At **"))  # the states, counted in words
     assert STRAGGLER in at.warning[0].value and "Straggler" in at.warning[0].value
     fig = _figure(at)
@@ -190,19 +153,19 @@ def test_graph_shows_every_rank_by_state_and_marks_the_straggler(recorded, readi
 
 
 def test_hosts_lists_every_host_and_plots_the_one_reporting(recorded, reading):
-    at = _page("hosts", run=recorded[0])
+    at = open_page("hosts", run=recorded[0])
     hosts = at.table[0].value["host"].tolist()
     assert hosts == ["node-0", "node-1", "node-2", "node-3"]
     panels = [a["text"] for a in _figure(at)["layout"]["annotations"]]
     assert "host CPU utilisation" in panels
-    assert "reported no GPU metrics" in _text(at)
+    assert "reported no GPU metrics" in page_text(at)
 
 
 def test_incidents_show_summary_evidence_sql_and_links_to_the_moment(recorded, reading):
     incident = _diagnosed(recorded)
     run_id = recorded[0]
-    at = _page("incidents", run=run_id, incident=incident)
-    text = _text(at)
+    at = open_page("incidents", run=run_id, incident=incident)
+    text = page_text(at)
     assert next(s for s in at.selectbox if s.label == "Incident").value == incident
     assert STRAGGLER in text and "slower" in text
     assert "FROM step_segments" in at.code[0].value and run_id in at.code[0].value
@@ -213,7 +176,7 @@ def test_incidents_show_summary_evidence_sql_and_links_to_the_moment(recorded, r
 
 
 def test_sql_console_runs_a_cookbook_query_and_offers_csv(recorded, reading):
-    at = _page("sql", run=recorded[0])
+    at = open_page("sql", run=recorded[0])
     at.selectbox(key="sql_example").select("Slowest ranks per step").run()
     at.button[0].click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
@@ -236,7 +199,7 @@ def test_every_cookbook_query_runs_on_the_recorded_run(recorded, reading):
 
 
 def test_a_refused_statement_is_a_message(recorded, reading):
-    at = _page("sql", run=recorded[0])
+    at = open_page("sql", run=recorded[0])
     at.text_area(key="sql_text").input("DROP TABLE spans").run()
     at.button[0].click().run()
     assert not at.exception
@@ -244,15 +207,15 @@ def test_a_refused_statement_is_a_message(recorded, reading):
 
 
 def test_an_unknown_run_or_a_malformed_parameter_is_a_message(recorded, reading):
-    at = _page("heatmap", run="no-such-run")
+    at = open_page("heatmap", run="no-such-run")
     assert "There is no run 'no-such-run'" in at.error[0].value
-    at = _page("graph", run=recorded[0], at="yesterday")
-    assert "Ignoring ?at='yesterday'" in _text(at)
+    at = open_page("graph", run=recorded[0], at="yesterday")
+    assert "Ignoring ?at='yesterday'" in page_text(at)
 
 
 def test_every_page_redraws_within_a_second_once_cached(recorded, reading):
     for name in PAGES:
-        at = _page(name, run=recorded[0])
+        at = open_page(name, run=recorded[0])
         started = time.perf_counter()
         at.run()
         elapsed = time.perf_counter() - started
@@ -322,7 +285,7 @@ BROWSER_PAGES = {
     "timeline": ("timeline", "Arrival skew", True),
     "graph": ("graph", "Ranks not simply computing", True),
     "hosts": ("hosts", "node-3", True),
-    "incidents": ("incidents", re.compile("The SQL that shows it|No incidents for this run"), False),
+    "incidents": ("incidents", re.compile(re.escape(STRAGGLER) + ": .* slower than its stage peers"), False),
     "sql": ("sql", "The three ranks per step whose compute took longest", False),
 }
 
@@ -330,6 +293,8 @@ BROWSER_PAGES = {
 @pytest.mark.parametrize("name", list(BROWSER_PAGES))
 def test_every_page_in_a_real_browser(name, recorded, served, browser):
     path, expected, has_figure = BROWSER_PAGES[name]
+    if name == "incidents":
+        _diagnosed(recorded)  # the page must list the straggler incident, so the live diagnosis must have found it
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
         page.goto(f"{served}/{path}?run={recorded[0]}")

@@ -8,30 +8,28 @@ content of a run, which tests/test_dashboard.py checks on a real recorded one.
 
 from __future__ import annotations
 
-import base64
 import json
-import socket
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import streamlit as st
+
+from conftest import free_port
+from dashboard_pages import APP, PAGES, array, open_page, read_from, said
 from streamlit.testing.v1 import AppTest
 
-from rankscope.agent import autoload
+from rankscope.collector.diagnosis.incidents import from_rows
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate
 from rankscope.collector.store.schema import BY_NAME
 from rankscope.dashboard import connection
-from rankscope.dashboard.connection import SOURCE_VARIABLE, Source
+from rankscope.dashboard.connection import Source
 
-APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
-PAGES = ("runs", "overview", "heatmap", "timeline", "graph", "hosts", "incidents", "sql")
 NOW = time.time_ns()
 # MegaScale's scale: 12,288 ranks, Megatron's order (rank = tp + dp*TP + pp*TP*DP), 8 ranks per host
 TP, PP, DP = 8, 16, 96
@@ -46,25 +44,10 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
     opened = EmbeddedStore(path)
     migrate(opened, "rankscope", None)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SOURCE_VARIABLE, Source(store=str(path)).to_env())
-        mp.setattr(autoload, "_forbidden", autoload._forbidden)  # app.py's forbid() marks this process: undo it
+        read_from(mp, Source(store=str(path)))
         yield opened
         connection.reset()  # chDB holds one store per process: let the next module open its own
     opened.close()
-
-
-def _page(name: str, **params: str) -> AppTest:
-    at = AppTest.from_file(str(APP), default_timeout=60)
-    at.query_params.update(params)
-    at.run()
-    if name != "overview":
-        at.switch_page(f"views/{name}.py").run()
-    assert not at.exception, (name, [e.value for e in at.exception])
-    return at
-
-
-def _said(at: AppTest) -> str:
-    return "\n".join(str(e.value) for kind in ("error", "warning", "info", "success", "markdown", "caption") for e in getattr(at, kind))
 
 
 def _insert(store: EmbeddedStore, table: str, columns: dict[str, object]) -> None:
@@ -89,22 +72,19 @@ def _run(store: EmbeddedStore, run_id: str, tp: int, pp: int, dp: int, status: s
 
 
 def test_no_collector_is_a_message_on_every_page(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nobody listens here once the socket is closed
-    monkeypatch.setenv(SOURCE_VARIABLE, Source(collector=f"127.0.0.1:{port}").to_env())
-    monkeypatch.setattr(autoload, "_forbidden", autoload._forbidden)
+    port = free_port()
+    read_from(monkeypatch, Source(collector=f"127.0.0.1:{port}"))
     for name in PAGES:
-        at = _page(name)
+        at = open_page(name)
         assert f"No data. no collector at 127.0.0.1:{port}" in at.error[0].value.replace("*", ""), name
 
 
 def test_an_empty_store_says_there_are_no_runs_yet(store):
     st.cache_data.clear()
     for name in PAGES:
-        at = _page(name)
+        at = open_page(name)
         if name != "sql":  # the console works without runs
-            assert "No runs yet" in _said(at), name
+            assert "No runs yet" in said(at), name
 
 
 def test_a_run_without_spans_and_with_unreadable_evidence(store):
@@ -115,16 +95,27 @@ def test_a_run_without_spans_and_with_unreadable_evidence(store):
         "evidence": ["{not json"], "sql": ["SELECT 1"], "version": [1],
     })  # fmt: skip
     st.cache_data.clear()
-    assert "No spans recorded for this run yet" in _said(_page("heatmap", run="bare"))
-    assert "there is no timeline to draw" in _said(_page("timeline", run="bare"))
-    graph = _page("graph", run="bare")
-    assert "2 not started" in _said(graph)
-    overview = _page("overview", run="bare")
-    assert "rank 1 (node-0000) is odd" in _said(overview) and "refreshing live" in _said(overview)
-    incident = _page("incidents", run="bare")
+    assert "No spans recorded for this run yet" in said(open_page("heatmap", run="bare"))
+    assert "there is no timeline to draw" in said(open_page("timeline", run="bare"))
+    graph = open_page("graph", run="bare")
+    assert "2 not started" in said(graph)
+    overview = open_page("overview", run="bare")
+    assert "rank 1 (node-0000) is odd" in said(overview) and "refreshing live" in said(overview)
+    incident = open_page("incidents", run="bare")
     assert "unreadable evidence" in incident.json[0].value
-    assert "No stack dump stored for rank 1" in _said(incident)
-    assert "No metrics from node-0000" in _said(_page("hosts", run="bare"))
+    assert "No stack dump stored for rank 1" in said(incident)
+    assert "No metrics from node-0000" in said(open_page("hosts", run="bare"))
+
+
+def test_evidence_that_is_not_a_json_object_is_read_back_as_unreadable_text():
+    """The pages and the collector's own ledger read incidents through from_rows: it must take any stored text."""
+    row = {"run_id": "r", "incident_id": "odd", "kind": "straggler", "severity": "warning", "status": "open", "ranks": [1],
+           "hosts": ["node-0"], "first_seen_ns": NOW, "last_seen_ns": NOW, "summary": "odd", "sql": "", "version": 1}  # fmt: skip
+    read = {text: from_rows([{**row, "evidence": text}])[0].finding.evidence for text in ("{not json", "[1, 2]", "null", "", '{"a": 1}')}
+    assert read == {
+        "{not json": {"unreadable evidence": "{not json"}, "[1, 2]": {"unreadable evidence": "[1, 2]"},
+        "null": {"unreadable evidence": "null"}, "": {}, '{"a": 1}': {"a": 1},
+    }  # fmt: skip
 
 
 def test_the_heatmap_of_a_12288_rank_run_renders_in_under_three_seconds(store):
@@ -149,19 +140,19 @@ def test_the_heatmap_of_a_12288_rank_run_renders_in_under_three_seconds(store):
     at.switch_page("views/heatmap.py").run()
     by_host = time.perf_counter() - started
     assert not at.exception, [e.value for e in at.exception]
-    assert "Slowest against its stage: host node-0540 (rank 4321), stage 5" in _said(at)
+    assert "Slowest against its stage: host node-0540 (rank 4321), stage 5" in said(at)
     at.radio[0].set_value("rank")
     started = time.perf_counter()
     at.run()
     by_rank = time.perf_counter() - started
-    assert "Slowest against its stage: rank 4321 (node-0540), stage 5" in _said(at)
+    assert "Slowest against its stage: rank 4321 (node-0540), stage 5" in said(at)
     assert '"type":"image"' in at.get("plotly_chart")[0].proto.spec.replace(" ", "")
     assert by_host < 3.0 and by_rank < 3.0, f"host rows {by_host:.2f} s, rank rows {by_rank:.2f} s"
 
 
 def test_the_graph_of_a_12288_rank_run_starts_by_host(store):
-    at = _page("graph", run="big")
-    assert "12288 not started" in _said(at)  # the synthetic run has no heartbeats
+    at = open_page("graph", run="big")
+    assert "12288 not started" in said(at)  # the synthetic run has no heartbeats
     assert at.radio[0].value == "hosts"
     hosts = _figure_points(at)
     assert hosts == BIG // 8
@@ -172,13 +163,12 @@ def test_the_graph_of_a_12288_rank_run_starts_by_host(store):
 def _figure_points(at: AppTest) -> int:
     """How many ranks (or hosts) the graph draws in the "not started" state."""
     trace = next(t for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"] if t.get("name") == "not started")
-    x = trace["x"]
-    return len(x) if isinstance(x, list) else len(base64.b64decode(x["bdata"])) // np.dtype(x["dtype"]).itemsize
+    return len(array(trace["x"]))
 
 
 def test_pages_open_on_the_newest_run_unless_the_url_names_one(store):
-    assert "Run **bare**" in _said(_page("heatmap"))  # started last
-    assert "Run **big**" in _said(_page("heatmap", run="big"))
+    assert "Run **bare**" in said(open_page("heatmap"))  # started last
+    assert "Run **big**" in said(open_page("heatmap", run="big"))
 
 
 def test_the_command_refuses_a_directory_that_holds_no_store(proc_runner, tmp_path):

@@ -183,8 +183,13 @@ def test_graph_places_ranks_by_coordinates_with_an_edge_per_neighbour_and_rings_
     assert any("hang root: rank 1 (node-0)" in a.text for a in fig.layout.annotations)
     hosts = figures.host_states(ranked)
     assert hosts.set_index("host").loc["node-0", "state"] == "blocked"
-    assert figures.host_graph_figure(hosts, ["node-0"]).data
-    assert figures.stage_states_figure(ranked).data
+    by_host = {t.name: t for t in figures.host_graph_figure(hosts, ["node-0"]).data}
+    assert list(by_host["blocked"].hovertext) == ["node-0 (2 ranks): 1 blocked, 1 computing"]
+    assert len(by_host["computing"].x) == 3
+    ring = by_host["host of the hang's root"]
+    assert (list(ring.x), list(ring.y)) == (list(by_host["blocked"].x), list(by_host["blocked"].y))  # around node-0's square
+    by_stage = {t.name: dict(zip(t.x, t.y)) for t in figures.stage_states_figure(ranked).data}
+    assert by_stage == {"blocked": {"stage 0": 1}, "computing": {"stage 0": 3, "stage 1": 4}}
 
 
 # --- hosts ------------------------------------------------------------------------------------

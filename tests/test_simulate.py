@@ -17,6 +17,8 @@ from rankscope.collector.simulate.model import StepModel, Timing, one_f_one_b, t
 from rankscope.collector.simulate.rows import ALL_REDUCE, RECV, SEND, Slice
 from rankscope.collector.simulate.topology import build
 
+from conftest import start_collector
+
 SHAPE = ["--tp", "4", "--pp", "4", "--dp", "16"]
 INCIDENTS_SQL = "SELECT kind, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String} ORDER BY first_seen"
 STATUS_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {run:String}"
@@ -60,13 +62,8 @@ def test_hang_leaves_every_other_rank_waiting_on_the_chain_to_the_root() -> None
 
 @pytest.fixture
 def collector(proc_runner, tmp_path: Path) -> str:
-    proc = proc_runner.start(
-        [sys.executable, "-m", "rankscope.cli.main", "collector", "--store", str(tmp_path / "store"), "--listen", "127.0.0.1:0",
-         "--hang-after", "8", "--silent-after", "30", "--diagnose-every", "1", "--flush-interval", "0.5"],
-        name="collector",
-    )  # fmt: skip
-    proc.wait_for("listening on", timeout=60)
-    return proc.stdout.split("listening on ", 1)[1].split(",", 1)[0].strip()
+    return start_collector(proc_runner, tmp_path / "store", "--hang-after", "8", "--silent-after", "30", "--diagnose-every", "1",
+                           "--flush-interval", "0.5").target  # fmt: skip
 
 
 def simulate(proc_runner, address: str, run_id: str, *flags: str):

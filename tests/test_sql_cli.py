@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 from test_collector_ingest import register, spans, step_metrics
-from test_collector_server import Running, start_collector
+from conftest import Running, start_collector
 
 from rankscope.cli.main import main
 from rankscope.protos.rankscope.v1 import ingest_pb2_grpc

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+from clickhouse_connect.driver.binding import format_bind_value
 
 #: ``query(sql, params) -> pyarrow.Table``: a collector client, a store reader, or the collector's own store
 Query = Callable[[str, Mapping[str, object]], pa.Table]
@@ -45,30 +45,22 @@ class RunContext:
     run_id: str
     query: Query
     settings: Settings
-    database: str = "rankscope"
-    world_size: int = 0
     host: dict[int, str] = field(default_factory=dict)
     stage: dict[int, int] = field(default_factory=dict)  # rank -> pp_rank (0 when unknown)
-    coords: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # rank -> (tp, pp, dp)
+    ranks_of_host: dict[str, list[int]] = field(default_factory=dict)  # host -> its ranks, sorted
     groups: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, run_id: str, query: Query, settings: Settings, database: str = "rankscope") -> RunContext:
-        ctx = cls(run_id, query, settings, database)
-        ranks = query(
-            "SELECT rank, argMax(host, registered) AS host, argMax(tp_rank, registered) AS tp, "
-            "argMax(pp_rank, registered) AS pp, argMax(dp_rank, registered) AS dp "
-            "FROM ranks WHERE run_id = {run:String} GROUP BY rank",
+    def load(cls, run_id: str, query: Query, settings: Settings) -> RunContext:
+        ctx = cls(run_id, query, settings)
+        for r in query(
+            "SELECT rank, argMax(host, registered) AS host, argMax(pp_rank, registered) AS pp "
+            "FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank",
             {"run": run_id},
-        ).to_pylist()
-        for r in ranks:
+        ).to_pylist():
             ctx.host[r["rank"]] = r["host"]
             ctx.stage[r["rank"]] = max(r["pp"], 0)
-            ctx.coords[r["rank"]] = (r["tp"], r["pp"], r["dp"])
-        run = query(
-            "SELECT argMax(world_size, updated) AS world FROM runs WHERE run_id = {run:String}", {"run": run_id}
-        ).to_pylist()
-        ctx.world_size = run[0]["world"] if run and run[0]["world"] else len(ranks)
+            ctx.ranks_of_host.setdefault(r["host"], []).append(r["rank"])
         for g in query(
             "SELECT name, argMax(ranks, registered) AS ranks FROM groups WHERE run_id = {run:String} GROUP BY name",
             {"run": run_id},
@@ -76,10 +68,12 @@ class RunContext:
             ctx.groups[g["name"]] = list(g["ranks"])
         return ctx
 
+    def whole_hosts(self, ranks: set[int] | dict[int, Any]) -> set[str]:
+        """The hosts of two or more ranks all of which are among ``ranks``: a host fault, not a rank's."""
+        return {h for h, on in self.ranks_of_host.items() if len(on) >= 2 and all(r in ranks for r in on)}
+
     def who(self, rank: int) -> str:
-        """``rank 5 (node-2)``: how incidents name a rank."""
-        host = self.host.get(rank)
-        return f"rank {rank} ({host})" if host else f"rank {rank}"
+        return who(rank, self.host)
 
     def hosts_of(self, ranks: list[int] | tuple[int, ...]) -> tuple[str, ...]:
         return tuple(sorted({self.host[r] for r in ranks if r in self.host}))
@@ -87,16 +81,13 @@ class RunContext:
     def literal_sql(self, sql: str, **params: Any) -> str:
         """A copyable statement: ``{name:Type}`` placeholders written out as literals (for people; never run here)."""
         values = {"run": self.run_id, **params}
+        return _PLACEHOLDER.sub(lambda m: format_bind_value(values[m.group(1)], top_level=False), sql)
 
-        def literal(match: re.Match[str]) -> str:
-            value = values[match.group(1)]
-            if isinstance(value, (int, float)):
-                return repr(value)
-            if isinstance(value, (list, tuple)):
-                return "[" + ", ".join(repr(v) for v in value) + "]"
-            return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
-        return _PLACEHOLDER.sub(literal, sql)
+def who(rank: int, hosts: Mapping[int, str]) -> str:
+    """``rank 5 (node-2)``: how incidents (and the dashboard, which must agree) name a rank."""
+    host = hosts.get(int(rank))
+    return f"rank {rank} ({host})" if host else f"rank {rank}"
 
 
 _PLACEHOLDER = re.compile(r"\{(\w+):[^}]+\}")

@@ -115,14 +115,11 @@ def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict]) -> li
     by_host: dict[str, list[int]] = {}
     for rank in silent:
         by_host.setdefault(ctx.host.get(rank, ""), []).append(rank)
-    every_rank_of: dict[str, list[int]] = {}  # once, not per silent host: thousands of hosts at scale
-    for rank, host in sorted(ctx.host.items()):
-        every_rank_of.setdefault(host, []).append(rank)
+    lost_hosts = ctx.whole_hosts(silent)
     findings = []
     for host, ranks in sorted(by_host.items()):
         ranks.sort()
-        on_host = every_rank_of.get(host, [])
-        whole_host = len(on_host) > 1 and ranks == on_host
+        whole_host = host in lost_hosts
         since = min(silent[r] for r in ranks)
         if whole_host:
             key, summary = f"lost:host={host}", f"lost host: every rank of {host} ({', '.join(map(str, ranks))}) went silent without a last word"

@@ -128,6 +128,7 @@ class LiveDiagnosis:
             self._alert(incident)
         if final:
             self.ledgers.pop(run_id, None)
+            self._asked = {(run, rank) for run, rank in self._asked if run != run_id}
         return changed
 
     def _alert(self, incident: Incident) -> None:

@@ -42,13 +42,10 @@ EVIDENCE_SQL = (
     "FROM heartbeats WHERE run_id = {run:String} GROUP BY rank ORDER BY rank"
 )
 
-SENDS = ("send", "isend")
 #: roots named one by one in a summary; the evidence lists all of them
 MAX_NAMED = 8
 #: a rank is heard as stuck when its heartbeat says nothing ended for this long (or a quarter of hang-after)
 QUIET_S = 5.0
-RECVS = ("recv", "irecv")
-
 
 @dataclass(frozen=True)
 class Wait:
@@ -153,8 +150,7 @@ def _entered(ctx: RunContext, states: dict[int, dict], groups: list[str]) -> dic
 
 
 def _direction(op: str) -> str:
-    name = op.rsplit(":", 1)[-1]
-    return "send" if name in SENDS or "send" in name else "recv"
+    return "send" if "send" in op.rsplit(":", 1)[-1] else "recv"
 
 
 def _blockers(

@@ -151,11 +151,22 @@ def from_rows(rows: Iterable[Mapping[str, Any]]) -> list[Incident]:
             first_seen_ns=int(r["first_seen_ns"]),
             last_seen_ns=int(r["last_seen_ns"]),
             summary=r["summary"],
-            evidence=json.loads(r["evidence"]) if r["evidence"] else {},
+            evidence=_evidence(r["evidence"]),
             sql=r["sql"],
         )
         out.append(Incident(r["run_id"], finding, r["status"], int(r["version"])))
     return out
+
+
+def _evidence(text: str) -> dict[str, Any]:
+    """Evidence as stored: JSON text of an object. Anything else is kept, as text, under "unreadable evidence"."""
+    if not text:
+        return {}
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"unreadable evidence": text}
 
 
 INCIDENTS_SQL = (

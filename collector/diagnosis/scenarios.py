@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.collector.orchestration import CLI, agent_env, collector_command, start, stop, wait_for_address
+from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
+from rankscope.collector.orchestration import CLI, agent_env, collector_command, host_of, start, stop, wait_for_address
 
 HANG_AFTER_S = 10.0
 
@@ -38,7 +39,7 @@ class Scenario:
 
     @property
     def hosts(self) -> tuple[str, ...]:
-        return tuple(sorted({f"node-{r // 2}" for r in self.ranks}))
+        return tuple(sorted({host_of(r) for r in self.ranks}))
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -60,9 +61,6 @@ SCENARIOS: dict[str, Scenario] = {
     )
 }
 
-INCIDENTS_SQL = (
-    "SELECT kind, incident_id, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String} ORDER BY first_seen"
-)
 STEP_SQL = "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String}"
 FAULT_START_SQL = (
     "SELECT toUnixTimestamp64Nano(min(first_start)) AS ns FROM step_segments WHERE run_id = {run:String} AND step = {step:UInt32}"

@@ -181,13 +181,10 @@ def _arrivals(ctx: RunContext, first_step: int, ranks: list[int]) -> dict[int, t
 
 
 def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[int, int]]) -> list[Finding]:
-    by_host: dict[str, list[int]] = defaultdict(list)
-    for rank, host in ctx.host.items():
-        by_host[host].append(rank)
-    slow_hosts = {h for h, ranks in by_host.items() if len(ranks) >= 2 and all(r in slow for r in ranks)}
+    slow_hosts = ctx.whole_hosts(slow)
     findings: list[Finding] = []
     for host in sorted(slow_hosts):
-        ranks = sorted(by_host[host])
+        ranks = ctx.ranks_of_host[host]
         worst = max(ranks, key=lambda r: slow[r]["ratio"])
         info = slow[worst]
         findings.append(_finding(ctx, f"straggler:host={host}", ranks, info, arrivals,

@@ -88,8 +88,7 @@ def freeze(model: StepModel, step: Step, root: int) -> Frozen:
                     break
                 position[r] += 1
                 moved = True
-    pipe_end = np.broadcast_to(step.pipe_end[:, :, None], (topo.pp, topo.dp, topo.tp)).reshape(topo.world_size)
-    frozen = Frozen(root, step.number, pipe_end + step.start_ns, np.full(topo.world_size, PHASES.index("grad_sync")), replica=replica)
+    frozen = Frozen(root, step.number, step.pipe_end_by_rank + step.start_ns, np.full(topo.world_size, PHASES.index("grad_sync")), replica=replica)
     for r in members:
         blocked = ops[r][position[r]] if position[r] < len(ops[r]) else None
         if blocked is None:  # cannot happen in a hang: every chain leads to the root
@@ -104,7 +103,7 @@ def freeze(model: StepModel, step: Step, root: int) -> Frozen:
 
 def _operations(model: StepModel, step: Step, rank: int) -> list[_Comm]:
     """``rank``'s communication at ``step``, in order, with the times it enters each in an undisturbed step."""
-    topo, m, k, s0 = model.topo, model.m, step.number, step.start_ns
+    topo, k, s0 = model.topo, step.number, step.start_ns
     t, p, d = (int(c) for c in topo.coords[rank])
     stride = topo.tp * topo.dp
     tp_group, _, dp_group = (int(g) for g in topo.group_of[rank])
@@ -118,8 +117,8 @@ def _operations(model: StepModel, step: Step, rank: int) -> list[_Comm]:
         out.append(_Comm(Flight(group, seq, ALL_REDUCE, -1, s0 + int(issue), True), ("group", group_id, seq), PHASES.index(phase)))
 
     for op in model.schedule[p]:
-        mb, seq_p2p = op.m, (k - 1) * m + op.m + 1
-        seq_tp = (k - 1) * 2 * m + int(model.chunk_index[p, int(op.backward), mb]) + 1
+        mb, seq_p2p = op.m, model.p2p_seq(k, op.m)
+        seq_tp = int(model.tp_seq(k, p, op.backward, mb))
         if not op.backward:
             if p > 0:
                 p2p(RECV, rank - stride, seq_p2p, step.f_post[p, d, mb], "recv_forward")

@@ -143,6 +143,13 @@ class Step:
         """(P, D, T) when each rank's optimizer ended."""
         return self.dp_end[:, None, None] + self.opt
 
+    @cached_property
+    def pipe_end_by_rank(self) -> np.ndarray:
+        """(world,) ``pipe_end`` of each rank (its stage and replica), in rank order."""
+        pp, dp = self.pipe_end.shape
+        tp = self.opt.shape[2]
+        return np.broadcast_to(self.pipe_end[:, :, None], (pp, dp, tp)).reshape(pp * dp * tp)
+
 
 class StepModel:
     """Computes ``Step``s of one simulated job; identical in every process for the same arguments."""
@@ -166,6 +173,14 @@ class StepModel:
         self.data_ns = np.where((stage == 0) | (stage == topo.pp - 1), timing.data_ns, 0)  # data: first and last stage
         self.tp_ns = timing.tp_ns if topo.tp > 1 else 0
         self.dp_ns = timing.dp_ns if topo.dp > 1 else 0
+
+    def p2p_seq(self, step: int, microbatch: int | np.ndarray) -> int | np.ndarray:
+        """Sequence number of a microbatch's point-to-point transfers at ``step`` (per sender and receiver)."""
+        return (step - 1) * self.m + microbatch + 1
+
+    def tp_seq(self, step: int, stage: int | np.ndarray, backward: bool, microbatch: int | np.ndarray | slice) -> int | np.ndarray:
+        """Sequence number of the tp all-reduce after a forward (or backward) chunk: chunks in their stage's order."""
+        return (step - 1) * 2 * self.m + self.chunk_index[stage, int(backward), microbatch] + 1
 
     def straggle(self, number: int) -> np.ndarray:
         """(P, D, T) compute factor of every rank at step ``number`` (1 but for injected stragglers)."""

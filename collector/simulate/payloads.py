@@ -11,13 +11,11 @@ from collections.abc import Sequence
 import numpy as np
 
 import rankscope
+from rankscope.agent.heartbeat import IN_FLIGHT_LIMIT  # what the agent's heartbeat lists, oldest first
 from rankscope.collector.simulate.hang import Flight
 from rankscope.collector.simulate.rows import BF16, OP_NAMES, SPAN_KINDS, SPAN_NAMES, STEP_METRICS
 from rankscope.collector.simulate.topology import GROUP_KINDS, Topology
 from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
-
-#: like the agent's heartbeat (heartbeat.py): at most this many operations in flight, oldest first
-IN_FLIGHT_LIMIT = 16
 
 
 def register(topo: Topology, rank: int, *, run_name: str, config_json: str, start_ns: int, pid: int) -> pb.Register:

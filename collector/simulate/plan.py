@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from rankscope.collector.simulate.model import StepModel, Timing
 from rankscope.collector.simulate.topology import Topology
@@ -35,10 +36,13 @@ class Cadence:
     stall_s: float = 20.0
 
     @classmethod
-    def for_world(cls, world_size: int, batches_per_s: float) -> Cadence:
-        """A heartbeat every ``heartbeat_s`` (2 s at least) and a flush (two batches) every other: 2 * world / heartbeat_s batches/s."""
-        heartbeat = max(2.0, 2 * world_size / batches_per_s)
-        return cls(heartbeat_s=heartbeat, flush_s=2 * heartbeat)
+    def for_world(
+        cls, world_size: int, batches_per_s: float, heartbeat_s: float | None = None, flush_s: float | None = None, **rest: Any
+    ) -> Cadence:
+        """A heartbeat every ``heartbeat_s`` (by default 2 s at least, 2 * world / batches_per_s) and a flush (two
+        batches) every ``flush_s`` (by default every other heartbeat); ``rest``: the other fields."""
+        heartbeat = heartbeat_s or max(2.0, 2 * world_size / batches_per_s)
+        return cls(heartbeat_s=heartbeat, flush_s=flush_s or 2 * heartbeat, **rest)
 
     def batches_per_s(self, world_size: int, reporters: int) -> float:
         """Steady-state batches per second (heartbeats, spans, collectives, step scalars of the reporters)."""

@@ -148,8 +148,7 @@ class Slice:
             ({"name": OPTIMIZER, "start_ns": dp_end, "end_ns": opt_end, "step": k, "microbatch": -1}, self._all()),
         ]
         ranks = np.arange(self.lo, self.hi)[:, None]
-        p2p_seq = (k - 1) * m + mb + 1
-        p2p = {"group": PP_GROUP, "seq": p2p_seq, "nbytes": P2P_BYTES, "step": k}
+        p2p = {"group": PP_GROUP, "seq": self.model.p2p_seq(k, mb), "nbytes": P2P_BYTES, "step": k}
         collectives = [
             self._tp(step, backward=False),
             self._tp(step, backward=True),
@@ -174,8 +173,7 @@ class Slice:
 
     def _ends(self, step: Step) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(n, 1) each: pipeline end (enters the dp all-reduce), dp all-reduce end, optimizer end."""
-        topo = self.model.topo
-        pipe = np.broadcast_to(step.pipe_end[:, :, None], (topo.pp, topo.dp, topo.tp)).reshape(self.world)[self.lo : self.hi]
+        pipe = step.pipe_end_by_rank[self.lo : self.hi]
         dp_end = step.dp_end[self.pp]
         return (pipe + step.start_ns)[:, None], (dp_end + step.start_ns)[:, None], (self.mine(step.opt_end) + step.start_ns)[:, None]
 
@@ -190,8 +188,7 @@ class Slice:
         else:
             arrive = self.group(step.f_start) + s0 + self.data_ns + self.mine(step.fwd)
             end = self.group(step.f_end) + s0
-        index = self.model.chunk_index[self.pp, int(backward)]  # (n, M)
-        cols = {"group": TP_GROUP, "seq": (step.number - 1) * 2 * m + index[:, chunks] + 1, "op": ALL_REDUCE,
+        cols = {"group": TP_GROUP, "seq": self.model.tp_seq(step.number, self.pp, backward, chunks), "op": ALL_REDUCE,
                 "nbytes": TP_BYTES, "peer": -1, "issue_ns": arrive[:, chunks], "end_ns": end[:, chunks], "step": step.number}  # fmt: skip
         return cols, self._all(m)[:, chunks] & (self.model.topo.tp > 1)
 

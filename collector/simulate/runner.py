@@ -33,25 +33,24 @@ START_DELAY_NS = 500_000_000
 
 @dataclass(frozen=True)
 class Options:
-    """``rankscope simulate``'s flags (see ``cli/simulate.py`` for their meaning)."""
+    """``rankscope simulate``'s flags (their defaults and meaning are in ``cli/simulate.py``)."""
 
-    tp: int = 8
-    pp: int = 16
-    dp: int = 96
-    steps: int = 50
-    step_time_s: float = 2.0
-    microbatches: int = 8
-    inject: str = ""
-    collector: str = "127.0.0.1:7777"
-    run_id: str = ""
-    workers: int = 2
-    batches_per_s: float = 300.0
-    heartbeat_s: float | None = None
-    flush_s: float | None = None
-    sample_every: int = 10
-    report_after_s: float = 5.0
-    hold_s: float = 120.0
-    seed: int = 0
+    tp: int
+    pp: int
+    dp: int
+    steps: int
+    step_time_s: float
+    microbatches: int
+    inject: str
+    collector: str
+    run_id: str
+    batches_per_s: float
+    heartbeat_s: float | None
+    flush_s: float | None
+    sample_every: int
+    report_after_s: float
+    hold_s: float
+    seed: int
     noise: float = 0.02
     ranks_per_host: int = 8
 
@@ -83,9 +82,8 @@ def make_plan(options: Options) -> Plan:
         fault.check_ranks(topo.world_size, options.steps)
     if sum(f.kind in ("hang", "crash") for f in faults) > 1:
         raise FaultSpecError("at most one hang or crash per simulation")
-    heartbeat = options.heartbeat_s or Cadence.for_world(topo.world_size, options.batches_per_s).heartbeat_s
-    cadence = Cadence(heartbeat_s=heartbeat, flush_s=options.flush_s or 2 * heartbeat, sample_every=options.sample_every,
-                      report_after_s=options.report_after_s)  # fmt: skip
+    cadence = Cadence.for_world(topo.world_size, options.batches_per_s, options.heartbeat_s, options.flush_s,
+                                sample_every=options.sample_every, report_after_s=options.report_after_s)  # fmt: skip
     run_id = options.run_id or f"sim-{uuid.uuid4().hex[:8]}"
     return Plan(topo, run_id, f"simulated {options.tp}x{options.pp}x{options.dp}", options.collector, "", options.steps,
                 options.step_time_s, options.microbatches, options.seed, options.noise, faults, cadence, options.hold_s)  # fmt: skip

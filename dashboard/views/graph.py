@@ -58,8 +58,7 @@ def body(run: Run) -> None:
 
 def _before_exits(run: Run, end: int) -> int:
     """The default moment: the end, or just before the first rank ended (after it, ranks only finish)."""
-    exits = data.rank_states(run, end)["exit_ns"]
-    first = int(exits[exits > 0].min()) if (exits > 0).any() else 0
+    first = data.first_exit(run)
     return first - 1_000_000 if first else end
 
 

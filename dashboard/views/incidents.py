@@ -36,7 +36,7 @@ def body(run: Run) -> None:
 
 def _stacks(run: Run, finding: Finding) -> None:
     """The dumps attached to the incident (a hang's evidence), else those stored for its ranks."""
-    attached = finding.evidence.get("stacks") if isinstance(finding.evidence, dict) else None
+    attached = finding.evidence.get("stacks")
     if isinstance(attached, dict) and attached:
         for rank, text in attached.items():
             st.caption(f"rank {rank}")
