@@ -20,6 +20,8 @@ RANKSCOPE_SPOOL_DIR        where batches wait while the collector is unreachable
                            (``<temp dir>/rankscope-spool-<uid>``)
 RANKSCOPE_SPOOL_MAX_MB     disk each process may spool before dropping oldest-first (256)
 RANKSCOPE_HEARTBEAT_S      seconds between heartbeats (2)
+RANKSCOPE_FLUSH_S          seconds between sends of the recorded spans, collectives and
+                           scalars; a full buffer goes out at once (2)
 RANKSCOPE_STALL_S          seconds without progress before a rank is "stalled" (20)
 RANKSCOPE_DEBUG            ``1`` prints one line to stderr when the agent activates (off)
 =========================  ==================================================================
@@ -64,6 +66,7 @@ AGENT_VARIABLES = (
     "RANKSCOPE_SPOOL_DIR",
     "RANKSCOPE_SPOOL_MAX_MB",
     "RANKSCOPE_HEARTBEAT_S",
+    "RANKSCOPE_FLUSH_S",
     "RANKSCOPE_STALL_S",
     "RANKSCOPE_DEBUG",
 )
@@ -112,6 +115,9 @@ class AgentConfig:
     spool_dir: Path
     spool_max_bytes: int
     heartbeat_s: float
+    #: seconds between two sends of the recorded rows: each send costs the collector an ingest
+    #: call per kind, so fewer, larger batches keep it cheap where it shares the job's machine
+    flush_s: float
     stall_s: float
     debug: bool
     #: torchrun's RANK / WORLD_SIZE / LOCAL_RANK / GROUP_RANK (NODE_RANK); None when not launched so
@@ -155,6 +161,7 @@ def load_config(environ: Mapping[str, str]) -> AgentConfig | None:
         spool_dir=read.value("RANKSCOPE_SPOOL_DIR", Path, default_spool_dir(), "a directory path"),
         spool_max_bytes=read.value("RANKSCOPE_SPOOL_MAX_MB", _megabytes, 256 << 20, "a whole number of MiB >= 1"),
         heartbeat_s=read.value("RANKSCOPE_HEARTBEAT_S", _seconds, 2.0, "a positive number of seconds, e.g. 2"),
+        flush_s=read.value("RANKSCOPE_FLUSH_S", _seconds, 2.0, "a positive number of seconds, e.g. 2"),
         stall_s=read.value("RANKSCOPE_STALL_S", _seconds, 20.0, "a positive number of seconds, e.g. 20"),
         debug=read.value("RANKSCOPE_DEBUG", _flag, False, "1 (on) or 0 (off)"),
         rank=rank,

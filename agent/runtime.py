@@ -9,7 +9,7 @@ else the ranks agree on one through the job's c10d store once the default group 
 rank proposes a uuid with ``compare_set``; the first one wins everywhere): a store operation,
 not a collective, so no sequence number moves. Until both are known, rows wait in the buffers.
 
-The background thread, every ``FLUSH_S`` or when a buffer fills: switches to CUDA timing once
+The background thread, every ``RANKSCOPE_FLUSH_S`` or when a buffer fills: switches to CUDA timing once
 the script has initialised CUDA, re-anchors the clocks, looks for collectives the wrappers
 could not see, re-registers when groups, topology or device changed, and hands the recorder's
 batches to the Transport.
@@ -59,7 +59,6 @@ from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
 
 __all__ = ["Agent", "current", "start", "stop"]
 
-FLUSH_S = 0.5
 EXIT_FLUSH_S = 5.0
 SIGTERM_FLUSH_S = 2.0
 RUN_ID_KEY = "rankscope/run_id"
@@ -150,7 +149,7 @@ class Agent:
                 self.tick()
             except Exception as exc:  # noqa: BLE001 - the loop must go on
                 warn_once("agent-loop", f"the agent's background loop failed ({exc!r})")
-            self.rec.wake.wait(FLUSH_S)
+            self.rec.wake.wait(self.config.flush_s)
             self.rec.wake.clear()
 
     def tick(self, final: bool = False) -> None:

@@ -1,10 +1,13 @@
 """What the agent costs: training step time on vs off, per span and per collective, events/s.
 
-    python benchmarks/agent.py [--repeats 3] [--steps 8] [--seconds 10]
+    python benchmarks/agent.py [--repeats 5] [--steps 8] [--seconds 10]
 
 1. The bundled trainer's default 8-rank CPU job, alternately with the agent off and on
-   (RANKSCOPE_ENABLE=1), ``--repeats`` times each, against a collector on this machine (where the
-   demo runs it); median step time of each side and their ratio.
+   (RANKSCOPE_ENABLE=1, default settings), ``--repeats`` pairs of runs, against a collector on this
+   machine (where the demo runs it), once with its default live diagnosis and once ingesting only
+   (``--no-diagnosis``); median step time of each side, the median and range of the pairs'
+   ratios, and the CPU the collector used while the agent sent (on a machine the job saturates,
+   that CPU is taken from training).
 2. In two fresh processes side by side: the cost of one recorded span and one recorded
    collective (a 1-rank gloo all-reduce, agent on minus agent off), and of one OpenTelemetry SDK
    span with a batch span processor; the ratio OTel / agent span.
@@ -24,6 +27,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from ingest import sender  # benchmarks/ingest.py, beside this file
 from rankscope.collector.orchestration import start_collector, stop
@@ -67,6 +71,10 @@ MICRO = textwrap.dedent(
 )
 
 
+#: the collectors the job runs against, on this machine: name -> extra flags
+COLLECTORS = {"collector with live diagnosis (defaults)": (), "collector ingesting only (--no-diagnosis)": ("--no-diagnosis",)}
+
+
 def train(on: bool, address: str, steps: int, workdir: Path) -> list[float]:
     """One run of the default 8-rank job; its step times after the first two."""
     metrics = workdir / f"metrics-{time.monotonic_ns()}.jsonl"
@@ -79,6 +87,48 @@ def train(on: bool, address: str, steps: int, workdir: Path) -> list[float]:
     if done.returncode != 0:
         sys.exit(f"training failed (agent {'on' if on else 'off'}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][2:]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Job(NamedTuple):
+    """The step times of interleaved off/on runs against one collector."""
+
+    off: list[float]  # every step of the runs with the agent off
+    on: list[float]
+    ratios: list[float]  # per pair of neighbouring runs: median step on / median step off
+    collector_cores: float  # the collector's CPU while the agent sent
+
+    def row(self, name: str) -> str:
+        low, mid, high = min(self.ratios), statistics.median(self.ratios), max(self.ratios)
+        return (f"| default 8-rank CPU job, {name} (it used {self.collector_cores:.3f} cores while the agent sent): median step, "
+                f"{len(self.ratios)} interleaved pairs of runs | {statistics.median(self.off) * 1e3:.0f} ms | "
+                f"{statistics.median(self.on) * 1e3:.0f} ms | {mid:.3f} (pairs {low:.3f}-{high:.3f}) |")  # fmt: skip
+
+
+def step_times(flags: tuple[str, ...], args: argparse.Namespace, workdir: Path) -> Job:
+    """Interleaved off/on runs against a collector started with ``flags``. The ratio of each
+    neighbouring pair, not of the pooled medians: the machine's speed drifts between runs."""
+    store = workdir / f"store-{len(flags)}"
+    collector, address = start_collector(store, workdir / f"collector-{len(flags)}.log", *flags)
+    job = Job([], [], [], 0.0)
+    cpu = wall = 0.0
+    try:
+        for _ in range(args.repeats):
+            off = train(False, address, args.steps, workdir)
+            cpu0, wall0 = cpu_seconds(collector.pid), time.monotonic()
+            on = train(True, address, args.steps, workdir)
+            cpu, wall = cpu + cpu_seconds(collector.pid) - cpu0, wall + time.monotonic() - wall0
+            job.off.extend(off)
+            job.on.extend(on)
+            job.ratios.append(statistics.median(on) / statistics.median(off))
+    finally:
+        stop(collector, 60)
+    return job._replace(collector_cores=cpu / wall)
 
 
 def micro(on: bool, address: str, workdir: Path) -> dict:
@@ -94,17 +144,15 @@ def micro(on: bool, address: str, workdir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="pairs of runs (agent off, on) per collector")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rankscope-agent-bench-"))
-    collector, address = start_collector(workdir / "store", workdir / "collector.log", "--no-diagnosis")
+    collector = None
     try:
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(args.repeats):
-            for on in (False, True):  # interleaved, so drifts in machine load hit both sides
-                times[on] += train(on, address, args.steps, workdir)
+        jobs = {name: step_times(flags, args, workdir) for name, flags in COLLECTORS.items()}
+        collector, address = start_collector(workdir / "store", workdir / "collector.log", "--no-diagnosis")
         off, on = micro(False, address, workdir), micro(True, address, workdir)
         import multiprocessing as mp
 
@@ -116,15 +164,15 @@ def main() -> None:
         proc.join()
         events_per_s = (submitted - dropped) / (ended - began)
     finally:
-        stop(collector, 60)
+        if collector is not None:
+            stop(collector, 60)
         shutil.rmtree(workdir, ignore_errors=True)
     if not on["agent_on"]:
         sys.exit("the agent did not start in the micro-benchmark process (is the package installed with its .pth?)")
-    off_med, on_med = statistics.median(times[False]), statistics.median(times[True])
     print("| measure | agent off | agent on | ratio |")
     print("|---|---|---|---|")
-    print(f"| default 8-rank CPU job, median step ({len(times[True])} steps each, interleaved) | {off_med * 1e3:.0f} ms | "
-          f"{on_med * 1e3:.0f} ms | {on_med / off_med:.3f} |")  # fmt: skip
+    for name, job in jobs.items():
+        print(job.row(name))
     print(f"| one span (`with agent.span(...)`) | {off['span_ns'] / 1e3:.2f} us | {on['span_ns'] / 1e3:.2f} us | |")
     print(f"| OpenTelemetry SDK span, batch processor | {off['otel_span_ns'] / 1e3:.2f} us | | "
           f"OTel / agent span = {off['otel_span_ns'] / on['span_ns']:.1f}x |")  # fmt: skip

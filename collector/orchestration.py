@@ -41,10 +41,11 @@ def collector_command(store: Path, listen: str, hang_after_s: float) -> list[str
 
 
 def agent_env(address: str, run_id: str, spool_dir: Path) -> dict[str, str]:
-    """This process's environment plus the agent switched on, sending to ``address`` as run ``run_id``."""
+    """This process's environment plus the agent switched on, sending to ``address`` as run ``run_id``
+    (heartbeats and data every second, twice as often as by default: faults show up fast)."""
     return {
         **os.environ, "RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_RUN_ID": run_id,
-        "RANKSCOPE_HOST": HOSTS, "RANKSCOPE_HEARTBEAT_S": "1", "RANKSCOPE_SPOOL_DIR": str(spool_dir),
+        "RANKSCOPE_HOST": HOSTS, "RANKSCOPE_HEARTBEAT_S": "1", "RANKSCOPE_FLUSH_S": "1", "RANKSCOPE_SPOOL_DIR": str(spool_dir),
     }  # fmt: skip
 
 

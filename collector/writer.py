@@ -3,7 +3,7 @@
 ClickHouse wants about one insert per table per second of thousands to 100k rows, while agents
 send a batch of a few thousand rows per rank every so often. The writer keeps one buffer per
 table and inserts it as one Arrow table when it holds ``flush_rows`` rows or its oldest row is
-``flush_interval_s`` old. A batch is acknowledged (``write`` returns) only once all its rows are
+``flush_interval_s`` old (then together with every other buffer that holds rows). A batch is acknowledged (``write`` returns) only once all its rows are
 stored; its id then goes into the ``batches`` table, after the data and in the same flush
 cycle, so a batch that an agent sends again (after a lost acknowledgement, or to a restarted
 collector) is recognised and not stored twice.
@@ -214,10 +214,16 @@ class Writer:
         return max(0.0, min(starts) + self.flush_interval_s - time.monotonic())
 
     def _take_due(self, force: bool) -> tuple[dict[str, list[tuple[_Pending, pa.Table]]], list[_Pending]]:
+        """The buffers to insert now: a full one alone; when one is old enough, every buffer with
+        rows goes with it, so the tables share one write cycle (and one ``batches`` insert) per
+        interval instead of each starting its own: an insert's cost hardly depends on its size."""
         now = time.monotonic()
+        filled = {name: buffer for name, buffer in self._buffers.items() if buffer.parts}
+        if not force and any(now - buffer.since >= self.flush_interval_s for buffer in filled.values()):
+            force = True
         due = {}
-        for name, buffer in self._buffers.items():
-            if buffer.parts and (force or buffer.rows >= self.flush_rows or now - buffer.since >= self.flush_interval_s):
+        for name, buffer in filled.items():
+            if force or buffer.rows >= self.flush_rows:
                 due[name] = buffer.parts
                 self._buffers[name] = _Buffer()
         ready, self._ready = self._ready, []

@@ -28,7 +28,7 @@ def test_defaults(caplog: pytest.LogCaptureFixture) -> None:
     assert config == AgentConfig(
         collector="127.0.0.1:7777", run_id=None, host_template="", token=None, tls_ca=None,
         spool_dir=Path(tempfile.gettempdir()) / f"rankscope-spool-{os.getuid()}",
-        spool_max_bytes=256 << 20, heartbeat_s=2.0, stall_s=20.0, debug=False,
+        spool_max_bytes=256 << 20, heartbeat_s=2.0, flush_s=2.0, stall_s=20.0, debug=False,
         rank=None, world_size=None, local_rank=None, node_rank=None,
     )  # fmt: skip
     assert config.host(0, 0, 0) == socket.gethostname()
@@ -51,14 +51,14 @@ def test_every_variable(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
         **ON, "RANKSCOPE_COLLECTOR": "collector.example:9000", "RANKSCOPE_RUN_ID": "run-42",
         "RANKSCOPE_HOST": "node-{node_rank}-gpu{local_rank}", "RANKSCOPE_TOKEN": "t0k3n",
         "RANKSCOPE_TLS_CA": str(ca), "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool"), "RANKSCOPE_SPOOL_MAX_MB": "8",
-        "RANKSCOPE_HEARTBEAT_S": "0.5", "RANKSCOPE_STALL_S": "7.5", "RANKSCOPE_DEBUG": "1",
+        "RANKSCOPE_HEARTBEAT_S": "0.5", "RANKSCOPE_FLUSH_S": "0.25", "RANKSCOPE_STALL_S": "7.5", "RANKSCOPE_DEBUG": "1",
         "RANK": "13", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "GROUP_RANK": "1",
         "RANKSCOPE_INJECT": "straggler:rank=1,factor=2,from_step=3",  # the trainer's: no warning
     })  # fmt: skip
     assert config == AgentConfig(
         collector="collector.example:9000", run_id="run-42", host_template="node-{node_rank}-gpu{local_rank}",
         token="t0k3n", tls_ca=ca, spool_dir=tmp_path / "spool", spool_max_bytes=8 << 20, heartbeat_s=0.5,
-        stall_s=7.5, debug=True, rank=13, world_size=16, local_rank=5, node_rank=1,
+        flush_s=0.25, stall_s=7.5, debug=True, rank=13, world_size=16, local_rank=5, node_rank=1,
     )  # fmt: skip
     assert config.host(13, 5, 1) == "node-1-gpu5"
     assert warnings(caplog) == []
@@ -150,6 +150,7 @@ def test_template_that_cannot_render_for_this_rank(caplog: pytest.LogCaptureFixt
         ("RANKSCOPE_SPOOL_MAX_MB", "1.5", "expected a whole number of MiB >= 1"),
         ("RANKSCOPE_HEARTBEAT_S", "0", "expected a positive number of seconds"),
         ("RANKSCOPE_HEARTBEAT_S", "two", "expected a positive number of seconds"),
+        ("RANKSCOPE_FLUSH_S", "-1", "expected a positive number of seconds"),
         ("RANKSCOPE_STALL_S", "inf", "expected a positive number of seconds"),
         ("RANKSCOPE_DEBUG", "true", "expected 1 (on) or 0 (off)"),
         ("RANK", "-1", "expected a rank number"),

@@ -22,6 +22,9 @@ from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, Finding, Inci
 
 log = logging.getLogger("rankscope.diagnosis")
 
+#: seconds an ended run is still diagnosed (late rows of its last moments may still come in)
+CONCLUDE_AFTER_S = 10.0
+
 LAST_DATA_SQL = (
     "SELECT greatest((SELECT toUnixTimestamp64Nano(max(time)) FROM heartbeats WHERE run_id = {run:String}), "
     "(SELECT toUnixTimestamp64Nano(max(time)) FROM exits WHERE run_id = {run:String})) AS ns"
@@ -86,6 +89,7 @@ class LiveDiagnosis:
         self.webhook = webhook
         self.ledgers: dict[str, Ledger] = {}
         self._asked: set[tuple[str, int]] = set()
+        self._ended: dict[str, float] = {}  # run -> time.monotonic() when first seen ended
         self._warned: set[str] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -105,8 +109,17 @@ class LiveDiagnosis:
         """Diagnose every active run once; returns the incidents written."""
         written: list[Incident] = []
         recent_s = int(max(60, 3 * self.settings.silent_after_s))
-        for run in self.query(ACTIVE_RUNS_SQL, {"recent_s": recent_s}).to_pylist():
-            written += self._run(run["run_id"], final=run["status"] in ("finished", "failed"))
+        active = self.query(ACTIVE_RUNS_SQL, {"recent_s": recent_s}).to_pylist()
+        # An ended run stays in the recent window for a minute: its final passes go on only while
+        # rows written just before its end may still arrive (a run that starts again under its id
+        # says "running" and is diagnosed again).
+        now = time.monotonic()
+        ended = {run["run_id"] for run in active if run["status"] in ("finished", "failed")}
+        self._ended = {run: self._ended.get(run, now) for run in ended}
+        for run in active:
+            run_id = run["run_id"]
+            if now - self._ended.get(run_id, now) <= CONCLUDE_AFTER_S:
+                written += self._run(run_id, final=run_id in ended)
         return written
 
     def _run(self, run_id: str, final: bool) -> list[Incident]:

@@ -1,0 +1,44 @@
+"""The collector's live diagnosis loop on a real store: which runs each pass looks at."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pytest
+from test_store import migrated, sample_rows, store  # noqa: F401 (fixtures)
+
+from rankscope.collector.diagnosis import engine
+from rankscope.collector.diagnosis.context import Settings
+from rankscope.collector.diagnosis.engine import LiveDiagnosis
+from rankscope.collector.store.base import Store
+
+
+def with_column(rows: pa.Table, name: str, values: list[object]) -> pa.Table:
+    i = rows.schema.get_field_index(name)
+    return rows.set_column(i, rows.schema.field(i), pa.array(values, rows.schema.field(i).type))
+
+
+def test_an_ended_run_is_concluded_after_its_last_passes_a_running_one_goes_on(
+    migrated: Store, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    now = time.time_ns()
+    runs = with_column(sample_rows("runs", 2, run_id="job", start_ns=now), "status", ["finished", "running"])
+    migrated.insert_arrow(f"{migrated.database}.runs", runs)
+    for run_id in ("job-0", "job-1"):  # both heard from within the recent window
+        migrated.insert_arrow(f"{migrated.database}.heartbeats", sample_rows("heartbeats", 2, run_id=run_id, start_ns=now))
+    seen: list[str] = []
+
+    def query(sql: str, params: dict[str, object]) -> pa.Table:
+        if "run" in params:
+            seen.append(str(params["run"]))
+        return migrated.query_arrow(sql, params)
+
+    monkeypatch.setattr(engine, "CONCLUDE_AFTER_S", 0.5)
+    live = LiveDiagnosis(query, lambda incidents: None, lambda run, rank, reason: None, Settings())
+    live.pass_once()
+    assert set(seen) == {"job-0", "job-1"}  # the ended run gets its final passes too
+    time.sleep(0.6)
+    seen.clear()
+    live.pass_once()
+    assert set(seen) == {"job-1"}  # concluded: no more queries about it
