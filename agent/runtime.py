@@ -9,10 +9,10 @@ else the ranks agree on one through the job's c10d store once the default group 
 rank proposes a uuid with ``compare_set``; the first one wins everywhere): a store operation,
 not a collective, so no sequence number moves. Until both are known, rows wait in the buffers.
 
-The background thread, every ``RANKSCOPE_FLUSH_S`` or when a buffer fills: switches to CUDA timing once
-the script has initialised CUDA, re-anchors the clocks, looks for collectives the wrappers
-could not see, re-registers when groups, topology or device changed, and hands the recorder's
-batches to the Transport.
+The background thread, every ``RANKSCOPE_FLUSH_S`` or when a buffer fills: switches to CUDA
+timing once the script has initialised CUDA, re-anchors the clocks, looks for collectives the
+wrappers could not see, re-registers when groups, topology or device changed, and hands the
+recorder's batches to the Transport.
 
 The end of a rank is reported as an EndOfRank: a normal end (atexit), ``sys.exit`` with a
 non-zero code, an uncaught exception (``sys.excepthook``, chained), or SIGTERM. torchrun sends
