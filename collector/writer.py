@@ -5,8 +5,9 @@ send a batch of a few thousand rows per rank every so often. The writer keeps on
 table and inserts it as one Arrow table when it holds ``flush_rows`` rows or its oldest row is
 ``flush_interval_s`` old (then together with every other buffer that holds rows). A batch is
 acknowledged (``write`` returns) only once all its rows are stored; its id then goes into the
-``batches`` table, after the data and in the same flush cycle, so a batch that an agent sends again (after a lost acknowledgement, or to a restarted
-collector) is recognised and not stored twice.
+``batches`` table, after the data and in the same flush cycle, so a batch that an agent sends
+again (after a lost acknowledgement, or to a restarted collector) is recognised and not stored
+twice.
 
 A batch the engine refuses fails alone: a refused combined insert is retried one batch at a
 time. A batch over several tables (a registration: runs, ranks, groups) can be left partly
