@@ -118,7 +118,7 @@ def step_times(flags: tuple[str, ...], args: argparse.Namespace, workdir: Path) 
     job = Job([], [], [], 0.0)
     cpu = wall = 0.0
     try:
-        for _ in range(args.repeats):
+        for pair in range(1, args.repeats + 1):
             off = train(False, address, args.steps, workdir)
             cpu0, wall0 = cpu_seconds(collector.pid), time.monotonic()
             on = train(True, address, args.steps, workdir)
@@ -126,6 +126,8 @@ def step_times(flags: tuple[str, ...], args: argparse.Namespace, workdir: Path) 
             job.off.extend(off)
             job.on.extend(on)
             job.ratios.append(statistics.median(on) / statistics.median(off))
+            print(f"  collector {' '.join(flags) or '(defaults)'}: pair {pair}/{args.repeats}, on/off {job.ratios[-1]:.3f}",
+                  file=sys.stderr, flush=True)  # fmt: skip
     finally:
         stop(collector, 60)
     return job._replace(collector_cores=cpu / wall)
@@ -178,7 +180,7 @@ def main() -> None:
           f"OTel / agent span = {off['otel_span_ns'] / on['span_ns']:.1f}x |")  # fmt: skip
     extra = on["all_reduce_ns"] - off["all_reduce_ns"]
     print(f"| one all-reduce, 1-rank gloo group (agent cost = on - off) | {off['all_reduce_ns'] / 1e3:.1f} us | "
-          f"{on['all_reduce_ns'] / 1e3:.1f} us | +{extra / 1e3:.1f} us per collective |")  # fmt: skip
+          f"{on['all_reduce_ns'] / 1e3:.1f} us | {extra / 1e3:+.1f} us per collective (noise when negative) |")  # fmt: skip
     print(f"| events/s one agent's Transport hands to the collector (4096-event span batches) | | {events_per_s:,.0f} | |")
 
 
