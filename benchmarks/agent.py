@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from prometheus_client.process_collector import ProcessCollector
+
 from ingest import sender  # benchmarks/ingest.py, beside this file
 from rankscope.collector.orchestration import start_collector, stop
 
@@ -91,8 +93,8 @@ def train(on: bool, address: str, steps: int, workdir: Path) -> list[float]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    families = ProcessCollector(pid=lambda: pid, registry=None).collect()
+    return next(f.samples[0].value for f in families if f.name == "process_cpu_seconds")
 
 
 class Job(NamedTuple):

@@ -220,11 +220,10 @@ class Writer:
         interval instead of each starting its own: an insert's cost hardly depends on its size."""
         now = time.monotonic()
         filled = {name: buffer for name, buffer in self._buffers.items() if buffer.parts}
-        if not force and any(now - buffer.since >= self.flush_interval_s for buffer in filled.values()):
-            force = True
+        every = force or any(now - buffer.since >= self.flush_interval_s for buffer in filled.values())
         due = {}
         for name, buffer in filled.items():
-            if force or buffer.rows >= self.flush_rows:
+            if every or buffer.rows >= self.flush_rows:
                 due[name] = buffer.parts
                 self._buffers[name] = _Buffer()
         ready, self._ready = self._ready, []

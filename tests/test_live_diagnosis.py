@@ -14,16 +14,12 @@ from rankscope.collector.diagnosis.engine import LiveDiagnosis
 from rankscope.collector.store.base import Store
 
 
-def with_column(rows: pa.Table, name: str, values: list[object]) -> pa.Table:
-    i = rows.schema.get_field_index(name)
-    return rows.set_column(i, rows.schema.field(i), pa.array(values, rows.schema.field(i).type))
-
-
 def test_an_ended_run_is_concluded_after_its_last_passes_a_running_one_goes_on(
     migrated: Store, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
     now = time.time_ns()
-    runs = with_column(sample_rows("runs", 2, run_id="job", start_ns=now), "status", ["finished", "running"])
+    runs = sample_rows("runs", 2, run_id="job", start_ns=now)
+    runs = runs.set_column(runs.schema.get_field_index("status"), "status", pa.array(["finished", "running"]))
     migrated.insert_arrow(f"{migrated.database}.runs", runs)
     for run_id in ("job-0", "job-1"):  # both heard from within the recent window
         migrated.insert_arrow(f"{migrated.database}.heartbeats", sample_rows("heartbeats", 2, run_id=run_id, start_ns=now))
