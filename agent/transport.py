@@ -279,7 +279,7 @@ class Transport:
     def _wait_s(self) -> float:
         now = time.monotonic()
         wake = now + IDLE_WAKE_S
-        if self._down:
+        if self._down and not self._inflight:  # a probe in flight wakes us when it ends, not a clock
             wake = min(wake, self._next_probe)
         if self._paused_until > now:
             wake = min(wake, self._paused_until)

@@ -2,8 +2,9 @@
 
 A collector (``rankscope collector`` on a chDB store) runs for the whole module; tests that need
 it down, or started mid-run, or overloaded, start their own. Every test names its own run, so
-the shared collector's tables never mix tests. The only in-test gRPC server is a proxy in front
-of the real collector that loses an acknowledgement, a fault the collector cannot produce.
+the shared collector's tables never mix tests. The only in-test gRPC servers stand for faults the
+collector cannot produce: a proxy in front of it that loses an acknowledgement, and a collector
+that stalls (refuses a call, then holds the next ones without answering).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -417,6 +419,51 @@ def test_lost_acknowledgement_resent_and_written_once(collector: Collector, losi
     assert [a.duplicate for a in proxy.acks] == [False, True]
     assert t.stats().duplicates == 1 and t.stats().errors == {"UNAVAILABLE": 1}
     assert collector.count("spans", run_id) == EVENTS
+
+
+class _Stalling(ingest_pb2_grpc.IngestServicer):
+    """A collector that says UNAVAILABLE once, then holds every call until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.release = threading.Event()
+
+    def Send(self, request: ingest_pb2.Batch, context: grpc.ServicerContext) -> ingest_pb2.Ack:
+        self.calls += 1
+        if self.calls == 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "going down")
+        self.release.wait(60)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "still down")
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds ``thread`` (of this process) has used, from /proc."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_probe_held_by_a_stalled_collector_costs_no_cpu(tmp_path: Path) -> None:
+    """While the probe that asks whether the collector is back hangs, the sender waits for its
+    outcome instead of spinning (it once used a core per rank, which slowed training 5x)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    stalling = _Stalling()
+    ingest_pb2_grpc.add_IngestServicer_to_server(stalling, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    t = Transport(agent_config(f"127.0.0.1:{port}", tmp_path / "spool"), run_name(), 0)
+    try:
+        t.start()
+        t.submit(span_batch(1))
+        wait_until(lambda: stalling.calls >= 2, 30, "the probe after the refusal")
+        sender = next(th for th in threading.enumerate() if th.name == f"rankscope-transport-{t.name}")
+        before = thread_cpu_s(sender)
+        time.sleep(2.0)
+        assert thread_cpu_s(sender) - before < 0.2  # a spinning sender uses about 2 s here
+    finally:
+        stalling.release.set()
+        t.close(timeout_s=1.0)
+        server.stop(0)
+    assert t.stats().spooled >= 1  # nothing lost: the batch waits on disk for the collector
 
 
 # --- forked children ----------------------------------------------------------------------------
