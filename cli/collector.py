@@ -62,8 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-buffered-rows", metavar="N", type=count(1), default=2_000_000,
                         help="answer RESOURCE_EXHAUSTED (retry-after-ms) while more rows than N wait to be written"
                              " (default: 2000000; tests set it tiny to provoke back-pressure)")
-    parser.add_argument("--flush-interval", metavar="SECONDS", type=seconds, default=1.0,
-                        help="write a table's buffer once its oldest row is this old (default: 1); a batch is"
+    parser.add_argument("--flush-interval", metavar="SECONDS", type=seconds, default=2.0,
+                        help="write a table's buffer once its oldest row is this old (default: 2); a batch is"
                              " acknowledged once written, so this bounds the ack latency of a lone batch")
     parser.add_argument("--query-max-rows", metavar="N", type=count(1), default=1_000_000,
                         help="largest query result in rows (default: 1000000); callers may ask for less")
@@ -72,8 +72,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--query-timeout", metavar="SECONDS", type=seconds, default=60.0,
                         help="longest a query may run (default: 60)")
     add_thresholds(parser)
-    parser.add_argument("--diagnose-every", metavar="SECONDS", type=seconds, default=2.0,
-                        help="seconds between two diagnosis passes over the active runs (default: 2)")
+    parser.add_argument("--diagnose-every", metavar="SECONDS", type=seconds, default=5.0,
+                        help="seconds between two diagnosis passes over the active runs (default: 5); a run"
+                             " with nothing new stored since its last pass waits for new rows")
     parser.add_argument("--no-diagnosis", action="store_true", help="store only; run no detectors")
     parser.add_argument("--alert-webhook", metavar="URL", help="POST every new incident as JSON to URL")
 

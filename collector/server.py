@@ -60,13 +60,13 @@ class ServerOptions:
     #: batches are refused (RESOURCE_EXHAUSTED) while more rows than this wait to be written
     max_buffered_rows: int = 2_000_000
     #: a table's buffer is written when its oldest row is this old (or it holds flush_rows)
-    flush_interval_s: float = 1.0
+    flush_interval_s: float = 2.0
     flush_rows: int = 50_000
     limits: Limits = field(default_factory=Limits)
     #: detector thresholds (``--hang-after`` sets hang_after_s); None: no live diagnosis
     diagnosis: Settings | None = field(default_factory=Settings)
     #: seconds between two diagnosis passes over the active runs
-    diagnose_interval_s: float = 2.0
+    diagnose_interval_s: float = 5.0
     #: POST every new incident as JSON to this URL
     alert_webhook: str | None = None
     #: PEM certificate chain and private key: serve gRPC over TLS (both or neither)
@@ -335,6 +335,7 @@ async def _diagnose(collector: Collector, loop: asyncio.AbstractEventLoop, stop:
     live = LiveDiagnosis(
         store.query_arrow, write_to(store.insert_arrow), request_stack, options.diagnosis,
         interval_s=options.diagnose_interval_s, webhook=options.alert_webhook,
+        stored=lambda run_id: collector.writer.stored.get(run_id, (0, 0)),
     )  # fmt: skip
     await live.run(stop)
 

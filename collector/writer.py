@@ -81,7 +81,7 @@ class Writer:
         database: str,
         *,
         flush_rows: int = 50_000,
-        flush_interval_s: float = 1.0,
+        flush_interval_s: float = 2.0,
         max_buffered_rows: int = 2_000_000,
         dedup_window_h: float = 24.0,
     ):
@@ -97,6 +97,9 @@ class Writer:
         self.batches_written = 0
         self.batches_failed = 0
         self.duplicates = 0
+        # run -> (batches of it stored so far, registrations among them): what lets the live
+        # diagnosis skip a run with nothing new and keep its topology until a rank registers
+        self.stored: dict[str, tuple[int, int]] = {}
         self._latencies: dict[str, deque[float]] = {name: deque(maxlen=LATENCY_SAMPLES) for name in BY_NAME}
         self._buffered_rows = 0
         self._buffers: dict[str, _Buffer] = {}
@@ -239,6 +242,8 @@ class Writer:
             if pending.error is None:
                 self._written[ident] = now
                 self.batches_written += 1
+                batches, registrations = self.stored.get(pending.key.run_id, (0, 0))
+                self.stored[pending.key.run_id] = (batches + 1, registrations + (pending.key.kind == "register"))
                 pending.future.set_result(None)
             else:
                 self.batches_failed += 1

@@ -38,3 +38,36 @@ def test_an_ended_run_is_concluded_after_its_last_passes_a_running_one_goes_on(
     seen.clear()
     live.pass_once()
     assert set(seen) == {"job-1"}  # concluded: no more queries about it
+
+
+def test_a_run_with_nothing_new_stored_is_passed_over_until_the_recheck(migrated: Store) -> None:  # noqa: F811
+    now = time.time_ns()
+    migrated.insert_arrow(f"{migrated.database}.runs", sample_rows("runs", 2, run_id="job", start_ns=now))
+    for run_id in ("job-0", "job-1"):
+        migrated.insert_arrow(f"{migrated.database}.heartbeats", sample_rows("heartbeats", 2, run_id=run_id, start_ns=now))
+    stored = {"job-0": (3, 1), "job-1": (3, 1)}  # what the writer counts: batches, registrations among them
+    seen: list[tuple[str, str]] = []
+
+    def query(sql: str, params: dict[str, object]) -> pa.Table:
+        if "run" in params:
+            seen.append((str(params["run"]), "topology" if "FROM ranks" in sql else "detector"))
+        return migrated.query_arrow(sql, params)
+
+    settings = Settings(silent_after_s=9.0)  # rechecked every 3 s without new rows
+    live = LiveDiagnosis(query, lambda incidents: None, lambda run, rank, reason: None, settings, interval_s=0.1, stored=stored.__getitem__)
+    live.pass_once()
+    assert {run for run, _ in seen} == {"job-0", "job-1"}
+    seen.clear()
+    live.pass_once()
+    assert seen == []  # nothing new stored: no queries at all about either run
+    stored["job-1"] = (4, 1)  # a data batch of job-1
+    live.pass_once()
+    assert {run for run, _ in seen} == {"job-1"} and ("job-1", "topology") not in seen  # its topology is kept
+    seen.clear()
+    stored["job-1"] = (5, 2)  # a rank (re)registered
+    live.pass_once()
+    assert ("job-1", "topology") in seen
+    seen.clear()
+    time.sleep(3.0)
+    live.pass_once()
+    assert {run for run, _ in seen} == {"job-0", "job-1"}  # the recheck: silence shows only with time

@@ -131,6 +131,20 @@ def test_a_batch_sent_twice_is_stored_once(migrated: Store) -> None:
     assert again is False
     assert writer.duplicates == 2 and writer.batches_written == 1
     assert counts(migrated, "spans") == {"a": 7}
+    assert writer.stored == {"run-1": (1, 0)}  # what the live diagnosis sees: one batch of the run, no registration
+
+
+def test_stored_counts_each_runs_batches_and_registrations(migrated: Store) -> None:
+    async def scenario() -> Writer:
+        writer = Writer(migrated, migrated.database, flush_rows=10**9, flush_interval_s=0.1)
+        await writer.start()
+        registration = {"runs": sample_rows("runs", 1, run_id="a"), "ranks": sample_rows("ranks", 1, run_id="a")}
+        await asyncio.gather(writer.write(registration, key(1, "a-0", "register")), writer.write(spans(3, "a-0"), key(2, "a-0")),
+                             writer.write(spans(3, "b"), key(3, "b")))  # fmt: skip
+        await writer.close()
+        return writer
+
+    assert run(scenario()).stored == {"a-0": (2, 1), "b": (1, 0)}
 
 
 def test_dedup_survives_a_restart_within_the_dedup_window(tmp_path: Path) -> None:

@@ -40,9 +40,12 @@ ACTIVE_RUNS_SQL = (
 )
 
 
-def diagnose(run_id: str, query: Query, settings: Settings, *, now_ns: int | None = None) -> list[Finding]:
-    """Every detector's findings for ``run_id``; ``now_ns`` defaults to the run's last data (offline)."""
-    ctx = RunContext.load(run_id, query, settings)
+def diagnose(
+    run_id: str, query: Query, settings: Settings, *, now_ns: int | None = None, ctx: RunContext | None = None
+) -> list[Finding]:
+    """Every detector's findings for ``run_id``; ``now_ns`` defaults to the run's last data (offline),
+    ``ctx`` to the run's topology read now."""
+    ctx = ctx or RunContext.load(run_id, query, settings)
     if now_ns is None:
         now_ns = int(query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
     hangs = _with_stacks(ctx, hang.detect(ctx))
@@ -69,6 +72,12 @@ class LiveDiagnosis:
     """The collector's diagnosis loop: active runs every ``interval_s``, incidents written as they change.
 
     ``request_stack(run_id, rank, reason)`` asks a rank's agent for a stack dump (the hang root's).
+    ``stored(run_id)``, when given, counts the batches of the run stored so far and the
+    registrations among them (the collector's writer keeps them). A pass costs tens of queries,
+    and it shares the machine with training where the collector runs beside it, so a run is
+    passed over while nothing of it was stored since its last pass, until ``recheck_s`` (what
+    only time reveals, such as ranks gone silent all at once); its topology is read again only
+    after a rank registered.
     """
 
     def __init__(
@@ -78,8 +87,9 @@ class LiveDiagnosis:
         request_stack: Callable[[str, int, str], None],
         settings: Settings,
         *,
-        interval_s: float = 2.0,
+        interval_s: float = 5.0,
         webhook: str | None = None,
+        stored: Callable[[str], tuple[int, int]] | None = None,
     ) -> None:
         self.query = query
         self.write = write
@@ -87,7 +97,11 @@ class LiveDiagnosis:
         self.settings = settings
         self.interval_s = interval_s
         self.webhook = webhook
+        self.stored = stored
+        self.recheck_s = max(interval_s, settings.silent_after_s / 3)
         self.ledgers: dict[str, Ledger] = {}
+        self._passed: dict[str, tuple[tuple[int, int], float]] = {}  # run -> stored() and time.monotonic() at its last pass
+        self._contexts: dict[str, tuple[int, RunContext]] = {}  # run -> (registrations stored, its topology)
         self._asked: set[tuple[str, int]] = set()
         self._ended: dict[str, float] = {}  # run -> time.monotonic() when first seen ended
         self._warned: set[str] = set()
@@ -118,15 +132,39 @@ class LiveDiagnosis:
         self._ended = {run: self._ended.get(run, now) for run in ended}
         for run in active:
             run_id = run["run_id"]
-            if now - self._ended.get(run_id, now) <= CONCLUDE_AFTER_S:
+            if now - self._ended.get(run_id, now) <= CONCLUDE_AFTER_S and self._due(run_id, now):
                 written += self._run(run_id, final=run_id in ended)
+        for gone in set(self._passed) - {run["run_id"] for run in active}:
+            self._passed.pop(gone)
+            self._contexts.pop(gone, None)
         return written
+
+    def _due(self, run_id: str, now: float) -> bool:
+        """Whether ``run_id`` gets a pass now: new rows of it were stored, or ``recheck_s`` passed."""
+        if self.stored is None:
+            return True
+        stored = self.stored(run_id)
+        last = self._passed.get(run_id)
+        if last is not None and last[0] == stored and now - last[1] < self.recheck_s:
+            return False
+        self._passed[run_id] = (stored, now)
+        return True
+
+    def _context(self, run_id: str) -> RunContext:
+        """The run's topology, read again only when a rank registered since it was read."""
+        if self.stored is None:
+            return RunContext.load(run_id, self.query, self.settings)
+        registrations = self.stored(run_id)[1]
+        cached = self._contexts.get(run_id)
+        if cached is None or cached[0] != registrations:
+            cached = self._contexts[run_id] = (registrations, RunContext.load(run_id, self.query, self.settings))
+        return cached[1]
 
     def _run(self, run_id: str, final: bool) -> list[Incident]:
         ledger = self.ledgers.get(run_id)
         if ledger is None:
             ledger = self.ledgers[run_id] = Ledger(run_id, from_rows(self.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()))
-        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns())
+        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=self._context(run_id))
         for f in findings:
             if f.kind == "hang":
                 for rank in f.ranks:
