@@ -4,10 +4,11 @@
 
 1. The bundled trainer's default 8-rank CPU job, alternately with the agent off and on
    (RANKSCOPE_ENABLE=1, default settings), ``--repeats`` pairs of runs, against a collector on this
-   machine (where the demo runs it), once with its default live diagnosis and once ingesting only
-   (``--no-diagnosis``); median step time of each side, the median and range of the pairs'
-   ratios, and the CPU the collector used while the agent sent (on a machine the job saturates,
-   that CPU is taken from training).
+   machine (where the demo runs it): with its default live diagnosis, ingesting only
+   (``--no-diagnosis``), and paused (SIGSTOP: what is left is the agent's own cost in the
+   ranks); median step time of each side, the median and range of the pairs' ratios, and the
+   CPU the collector used while the agent sent (on a machine the job saturates, that CPU is
+   taken from training).
 2. In two fresh processes side by side: the cost of one recorded span and one recorded
    collective (a 1-rank gloo all-reduce, agent on minus agent off), and of one OpenTelemetry SDK
    span with a batch span processor; the ratio OTel / agent span.
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,14 +75,22 @@ MICRO = textwrap.dedent(
 )
 
 
-#: the collectors the job runs against, on this machine: name -> extra flags
-COLLECTORS = {"collector with live diagnosis (defaults)": (), "collector ingesting only (--no-diagnosis)": ("--no-diagnosis",)}
+#: the collectors the job runs against, on this machine: name -> (extra flags, paused). A paused
+#: collector (SIGSTOP while the job runs) uses no CPU: what is left is the agent's own cost in the
+#: ranks (its calls wait, its batches are kept in memory and spooled at the end).
+COLLECTORS = {
+    "collector with live diagnosis (defaults)": ((), False),
+    "collector ingesting only (--no-diagnosis)": (("--no-diagnosis",), False),
+    "collector paused (the agent in the ranks alone)": ((), True),
+}
 
 
 def train(on: bool, address: str, steps: int, workdir: Path) -> list[float]:
     """One run of the default 8-rank job; its step times after the first two."""
     metrics = workdir / f"metrics-{time.monotonic_ns()}.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_SPOOL_DIR": str(workdir / "spool")}
+    # A spool of its own: no run adopts (and replays) what an earlier one left.
+    spool = workdir / f"spool-{time.monotonic_ns()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_SPOOL_DIR": str(spool)}
     env.pop("RANKSCOPE_ENABLE", None)
     if on:
         env["RANKSCOPE_ENABLE"] = "1"
@@ -112,11 +122,14 @@ class Job(NamedTuple):
                 f"{statistics.median(self.on) * 1e3:.0f} ms | {mid:.3f} (pairs {low:.3f}-{high:.3f}) |")  # fmt: skip
 
 
-def step_times(flags: tuple[str, ...], args: argparse.Namespace, workdir: Path) -> Job:
-    """Interleaved off/on runs against a collector started with ``flags``. The ratio of each
-    neighbouring pair, not of the pooled medians: the machine's speed drifts between runs."""
-    store = workdir / f"store-{len(flags)}"
-    collector, address = start_collector(store, workdir / f"collector-{len(flags)}.log", *flags)
+def step_times(flags: tuple[str, ...], paused: bool, args: argparse.Namespace, workdir: Path) -> Job:
+    """Interleaved off/on runs against a collector started with ``flags`` (stopped with SIGSTOP
+    while they run when ``paused``). The ratio of each neighbouring pair, not of the pooled
+    medians: the machine's speed drifts between runs."""
+    name = f"{len(flags)}-{int(paused)}"
+    collector, address = start_collector(workdir / f"store-{name}", workdir / f"collector-{name}.log", *flags)
+    if paused:
+        os.kill(collector.pid, signal.SIGSTOP)
     job = Job([], [], [], 0.0)
     cpu = wall = 0.0
     try:
@@ -128,9 +141,12 @@ def step_times(flags: tuple[str, ...], args: argparse.Namespace, workdir: Path) 
             job.off.extend(off)
             job.on.extend(on)
             job.ratios.append(statistics.median(on) / statistics.median(off))
-            print(f"  collector {' '.join(flags) or '(defaults)'}: pair {pair}/{args.repeats}, on/off {job.ratios[-1]:.3f}",
+            setup = f"{' '.join(flags) or '(defaults)'}{', paused' if paused else ''}"
+            print(f"  collector {setup}: pair {pair}/{args.repeats}, on/off {job.ratios[-1]:.3f}",
                   file=sys.stderr, flush=True)  # fmt: skip
     finally:
+        if paused:
+            os.kill(collector.pid, signal.SIGCONT)
         stop(collector, 60)
     return job._replace(collector_cores=cpu / wall)
 
@@ -155,7 +171,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="rankscope-agent-bench-"))
     collector = None
     try:
-        jobs = {name: step_times(flags, args, workdir) for name, flags in COLLECTORS.items()}
+        jobs = {name: step_times(flags, paused, args, workdir) for name, (flags, paused) in COLLECTORS.items()}
         collector, address = start_collector(workdir / "store", workdir / "collector.log", "--no-diagnosis")
         off, on = micro(False, address, workdir), micro(True, address, workdir)
         import multiprocessing as mp

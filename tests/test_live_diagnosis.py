@@ -70,4 +70,5 @@ def test_a_run_with_nothing_new_stored_is_passed_over_until_the_recheck(migrated
     seen.clear()
     time.sleep(3.0)
     live.pass_once()
-    assert {run for run, _ in seen} == {"job-0", "job-1"}  # the recheck: silence shows only with time
+    assert {run for run, _ in seen} == {"job-0", "job-1"}  # the recheck: silence shows only with time,
+    assert ("job-0", "topology") in seen  # and ranks that registered with another collector of the store

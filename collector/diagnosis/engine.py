@@ -76,8 +76,8 @@ class LiveDiagnosis:
     registrations among them (the collector's writer keeps them). A pass costs tens of queries,
     and it shares the machine with training where the collector runs beside it, so a run is
     passed over while nothing of it was stored since its last pass, until ``recheck_s`` (what
-    only time reveals, such as ranks gone silent all at once); its topology is read again only
-    after a rank registered.
+    only time reveals, such as ranks gone silent all at once, and what other collectors of the
+    same store wrote); its topology is read again after a rank registered, or ``recheck_s``.
     """
 
     def __init__(
@@ -101,7 +101,7 @@ class LiveDiagnosis:
         self.recheck_s = max(interval_s, settings.silent_after_s / 3)
         self.ledgers: dict[str, Ledger] = {}
         self._passed: dict[str, tuple[tuple[int, int], float]] = {}  # run -> stored() and time.monotonic() at its last pass
-        self._contexts: dict[str, tuple[int, RunContext]] = {}  # run -> (registrations stored, its topology)
+        self._contexts: dict[str, tuple[int, float, RunContext]] = {}  # run -> registrations stored, time read, topology
         self._asked: set[tuple[str, int]] = set()
         self._ended: dict[str, float] = {}  # run -> time.monotonic() when first seen ended
         self._warned: set[str] = set()
@@ -133,7 +133,7 @@ class LiveDiagnosis:
         for run in active:
             run_id = run["run_id"]
             if now - self._ended.get(run_id, now) <= CONCLUDE_AFTER_S and self._due(run_id, now):
-                written += self._run(run_id, final=run_id in ended)
+                written += self._run(run_id, final=run_id in ended, now=now)
         for gone in set(self._passed) - {run["run_id"] for run in active}:
             self._passed.pop(gone)
             self._contexts.pop(gone, None)
@@ -150,21 +150,21 @@ class LiveDiagnosis:
         self._passed[run_id] = (stored, now)
         return True
 
-    def _context(self, run_id: str) -> RunContext:
-        """The run's topology, read again only when a rank registered since it was read."""
+    def _context(self, run_id: str, now: float) -> RunContext:
+        """The run's topology, read again when a rank registered since, or after ``recheck_s``."""
         if self.stored is None:
             return RunContext.load(run_id, self.query, self.settings)
         registrations = self.stored(run_id)[1]
         cached = self._contexts.get(run_id)
-        if cached is None or cached[0] != registrations:
-            cached = self._contexts[run_id] = (registrations, RunContext.load(run_id, self.query, self.settings))
-        return cached[1]
+        if cached is None or cached[0] != registrations or now - cached[1] >= self.recheck_s:
+            cached = self._contexts[run_id] = (registrations, now, RunContext.load(run_id, self.query, self.settings))
+        return cached[2]
 
-    def _run(self, run_id: str, final: bool) -> list[Incident]:
+    def _run(self, run_id: str, final: bool, now: float) -> list[Incident]:
         ledger = self.ledgers.get(run_id)
         if ledger is None:
             ledger = self.ledgers[run_id] = Ledger(run_id, from_rows(self.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()))
-        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=self._context(run_id))
+        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=self._context(run_id, now))
         for f in findings:
             if f.kind == "hang":
                 for rank in f.ranks:
