@@ -151,8 +151,9 @@ def test_nan_and_slow_link(module_runner: ProcRunner, tmp_path: Path) -> None:
     assert proc.wait(180) == 0, proc.output()
     lines = records(metrics)
     assert [math.isfinite(line["loss"]) for line in lines] == [True, True, False, False]
-    # Rank 1 sends both micro-batches' activations to rank 5 every step: 2 x 150 ms at least.
-    assert all(line["step_time_s"] >= 0.3 for line in lines), lines
+    # Rank 1 sends both micro-batches' activations to rank 5 every step: 2 x 150 ms at least. Not
+    # in the first step's time: the ranks enter it at different moments (one 0.294 s was seen).
+    assert all(line["step_time_s"] >= 0.3 for line in lines[1:]), lines
 
 
 def test_straggler_compute_really_slows(module_runner: ProcRunner, tmp_path: Path) -> None:
