@@ -25,13 +25,13 @@ from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2
 
 from .control import PendingCommands
 from .diagnosis.context import Settings
-from .diagnosis.engine import LiveDiagnosis, write_to
+from .diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
 from .ingest import IngestError, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
 from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
 from .store.base import Store, StoreError, open_store
 from .store.migrations import migrate
 from .telemetry import Telemetry
-from .writer import BatchKey, Writer
+from .writer import FLUSH_INTERVAL_S, BatchKey, Writer
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 DEFAULT_LISTEN = "127.0.0.1:7777"
@@ -60,13 +60,13 @@ class ServerOptions:
     #: batches are refused (RESOURCE_EXHAUSTED) while more rows than this wait to be written
     max_buffered_rows: int = 2_000_000
     #: a table's buffer is written when its oldest row is this old (or it holds flush_rows)
-    flush_interval_s: float = 2.0
+    flush_interval_s: float = FLUSH_INTERVAL_S
     flush_rows: int = 50_000
     limits: Limits = field(default_factory=Limits)
     #: detector thresholds (``--hang-after`` sets hang_after_s); None: no live diagnosis
     diagnosis: Settings | None = field(default_factory=Settings)
     #: seconds between two diagnosis passes over the active runs
-    diagnose_interval_s: float = 5.0
+    diagnose_interval_s: float = DIAGNOSE_EVERY_S
     #: POST every new incident as JSON to this URL
     alert_webhook: str | None = None
     #: PEM certificate chain and private key: serve gRPC over TLS (both or neither)

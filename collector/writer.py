@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 #: latency samples kept per table between two take_insert_latencies() calls
 LATENCY_SAMPLES = 4096
+#: default age at which buffers are written: an insert costs chDB about the same however few its
+#: rows, and where the collector shares the job's machine that CPU is the job's
+FLUSH_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class Writer:
         database: str,
         *,
         flush_rows: int = 50_000,
-        flush_interval_s: float = 2.0,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
         max_buffered_rows: int = 2_000_000,
         dedup_window_h: float = 24.0,
     ):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from rankscope.cli import collector as cli
 from rankscope.cli.main import main
+from rankscope.collector.server import ServerOptions
 
 
 @pytest.mark.parametrize(
@@ -27,3 +31,13 @@ def test_bad_flag_values_exit_2_with_the_reason(args: list[str], reason: str, ca
         main(["collector", *args])
     assert exit_info.value.code == 2
     assert reason in capsys.readouterr().err
+
+
+def test_the_flag_defaults_are_the_collectors_own() -> None:
+    """The command line spells its defaults out (it must not import the server to parse flags): they
+    must still be the ones the collector uses when started from Python."""
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args, options = parser.parse_args([]), ServerOptions()
+    assert (args.flush_interval, args.diagnose_every, args.max_buffered_rows) == (
+        options.flush_interval_s, options.diagnose_interval_s, options.max_buffered_rows)

@@ -22,6 +22,8 @@ from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, Finding, Inci
 
 log = logging.getLogger("rankscope.diagnosis")
 
+#: default seconds between two passes (a pass is tens of queries, each with a fixed cost)
+DIAGNOSE_EVERY_S = 5.0
 #: seconds an ended run is still diagnosed (late rows of its last moments may still come in)
 CONCLUDE_AFTER_S = 10.0
 
@@ -87,7 +89,7 @@ class LiveDiagnosis:
         request_stack: Callable[[str, int, str], None],
         settings: Settings,
         *,
-        interval_s: float = 5.0,
+        interval_s: float = DIAGNOSE_EVERY_S,
         webhook: str | None = None,
         stored: Callable[[str], tuple[int, int]] | None = None,
     ) -> None:
