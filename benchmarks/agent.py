@@ -7,8 +7,8 @@
    machine (where the demo runs it): with its default live diagnosis, ingesting only
    (``--no-diagnosis``), and paused (SIGSTOP: what is left is the agent's own cost in the
    ranks); median step time of each side, the median and range of the pairs' ratios, and the
-   CPU the collector used while the agent sent (on a machine the job saturates, that CPU is
-   taken from training).
+   CPU the collector used during the measured steps (on a machine the job saturates, that CPU
+   is taken from training).
 2. In two fresh processes side by side: the cost of one recorded span and one recorded
    collective (a 1-rank gloo all-reduce, agent on minus agent off), and of one OpenTelemetry SDK
    span with a batch span processor; the ratio OTel / agent span.
@@ -85,8 +85,15 @@ COLLECTORS = {
 }
 
 
-def train(on: bool, address: str, steps: int, workdir: Path) -> list[float]:
-    """One run of the default 8-rank job; its step times after the first two."""
+class Run(NamedTuple):
+    """One training run: its step times after the first two, and the collector's CPU during those steps."""
+
+    steps: list[float]
+    collector_cpu_s: float
+
+
+def train(on: bool, address: str, steps: int, workdir: Path, collector_pid: int) -> Run:
+    """One run of the default 8-rank job; the collector's CPU is read when its 2nd and its last step end."""
     metrics = workdir / f"metrics-{time.monotonic_ns()}.jsonl"
     # A spool of its own: no run adopts (and replays) what an earlier one left.
     spool = workdir / f"spool-{time.monotonic_ns()}"
@@ -95,10 +102,25 @@ def train(on: bool, address: str, steps: int, workdir: Path) -> list[float]:
     if on:
         env["RANKSCOPE_ENABLE"] = "1"
     cmd = [sys.executable, "-m", "rankscope.cli.main", "train", "--steps", str(steps), "--metrics-json", str(metrics), "--log-every", "1000"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"training failed (agent {'on' if on else 'off'}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][2:]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        marks = []  # the collector's CPU seconds when the 2nd and the last step ended: the window of the measured steps
+        for wanted in (2, steps):
+            while proc.poll() is None and _lines(metrics) < wanted:
+                time.sleep(0.02)
+            marks.append(cpu_seconds(collector_pid))
+        if proc.wait() != 0 or len(marks) < 2:
+            log.seek(0)
+            sys.exit(f"training failed (agent {'on' if on else 'off'}):\n{log.read()[-4000:]}")
+    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][2:]
+    return Run(times, marks[1] - marks[0])
+
+
+def _lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -108,18 +130,25 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Job(NamedTuple):
-    """The step times of interleaved off/on runs against one collector."""
+    """Interleaved off/on runs against one collector."""
 
-    off: list[float]  # every step of the runs with the agent off
-    on: list[float]
-    ratios: list[float]  # per pair of neighbouring runs: median step on / median step off
-    collector_cores: float  # the collector's CPU while the agent sent
+    pairs: list[tuple[Run, Run]]  # (agent off, agent on), neighbours in time
+
+    def wall_ratios(self) -> list[float]:
+        """Per pair: median step on / median step off."""
+        return [statistics.median(on.steps) / statistics.median(off.steps) for off, on in self.pairs]
+
+    def collector_cores(self) -> float:
+        """The collector's CPU while the measured steps of the agent-on runs ran, in cores."""
+        return sum(on.collector_cpu_s for _, on in self.pairs) / sum(sum(on.steps) for _, on in self.pairs)
 
     def row(self, name: str) -> str:
-        low, mid, high = min(self.ratios), statistics.median(self.ratios), max(self.ratios)
-        return (f"| default 8-rank CPU job, {name} (it used {self.collector_cores:.3f} cores while the agent sent): median step, "
-                f"{len(self.ratios)} interleaved pairs of runs | {statistics.median(self.off) * 1e3:.0f} ms | "
-                f"{statistics.median(self.on) * 1e3:.0f} ms | {mid:.3f} (pairs {low:.3f}-{high:.3f}) |")  # fmt: skip
+        ratios = self.wall_ratios()
+        off = [t for o, _ in self.pairs for t in o.steps]
+        on = [t for _, o in self.pairs for t in o.steps]
+        return (f"| default 8-rank CPU job, {name} (it used {self.collector_cores():.3f} cores during the measured steps): "
+                f"median step, {len(self.pairs)} interleaved pairs of runs | {statistics.median(off) * 1e3:.0f} ms | "
+                f"{statistics.median(on) * 1e3:.0f} ms | {statistics.median(ratios):.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f}) |")  # fmt: skip
 
 
 def step_times(flags: tuple[str, ...], paused: bool, args: argparse.Namespace, workdir: Path) -> Job:
@@ -130,25 +159,21 @@ def step_times(flags: tuple[str, ...], paused: bool, args: argparse.Namespace, w
     collector, address = start_collector(workdir / f"store-{name}", workdir / f"collector-{name}.log", *flags)
     if paused:
         os.kill(collector.pid, signal.SIGSTOP)
-    job = Job([], [], [], 0.0)
-    cpu = wall = 0.0
+    job = Job([])
     try:
         for pair in range(1, args.repeats + 1):
-            off = train(False, address, args.steps, workdir)
-            cpu0, wall0 = cpu_seconds(collector.pid), time.monotonic()
-            on = train(True, address, args.steps, workdir)
-            cpu, wall = cpu + cpu_seconds(collector.pid) - cpu0, wall + time.monotonic() - wall0
-            job.off.extend(off)
-            job.on.extend(on)
-            job.ratios.append(statistics.median(on) / statistics.median(off))
+            off = train(False, address, args.steps, workdir, collector.pid)
+            on = train(True, address, args.steps, workdir, collector.pid)
+            job.pairs.append((off, on))
             setup = f"{' '.join(flags) or '(defaults)'}{', paused' if paused else ''}"
-            print(f"  collector {setup}: pair {pair}/{args.repeats}, on/off {job.ratios[-1]:.3f}",
+            print(f"  collector {setup}: pair {pair}/{args.repeats}, on/off step {job.wall_ratios()[-1]:.3f}, "
+                  f"collector {on.collector_cpu_s / sum(on.steps):.3f} cores",
                   file=sys.stderr, flush=True)  # fmt: skip
     finally:
         if paused:
             os.kill(collector.pid, signal.SIGCONT)
         stop(collector, 60)
-    return job._replace(collector_cores=cpu / wall)
+    return job
 
 
 def micro(on: bool, address: str, workdir: Path) -> dict:
