@@ -15,7 +15,9 @@ wrappers could not see, re-registers when groups, topology or device changed, an
 recorder's batches to the Transport.
 
 The end of a rank is reported as an EndOfRank: a normal end (atexit), ``sys.exit`` with a
-non-zero code, an uncaught exception (``sys.excepthook``, chained), or SIGTERM. torchrun sends
+non-zero code (with the exception being handled, when a launcher's wrapper caught the script's
+and exits, as ``torch.multiprocessing.spawn`` does), an uncaught exception (``sys.excepthook``,
+chained), or SIGTERM. torchrun sends
 SIGTERM to the surviving ranks when one fails, and those are usually blocked inside a
 collective, where a Python signal handler would not run until the collective returns; so the
 signal is watched from a thread through ``signal.set_wakeup_fd``, which reports it, flushes for
@@ -114,6 +116,8 @@ class Agent:
         self._stop = threading.Event()
         self._finished = threading.Lock()
         self._done = False
+        self._ended = threading.Event()  # set once finish() has sent the EndOfRank (or given up)
+        self._finisher: int | None = None  # the thread running finish()
         self._exit_code: Any = None
         self._exception = ""
         self._thread = threading.Thread(target=self._run, name="rankscope-agent", daemon=True)
@@ -218,11 +222,26 @@ class Agent:
     # --- the end ------------------------------------------------------------------------------
 
     def finish(self, reason: int, exit_code: int, signum: int, message: str, timeout_s: float) -> None:
-        """Flush everything, send the EndOfRank, close the Transport; once per process."""
+        """Flush everything, send the EndOfRank, close the Transport; once per process.
+
+        A second caller on another thread (SIGTERM arriving while the script exits, or the
+        reverse) waits for the first, up to ``timeout_s``: it would otherwise end the process
+        in the middle of the first one's flush."""
         with self._finished:
-            if self._done:
-                return
+            first = not self._done
             self._done = True
+            if first:
+                self._finisher = threading.get_ident()
+        if not first:
+            if self._finisher != threading.get_ident():
+                self._ended.wait(timeout_s)
+            return
+        try:
+            self._finish(reason, exit_code, signum, message, timeout_s)
+        finally:
+            self._ended.set()
+
+    def _finish(self, reason: int, exit_code: int, signum: int, message: str, timeout_s: float) -> None:
         api._attach(None)
         uninstall_collectives()
         self._stop.set()
@@ -249,7 +268,7 @@ class Agent:
         previous_hook = sys.excepthook
 
         def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-            self._exception = "".join(traceback.format_exception_only(kind, value)).strip()
+            self._exception = _describe(value)
             previous_hook(kind, value, tb)
 
         sys.excepthook = excepthook
@@ -257,6 +276,11 @@ class Agent:
 
         def exit(code: Any = None) -> None:  # noqa: A001 - sys.exit's own name
             self._exit_code = code
+            handled = sys.exc_info()[1]
+            if code not in (None, 0) and handled is not None and not isinstance(handled, SystemExit):
+                # A launcher's wrapper caught the script's exception and exits with a code
+                # (torch.multiprocessing.spawn does): that exception is why the rank ended.
+                self._exception = _describe(handled)
             previous_exit(code)
 
         sys.exit = exit
@@ -267,7 +291,7 @@ class Agent:
             return
         code = self._exit_code
         if self._exception:
-            self.finish(pb.EndOfRank.REASON_EXCEPTION, 1, 0, self._exception, EXIT_FLUSH_S)
+            self.finish(pb.EndOfRank.REASON_EXCEPTION, code if isinstance(code, int) and code else 1, 0, self._exception, EXIT_FLUSH_S)
         elif code not in (None, 0):
             message = "" if isinstance(code, int) else str(code)
             self.finish(pb.EndOfRank.REASON_EXIT_CODE, code if isinstance(code, int) else 1, 0, message, EXIT_FLUSH_S)
@@ -277,6 +301,11 @@ class Agent:
     def _on_sigterm(self) -> None:
         if os.getpid() == self.pid:
             self.finish(pb.EndOfRank.REASON_SIGNAL, 0, int(signal.SIGTERM), "SIGTERM", SIGTERM_FLUSH_S)
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as its last traceback line says it ("RuntimeError: ...")."""
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
 # --- identity ----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import pytest
 
 from conftest import Proc, ProcRunner, Running, free_port, start_collector
 from rankscope.collector.client import Client
+from rankscope.collector.diagnosis.crash import TIMEOUT_WORDS
 
 pytestmark = pytest.mark.slow
 
@@ -160,6 +161,30 @@ def test_every_operation_lines_up_and_plain_processes_agree_on_a_run_id(
     assert all(r["state"] == "completed" and r["end"] >= r["issue"] > 0 for r in rows)
     first = min((r for r in rows if r["rank"] == 0 and r["peer"] < 0), key=lambda r: r["seq"])
     assert (first["op"], first["nbytes"]) == ("all_reduce", 16)
+
+
+def test_ranks_of_mp_spawn_with_accumulation_and_a_crash(
+    proc_runner: ProcRunner, collector: Running, client: Client, tmp_path: Path
+) -> None:
+    """torch.multiprocessing.spawn catches the worker's exception and exits 1, then stops the other
+    ranks with SIGTERM: the crashed rank's exception is still what its end reports, and every rank's
+    end arrives."""
+    script = [sys.executable, str(SCRIPTS / "spawn_accumulate.py"), "--world", "2", "--port", str(free_port())]
+    proc = proc_runner.start([*script, "--crash-rank", "1", "--crash-step", "3"],
+                             env={**agent_env(collector, tmp_path), **NOT_LAUNCHED, "OMP_NUM_THREADS": "1"}, name="spawn")  # fmt: skip
+    assert proc.wait(120) != 0 and "spawned rank 1 failed at step 3" in proc.output(None)
+    run = run_of(client, "spawn_accumulate.py")  # the spawned processes agreed on one run
+    ended = exits(client, run, 2)
+    assert (ended[1]["reason"], ended[1]["exit_code"], ended[1]["message"]) == ("exception", 1, "RuntimeError: spawned rank 1 failed at step 3")
+    # Rank 0 ends either way: by the launcher's SIGTERM, or first by its collective failing with
+    # the peer gone; the two often race, and whichever comes second must not cut the first's report.
+    assert ended[0]["reason"] == "signal" and ended[0]["signal"] == 15 or any(w in ended[0]["message"].lower() for w in TIMEOUT_WORDS), ended[0]
+    # Steps come from the optimizer, not from forward calls: two microbatches per step.
+    spans = query(client, "SELECT rank, step, countIf(name = 'forward') AS forwards FROM spans WHERE run_id = {run:String} "
+                          "AND step <= 2 GROUP BY rank, step", run)  # fmt: skip
+    assert sorted((s["rank"], s["step"], s["forwards"]) for s in spans) == [(r, s, 2) for r in range(2) for s in (1, 2)]
+    reduces = [r for r in collectives(client, run) if r["op"] == "all_reduce" and r["g"] == "default_pg" and r["step"] <= 2]
+    assert sorted((r["rank"], r["step"]) for r in reduces) == [(r, s) for r in range(2) for s in (1, 2)]  # one per step, not per microbatch
 
 
 def test_dtensor_tensor_parallel_inside_fsdp2_lines_up(
