@@ -3,7 +3,10 @@
 - Steps: torch's global optimizer hooks. An iteration ends when an optimizer's ``step()``
   returns; with several optimizers the step is one more than the most steps any of them has
   taken, so a GAN's two optimizers do not count every iteration twice. Each step also records
-  the scalar ``step_time_s``. The ``step()`` call itself is an ``optimizer`` span.
+  the scalar ``step_time_s``. The ``step()`` call itself is an ``optimizer`` span. A script that
+  updates its weights by hand (no torch optimizer exists when its second forward after a
+  backward begins) gets a step per forward-backward cycle of its outermost module instead; the
+  choice is made once, so steps never go backwards and every rank of the job counts alike.
 - ``forward``: the outermost modules that hold parameters (the DDP or FSDP wrapper, the model
   a plain script calls). They are found by global module hooks that run only until the first
   optimizer step (or ``DISCOVERY_CALLS`` outermost calls without one), because global hooks put
@@ -68,6 +71,8 @@ class AutoSpans:
         self._optimizer_spans: dict[int, Span] = {}
         self._step_start = 0
         self._backward_open: Span | None = None
+        self._backward_done = False  # a backward pass ended since the last root forward began
+        self._steps_by: str | None = None  # "optimizer" or "cycles" (forward-backward), once known
         self._engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
         self._handles.append(optim.register_optimizer_step_pre_hook(self._before_step))
         self._handles.append(optim.register_optimizer_step_post_hook(self._after_step))
@@ -101,14 +106,30 @@ class AutoSpans:
             span.__exit__(None, None, None)
         if self.rec.explicit_steps:
             return
+        self._steps_by = self._steps_by or "optimizer"
+        if self._steps_by != "optimizer":
+            return
         self._steps_taken[opt] = self._steps_taken.get(opt, 0) + 1
         step = max(self._steps_taken.values()) + 1
         if step > self.rec.state.step:
-            now = self.rec.clock.wall_ns()
-            if self._step_start:
-                self.rec.add_scalar(self.rec.state.step, self.rec.strings.id("step_time_s"), (now - self._step_start) / 1e9, now)
-            self._step_start = now
-            self.rec.set_step(step)
+            self._begin_step(step)
+
+    def _next_cycle(self) -> None:
+        """A root forward after a backward: a new step for a script without a torch optimizer."""
+        if self.rec.explicit_steps:
+            return
+        if self._steps_by is None:
+            self._steps_by = "optimizer" if _an_optimizer_exists() else "cycles"
+        if self._steps_by == "cycles":
+            self._begin_step(self.rec.state.step + 1)
+
+    def _begin_step(self, step: int) -> None:
+        """End the current step (its ``step_time_s``) and begin ``step``."""
+        now = self.rec.clock.wall_ns()
+        if self._step_start:
+            self.rec.add_scalar(self.rec.state.step, self.rec.strings.id("step_time_s"), (now - self._step_start) / 1e9, now)
+        self._step_start = now
+        self.rec.set_step(step)
 
     def _first_step(self) -> None:
         if not self.rec.explicit_steps and self.rec.state.step == 0:
@@ -153,6 +174,9 @@ class AutoSpans:
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
         if COMPUTE in self.rec.explicit_kinds or getattr(self._tls, "forward", None) is not None:
             return
+        if self._backward_done:
+            self._backward_done = False
+            self._next_cycle()
         self._first_step()
         span = Span(self.rec, "forward", "compute", None, None, {}, auto=True)
         self._tls.forward = (module, span)
@@ -182,6 +206,19 @@ class AutoSpans:
         span, self._backward_open = self._backward_open, None
         if span is not None:
             span.__exit__(None, None, None)
+            self._backward_done = True
+
+
+def _an_optimizer_exists() -> bool:
+    """Whether this process has constructed a torch optimizer: torch marks the ``step`` of each
+    optimizer class it constructs as ``hooked``."""
+    classes = [optim.Optimizer]
+    while classes:
+        cls = classes.pop()
+        if getattr(getattr(cls, "step", None), "hooked", False):
+            return True
+        classes.extend(cls.__subclasses__())
+    return False
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:

@@ -15,7 +15,9 @@ Two sources, merged on (process group, sequence number):
 2. torch's flight recorder (``_dump_fr_trace``, private), read by the background thread only
    for sequence numbers the wrappers did not issue: DDP's C++ gradient reducer, the functional
    collectives of DTensor, compiled graphs. Dumping costs about 20 ms for 2000 entries, so it
-   happens only when such gaps exist, at most every ``fr_interval_s``.
+   happens only when such gaps exist, at most every ``fr_interval_s``, and once more when a
+   group shuts down (``destroy_process_group`` calls ``ProcessGroup.shutdown``, also wrapped):
+   the last operations of a job would otherwise leave with their group.
 
 Sequence numbers. For collectives the number is the flight recorder's ``collective_seq_id``:
 the count of collectives on the group, identical on every member because all members issue
@@ -120,6 +122,10 @@ def _patch() -> None:
         if original is not None:
             _originals[method] = original
             setattr(pg_class, method, _method_wrapper(original, spec))
+    shutdown = getattr(pg_class, "shutdown", None)
+    if shutdown is not None:
+        _originals["shutdown"] = shutdown
+        pg_class.shutdown = _shutdown_wrapper(shutdown)
     work_class = torch._C._distributed_c10d.Work
     _originals["wait"] = work_class.wait
     work_class.wait = _wait_wrapper(work_class.wait)
@@ -145,6 +151,17 @@ def _wait_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         return c.wait(original, work, args, kwargs)
 
     return wait
+
+
+def _shutdown_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def shutdown(pg: Any, *args: Any, **kwargs: Any) -> Any:
+        c = _active
+        if c is not None:
+            c.closing(pg)
+        return original(pg, *args, **kwargs)
+
+    return shutdown
 
 
 # --- process groups ---------------------------------------------------------------------------
@@ -217,7 +234,7 @@ class Groups:
 class _Channel:
     """Sequence-number bookkeeping of one process group."""
 
-    __slots__ = ("pg", "info", "me", "group_id", "counter", "p2p_step", "p2p_in", "last", "issuing", "p2p")
+    __slots__ = ("pg", "info", "me", "group_id", "counter", "p2p_step", "p2p_in", "last", "issuing", "p2p", "closed")
 
     def __init__(self, pg: Any, info: GroupInfo, group_id: int) -> None:
         self.pg = pg
@@ -230,6 +247,7 @@ class _Channel:
         self.last = 0  # collective seq accounted for (issued by a wrapper, or a known gap)
         self.issuing = 0  # wrapper calls in progress: the poller leaves the group alone meanwhile
         self.p2p: dict[tuple[int, int], int] = {}  # (sender, receiver) group ranks -> ops so far
+        self.closed = False  # shut down: its counter is no longer read
 
     def collectives(self) -> int | None:
         """The backend's count of collectives on this group, None without a usable counter."""
@@ -283,6 +301,7 @@ class Collectives:
         self._on_gpu: list[tuple[int, _Pending]] = []  # completed on the CPU side, in flight on the GPU
         self._gaps: dict[tuple[str, int], int] = {}  # (torch group name, seq) -> dumps it was looked for
         self._last_dump = 0.0
+        self._polling = threading.Lock()  # the background thread polls; a group's shutdown, on its own thread
 
     # --- hot path -------------------------------------------------------------------------------
 
@@ -450,15 +469,29 @@ class Collectives:
 
     def poll(self) -> None:
         """Find operations the wrappers did not see, and finish GPU-side completions."""
+        with self._polling:
+            self._poll(fill=False)
+
+    def closing(self, pg: Any) -> None:
+        """``pg`` is about to shut down: look for unseen operations while the groups and the flight
+        recorder still hold them, then leave its counter alone."""
+        try:
+            with self._polling:
+                self._poll(fill=True)
+            self.channel(pg).closed = True
+        except Exception as exc:  # noqa: BLE001 - runs inside destroy_process_group: never raise there
+            warn_once("collective-closing", f"the last collectives of a group could not be looked for ({exc!r})")
+
+    def _poll(self, fill: bool) -> None:
         for pg in self.groups.scan():
             self.channel(pg)
         with self._lock:
             for ch in list(self._channels.values()):
-                if not ch.issuing:
+                if not ch.issuing and not ch.closed:
                     self._before(ch)
         self._show_in_flight()
         self._finish_on_gpu()
-        if self._gaps and (time.monotonic() - self._last_dump >= self.fr_interval_s or len(self._gaps) > 1000):
+        if self._gaps and (fill or time.monotonic() - self._last_dump >= self.fr_interval_s or len(self._gaps) > 1000):
             self._fill_gaps(final=False)
 
     def _show_in_flight(self) -> None:
@@ -523,9 +556,10 @@ class Collectives:
         """At exit: operations still in flight become PENDING rows; gaps get one last look."""
         for p in list(self._pending):
             self.finish(p, PENDING)
-        self.poll()
-        if self._gaps:
-            self._fill_gaps(final=True)
+        with self._polling:
+            self._poll(fill=False)
+            if self._gaps:
+                self._fill_gaps(final=True)
 
 
 # --- torch's flight recorder -------------------------------------------------------------------

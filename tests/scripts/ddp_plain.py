@@ -2,7 +2,8 @@
 
 Run under torchrun with only ``RANKSCOPE_ENABLE=1`` (and the collector's address) set: the
 agent must still record its steps, forward/backward/optimizer spans and DDP's gradient
-all-reduces, and stay out of the data loader's forked worker processes.
+all-reduces, and stay out of the data loader's forked worker processes. ``--by-hand`` updates
+the weights without a torch optimizer, as minimal scripts do.
 """
 
 import argparse
@@ -16,21 +17,27 @@ from torch.utils.data import DataLoader, TensorDataset
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--by-hand", action="store_true", help="plain SGD on the parameters, no torch optimizer")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     model = DistributedDataParallel(net)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = None if args.by_hand else torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = torch.nn.MSELoss()
     generator = torch.Generator().manual_seed(dist.get_rank())
     n = 16 * args.steps
     data = TensorDataset(torch.randn(n, 32, generator=generator), torch.randn(n, 8, generator=generator))
     loader = DataLoader(data, batch_size=16, num_workers=2, multiprocessing_context="fork")
     for x, y in loader:
-        optimizer.zero_grad()
+        model.zero_grad()
         loss_fn(model(x), y).backward()
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
+            continue
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
     dist.destroy_process_group()
 
 
