@@ -122,11 +122,15 @@ def detect(ctx: RunContext) -> list[Finding]:
 
 
 def _waits(state: dict) -> list[Wait]:
-    return [
-        Wait(g, int(seq), op, int(peer))
+    """What a quiet rank is blocked in: the operations its thread waits in, or, when the agent saw
+    it wait in none, every operation it has in flight. DDP's reducer waits for its gradient
+    all-reduces in C++, and on a GPU the thread blocks later, in a synchronisation: either way
+    none of those operations completed while the rank made no progress."""
+    ops = [
+        (Wait(g, int(seq), op, int(peer)), bool(waiting))
         for g, seq, op, peer, waiting in zip(state["groups"], state["seqs"], state["ops"], state["peers"], state["waiting"])
-        if waiting
     ]
+    return [w for w, waiting in ops if waiting] or [w for w, _ in ops]
 
 
 def _entered(ctx: RunContext, states: dict[int, dict], groups: list[str]) -> dict[tuple, int]:

@@ -3,10 +3,12 @@
 Run under torchrun with only ``RANKSCOPE_ENABLE=1`` (and the collector's address) set: the
 agent must still record its steps, forward/backward/optimizer spans and DDP's gradient
 all-reduces, and stay out of the data loader's forked worker processes. ``--by-hand`` updates
-the weights without a torch optimizer, as minimal scripts do.
+the weights without a torch optimizer, as minimal scripts do; ``--stall-rank R --stall-step S``
+keeps rank R busy outside any collective for ``--stall-s`` seconds before step S (a hang's root).
 """
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--by-hand", action="store_true", help="plain SGD on the parameters, no torch optimizer")
+    parser.add_argument("--stall-rank", type=int, default=-1)
+    parser.add_argument("--stall-step", type=int, default=-1)
+    parser.add_argument("--stall-s", type=float, default=0.0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -29,7 +34,9 @@ def main() -> None:
     n = 16 * args.steps
     data = TensorDataset(torch.randn(n, 32, generator=generator), torch.randn(n, 8, generator=generator))
     loader = DataLoader(data, batch_size=16, num_workers=2, multiprocessing_context="fork")
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader, start=1):
+        if step == args.stall_step and dist.get_rank() == args.stall_rank:
+            time.sleep(args.stall_s)
         model.zero_grad()
         loss_fn(model(x), y).backward()
         if optimizer is not None:
