@@ -92,7 +92,7 @@ class Score:
             return not self.incidents
         return (
             len(self.expected) == 1
-            and tuple(sorted(self.expected[0]["ranks"])) == s.ranks
+            and tuple(sorted(self.expected[0]["ranks"])) == tuple(sorted(s.ranks))
             and tuple(sorted(self.expected[0]["hosts"])) == s.hosts
             and not self.extra
         )
