@@ -37,6 +37,13 @@ def _clickhouse(text: str) -> str:
     return text
 
 
+def _nice(text: str) -> int:
+    value = count(0)(text)
+    if value > 19:
+        raise argparse.ArgumentTypeError(f"a nice value is 0-19, got {value}")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--store", metavar="DIR", type=Path, default=Path(DEFAULT_STORE),
@@ -76,13 +83,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds between two diagnosis passes over the active runs (default: 5); a run"
                              " with nothing new stored since its last pass waits for new rows")
     parser.add_argument("--no-diagnosis", action="store_true", help="store only; run no detectors")
+    parser.add_argument("--nice", metavar="N", type=_nice, default=10,
+                        help="CPU priority to run at, 0-19 (default: 10): on a machine it shares with training, the"
+                             " collector's bursts (inserts, diagnosis passes) take a small share of a busy CPU instead of"
+                             " a whole core from the job; on a machine of its own it changes nothing")
     parser.add_argument("--alert-webhook", metavar="URL", help="POST every new incident as JSON to URL")
 
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.agent.autoload import forbid
+    from rankscope.processes import yield_cpu
 
     forbid("collector")  # never a training rank, nor anything it starts
+    yield_cpu(args.nice)  # first: the threads started from here on take its priority
     from rankscope.collector.ingest import TimeWindow
     from rankscope.collector.query import Limits
     from rankscope.collector.server import ServerOptions, main

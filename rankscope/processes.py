@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 
-__all__ = ["alive", "process_tree", "terminate_tree"]
+__all__ = ["alive", "process_tree", "terminate_tree", "yield_cpu"]
 
 
 def _proc_table() -> dict[int, tuple[int, int, str, int]]:
@@ -97,3 +97,32 @@ def terminate_tree(popen: subprocess.Popen[bytes], grace_s: float) -> None:
     deadline = time.monotonic() + 5.0  # SIGKILL is not instant on a busy machine: wait until they are gone
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def yield_cpu(nice: int) -> None:
+    """Run this process at CPU priority ``nice`` (0-19) or lower: training sharing the machine comes first.
+
+    Linux keeps a nice value per thread and a new thread takes its creator's, so every thread
+    there is now is lowered (call it early). Where the kernel schedules by autogroup (most distributions), CPU
+    time is first shared between sessions, so a busy moment of a process would take a whole core
+    from a job in another session whatever its threads' nice; a session leader therefore lowers
+    its session's autogroup too. A process sharing its session (a shell's job) leaves it alone:
+    that would lower everything else started from the same terminal. Failures change nothing.
+    """
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
+        try:
+            if nice > os.getpriority(os.PRIO_PROCESS, int(tid)):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:
+            pass  # ended meanwhile, or not allowed
+    if os.getsid(0) != os.getpid():
+        return
+    try:
+        with open("/proc/self/autogroup") as f:  # "/autogroup-123 nice 0"
+            current = int(f.read().split()[-1])
+        if current < nice:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+    except (OSError, ValueError, IndexError):
+        pass
+

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -24,6 +27,7 @@ from rankscope.collector.server import ServerOptions
         (["--time-window", "3600,-5"], "more than 0 seconds"),
         (["--max-buffered-rows", "lots"], "expected a whole number"),
         (["--flush-interval", "0"], "more than 0 seconds"),
+        (["--nice", "20"], "a nice value is 0-19"),
     ],
 )
 def test_bad_flag_values_exit_2_with_the_reason(args: list[str], reason: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,3 +45,26 @@ def test_the_flag_defaults_are_the_collectors_own() -> None:
     args, options = parser.parse_args([]), ServerOptions()
     assert (args.flush_interval, args.diagnose_every, args.max_buffered_rows) == (
         options.flush_interval_s, options.diagnose_interval_s, options.max_buffered_rows)
+
+
+YIELD = """
+import os, sys, threading
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # a thread that exists before
+from rankscope.processes import yield_cpu
+yield_cpu(7)
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # and one started after
+nices = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
+print(nices, open("/proc/self/autogroup").read().split()[-1])
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="the kernel does not schedule by autogroup")
+@pytest.mark.parametrize("own_session", [True, False])
+def test_the_collector_yields_the_cpu_and_its_session_only_when_it_leads_one(own_session: bool) -> None:
+    """Every thread is lowered; the session's autogroup only when the process leads its session
+    (lowering a shared one would lower everything else started from the same terminal)."""
+    done = subprocess.run([sys.executable, "-c", YIELD], capture_output=True, text=True, timeout=60, start_new_session=own_session)
+    assert done.returncode == 0, done.stderr
+    mine = open("/proc/self/autogroup").read().split()[-1]
+    assert done.stdout.split() == ["[7]", "7" if own_session else mine]
+
