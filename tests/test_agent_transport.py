@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import pytest
 
+from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import AgentConfig, load_config
 from rankscope.agent.spool import leftovers
 from rankscope.agent.transport import Transport
@@ -141,10 +142,33 @@ def test_round_trip_and_clock_offset(collector: Collector, tmp_path: Path) -> No
     assert (stats.acked, stats.duplicates, stats.spooled, stats.dropped, stats.errors) == (6, 0, 0, 0, {})
     assert collector.count("spans", run_id) == 5 * EVENTS
     assert collector.query("SELECT host FROM ranks WHERE run_id = {run:String}", run=run_id) == [{"host": "test-host"}]
-    # Same machine, same clock: the true offset is 0; the estimate is off by the asymmetry of
-    # one loopback exchange at most.
-    assert t.clock_offset_ns != 0 and abs(t.clock_offset_ns) < 20_000_000
+    # Same machine, same clock: every exchange allows an offset of 0, so 0 it is (each exchange's
+    # midpoint alone is off by the asymmetry of its delays).
+    assert t.clock_offset_ns == 0
     assert list((tmp_path / "spool").glob("*")) == []  # nothing was ever spooled
+
+
+MS = 1_000_000
+
+
+def _exchange(clock: ClockEstimator, offset: int, there: int, serving: int, back: int, t0: int = 10**18) -> None:
+    """One acknowledged call: ``offset`` = collector clock minus rank clock, delays in ns."""
+    t1 = t0 + there + offset
+    clock.add(t0, t1, t1 + serving, t0 + there + serving + back)
+
+
+def test_the_clock_offset_is_the_least_correction_the_exchanges_allow() -> None:
+    skewed = ClockEstimator()
+    _exchange(skewed, 10 * MS, there=MS // 5, serving=MS, back=MS // 5)
+    assert 10 * MS - MS // 5 <= skewed.offset_ns <= 10 * MS  # a real skew is corrected, to within the round trip
+    starved = ClockEstimator()
+    for _ in range(5):  # same clock, but the collector ran the handler 40 ms after the request came in
+        _exchange(starved, 0, there=40 * MS, serving=MS, back=MS // 10)
+    assert starved.offset_ns == 0  # the midpoint says 20 ms; nothing demands a correction
+    for _ in range(5):
+        _exchange(starved, 0, there=MS // 10, serving=MS, back=MS // 10)
+    _exchange(starved, 50 * MS, there=MS // 10, serving=MS, back=MS // 10)  # the collector's clock stepped
+    assert 50 * MS - MS // 10 <= starved.offset_ns <= 50 * MS  # taken up at once, not held back by older bounds
 
 
 def test_throughput_of_one_transport(collector: Collector, tmp_path: Path) -> None:
