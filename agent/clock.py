@@ -38,12 +38,14 @@ class ClockEstimator:
         if round_trip < 0:
             return  # the collector took longer than the whole exchange: a clock jumped
         midpoint = ((t1 - t0) + (t2 - t3)) // 2
-        self._bounds.append((midpoint - (round_trip + 1) // 2, midpoint + (round_trip + 1) // 2))
+        half = (round_trip + 1) // 2
+        self._bounds.append((midpoint - half, midpoint + half))
         lowest = max(b[0] for b in self._bounds)
         highest = min(b[1] for b in self._bounds)
         if lowest > highest:  # contradicting bounds: a clock moved; start again from this exchange
-            self._bounds = deque([self._bounds[-1]], maxlen=self._bounds.maxlen)
-            lowest, highest = self._bounds[0]
+            lowest, highest = self._bounds[-1]
+            self._bounds.clear()
+            self._bounds.append((lowest, highest))
         self._estimate = min(max(0, lowest), highest)
 
     @property

@@ -4,9 +4,9 @@
 
 1. The bundled trainer's default 8-rank CPU job, alternately with the agent off and on
    (RANKSCOPE_ENABLE=1, default settings), ``--repeats`` pairs of runs, against a collector on this
-   machine (where the demo runs it): with its default live diagnosis, ingesting only
-   (``--no-diagnosis``), and paused (SIGSTOP: what is left is the agent's own cost in the
-   ranks); median step time of each side, the median and range of the pairs' ratios, and the
+   machine (where the demo runs it): with its default live diagnosis, the same at ``--nice 10``
+   (the priority advised beside training), ingesting only at ``--nice 10`` (``--no-diagnosis``),
+   and paused (SIGSTOP: what is left is the agent's own cost in the ranks); median step time of each side, the median and range of the pairs' ratios, and the
    CPU the collector used during the measured steps (on a machine the job saturates, that CPU
    is taken from training).
 2. In two fresh processes side by side: the cost of one recorded span and one recorded
@@ -80,7 +80,8 @@ MICRO = textwrap.dedent(
 #: ranks (its calls wait, its batches are kept in memory and spooled at the end).
 COLLECTORS = {
     "collector with live diagnosis (defaults)": ((), False),
-    "collector ingesting only (--no-diagnosis)": (("--no-diagnosis",), False),
+    "collector with live diagnosis at --nice 10": (("--nice", "10"), False),
+    "collector ingesting only at --nice 10": (("--no-diagnosis", "--nice", "10"), False),
     "collector paused (the agent in the ranks alone)": ((), True),
 }
 
@@ -155,7 +156,7 @@ def step_times(flags: tuple[str, ...], paused: bool, args: argparse.Namespace, w
     """Interleaved off/on runs against a collector started with ``flags`` (stopped with SIGSTOP
     while they run when ``paused``). The ratio of each neighbouring pair, not of the pooled
     medians: the machine's speed drifts between runs."""
-    name = f"{len(flags)}-{int(paused)}"
+    name = ("".join(flags).replace("-", "") or "defaults") + ("-paused" if paused else "")
     collector, address = start_collector(workdir / f"store-{name}", workdir / f"collector-{name}.log", *flags)
     if paused:
         os.kill(collector.pid, signal.SIGSTOP)
@@ -197,8 +198,7 @@ def main() -> None:
     collector = None
     try:
         jobs = {name: step_times(flags, paused, args, workdir) for name, (flags, paused) in COLLECTORS.items()}
-        # the micro-benchmarks and the sender measure the agent, not a collector beside training: full priority
-        collector, address = start_collector(workdir / "store", workdir / "collector.log", "--no-diagnosis", "--nice", "0")
+        collector, address = start_collector(workdir / "store", workdir / "collector.log", "--no-diagnosis")
         off, on = micro(False, address, workdir), micro(True, address, workdir)
         import multiprocessing as mp
 

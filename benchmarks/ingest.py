@@ -127,10 +127,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="rankscope-ingest-"))
     store = workdir / "store"
     metrics_port = free_port()
-    # The senders stand in for agents on other machines: the collector runs at full priority (--nice 0),
-    # as on a machine of its own, instead of yielding to them as it yields to training beside it.
-    collector, address = start_collector(store, workdir / "collector.log", "--metrics-port", str(metrics_port), "--no-diagnosis",
-                                         "--nice", "0")  # fmt: skip
+    collector, address = start_collector(store, workdir / "collector.log", "--metrics-port", str(metrics_port), "--no-diagnosis")
     run_id = f"bench-{os.getpid()}"
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()

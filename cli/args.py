@@ -33,16 +33,21 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def port(minimum: int = 0) -> Callable[[str], int]:
-    """A TCP port from ``minimum`` (0: the system picks a free one) to 65535."""
+def within(minimum: int, maximum: int, what: str) -> Callable[[str], int]:
+    """A whole number from ``minimum`` to ``maximum``; ``what`` names it in the message ("a port")."""
 
     def parse(text: str) -> int:
         value = count(minimum)(text)
-        if value > 65535:
-            raise argparse.ArgumentTypeError(f"a port is {minimum}-65535, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{what} is {minimum}-{maximum}, got {value}")
         return value
 
     return parse
+
+
+def port(minimum: int = 0) -> Callable[[str], int]:
+    """A TCP port from ``minimum`` (0: the system picks a free one) to 65535."""
+    return within(minimum, 65535, "a port")
 
 
 def _above_zero(expected: str, unit: str) -> Callable[[str], float]:

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from rankscope.cli.args import add_thresholds, count, listen, port, seconds, thresholds
+from rankscope.cli.args import add_thresholds, count, listen, port, seconds, thresholds, within
 from rankscope.cli.tls import pem_file
 
 HELP = "run the collector: gRPC ingest from the agents, storage, read-only queries"
@@ -35,13 +35,6 @@ def _clickhouse(text: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"expected http[s]://user:password@host:8123/database, got {text!r}")
     return text
-
-
-def _nice(text: str) -> int:
-    value = count(0)(text)
-    if value > 19:
-        raise argparse.ArgumentTypeError(f"a nice value is 0-19, got {value}")
-    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds between two diagnosis passes over the active runs (default: 5); a run"
                              " with nothing new stored since its last pass waits for new rows")
     parser.add_argument("--no-diagnosis", action="store_true", help="store only; run no detectors")
-    parser.add_argument("--nice", metavar="N", type=_nice, default=0,
+    parser.add_argument("--nice", metavar="N", type=within(0, 19, "a nice value"), default=0,
                         help="CPU priority to run at, 0-19 (default: 0); 10 on a machine it shares with training: the"
                              " collector's bursts (inserts, diagnosis passes) then take a small share of a busy CPU instead"
                              " of a whole core from the job")

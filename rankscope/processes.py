@@ -103,11 +103,12 @@ def yield_cpu(nice: int) -> None:
     """Run this process at CPU priority ``nice`` (0-19) or lower: training sharing the machine comes first.
 
     Linux keeps a nice value per thread and a new thread takes its creator's, so every thread
-    there is now is lowered (call it early). Where the kernel schedules by autogroup (most distributions), CPU
-    time is first shared between sessions, so a busy moment of a process would take a whole core
-    from a job in another session whatever its threads' nice; a session leader therefore lowers
-    its session's autogroup too. A process sharing its session (a shell's job) leaves it alone:
-    that would lower everything else started from the same terminal. Failures change nothing.
+    there is now is lowered (call it early). Where the kernel schedules by autogroup (most
+    distributions), CPU time is first shared between sessions, so a busy moment of a process
+    would take a whole core from a job in another session whatever its threads' nice; a session
+    leader therefore lowers its session's autogroup too. A process sharing its session (a
+    shell's job) leaves it alone: that would lower everything else started from the same
+    terminal. Failures change nothing.
     """
     for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
         try:
@@ -125,4 +126,3 @@ def yield_cpu(nice: int) -> None:
                 f.write(str(nice))
     except (OSError, ValueError, IndexError):
         pass
-

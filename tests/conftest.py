@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,22 @@ def start_collector(
     line = next(text for text in proc.stdout.splitlines() if "listening on" in text)
     metrics_url = re.search(r"metrics on (\S+)", line)
     return Running(proc, listen_address(line) or "", metrics_url.group(1) if metrics_url else None, store)
+
+
+INCIDENTS_SQL = "SELECT kind, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String} ORDER BY first_seen"
+
+
+def incidents(address: str, run_id: str, until: Callable[[list[dict], Any], bool], timeout_s: float) -> list[dict]:
+    """Poll a run's incidents until ``until(incidents, client)`` holds (or time runs out); returns the last answer."""
+    from rankscope.collector.client import Client
+
+    with Client(address) as client:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = client.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()
+            if until(found, client) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
 
 
 @pytest.fixture

@@ -8,32 +8,17 @@ agent sees them only in torch's flight recorder, in flight, never as a wait of t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from conftest import Proc, ProcRunner, start_collector
-from rankscope.collector.client import Client
+from conftest import Proc, ProcRunner, incidents, start_collector
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_plain.py"
 FAST = {"RANKSCOPE_FLUSH_S": "0.5", "RANKSCOPE_HEARTBEAT_S": "1"}
-
-
-def incidents(client: Client, run: str, kind: str, timeout_s: float) -> list[dict]:
-    """The run's incidents of ``kind`` once there is one (or none after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = client.query(
-            "SELECT ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String} AND kind = {kind:String}",
-            {"run": run, "kind": kind},
-        ).to_pylist()
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.5)
 
 
 def test_a_rank_stuck_outside_ddps_all_reduce_is_the_hangs_root(
@@ -43,8 +28,8 @@ def test_a_rank_stuck_outside_ddps_all_reduce_is_the_hangs_root(
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool"),
            "RANKSCOPE_RUN_ID": "plain-hang", "RANKSCOPE_HOST": "node-{rank//2}", **FAST}  # fmt: skip
     proc = torchrun([str(SCRIPT), "--steps", "6", "--stall-rank", "2", "--stall-step", "4", "--stall-s", "25"], 4, env=env)
-    with Client(collector.target) as client:
-        hangs = incidents(client, "plain-hang", "hang", timeout_s=90)
+    found = incidents(collector.target, "plain-hang", lambda found, _: any(i["kind"] == "hang" for i in found), timeout_s=90)
+    hangs = [i for i in found if i["kind"] == "hang"]
     assert hangs, f"no hang found\n{collector.proc.output(None)[-3000:]}"
     assert (hangs[0]["ranks"], hangs[0]["hosts"]) == ([2], ["node-1"]), hangs
     assert "default_pg" in hangs[0]["summary"]  # where the others wait: DDP's gradient all-reduce

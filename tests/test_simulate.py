@@ -17,10 +17,9 @@ from rankscope.collector.simulate.model import StepModel, Timing, one_f_one_b, t
 from rankscope.collector.simulate.rows import ALL_REDUCE, RECV, SEND, Slice
 from rankscope.collector.simulate.topology import build
 
-from conftest import start_collector
+from conftest import incidents, start_collector
 
 SHAPE = ["--tp", "4", "--pp", "4", "--dp", "16"]
-INCIDENTS_SQL = "SELECT kind, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String} ORDER BY first_seen"
 STATUS_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {run:String}"
 
 
@@ -72,19 +71,6 @@ def simulate(proc_runner, address: str, run_id: str, *flags: str):
          "--step-time", "0.5", "--batches-per-s", "400", *flags],
         name=f"simulate-{run_id}",
     )  # fmt: skip
-
-
-def incidents(address: str, run_id: str, until, timeout_s: float) -> list[dict]:
-    """Poll the incidents until ``until(incidents)`` holds (or time runs out); returns the last answer."""
-    from rankscope.collector.client import Client
-
-    with Client(address) as client:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = client.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()
-            if until(found, client) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.5)
 
 
 @pytest.mark.slow
