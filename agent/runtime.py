@@ -215,7 +215,7 @@ class Agent:
                 world_size=world_size, host=self.config.host(rank, local_rank, node_rank), pid=self.pid,
                 local_rank=local_rank, device=device, tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank,
                 dp_rank=dp_rank, groups=self.groups.protos(), config_json=json.dumps({"argv": sys.argv}),
-                start_time_ns=self.start_ns, agent_version=rankscope.__version__,
+                start_time_ns=self.start_ns, agent_version=rankscope.__version__, time_ns=time.time_ns(),
             )
         )  # fmt: skip
 

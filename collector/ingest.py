@@ -102,20 +102,32 @@ class RunInfo:
     pp: int = 1
     dp: int = 1
     config: str = ""
+    #: whether tp, pp and dp come from a rank that knew its place in them
+    placed: bool = False
     hosts: dict[int, str] = field(default_factory=dict)
+    #: rank -> the time of its newest registration (ns, collector clock)
+    registered: dict[int, int] = field(default_factory=dict)
     #: rank -> (exit reason, exit time ns)
     exits: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     def merge(self, other: RunInfo) -> None:
         """Fill what this record lacks from ``other`` (an older record read back from the store)."""
+        if not self.world_size or (other.placed and not self.placed):
+            self.tp, self.pp, self.dp, self.placed = other.tp, other.pp, other.dp, other.placed
         if not self.world_size:
-            self.name, self.world_size, self.tp, self.pp, self.dp, self.config = (
-                other.name, other.world_size, other.tp, other.pp, other.dp, other.config,
-            )
+            self.name, self.world_size, self.config = other.name, other.world_size, other.config
         if other.start_ns and (not self.start_ns or other.start_ns < self.start_ns):
             self.start_ns = other.start_ns
         self.hosts = {**other.hosts, **self.hosts}
+        for rank, registered in other.registered.items():
+            self.registered[rank] = max(registered, self.registered.get(rank, 0))
         self.exits = {**other.exits, **self.exits}
+
+    def is_current(self, rank: int, registered_ns: int) -> bool:
+        """Whether a registration of ``rank`` made at ``registered_ns`` is its newest, and newer than its
+        exit: an older one delivered late (a retry, a spool replay) must not undo what came after it."""
+        exited = self.exits.get(rank)
+        return registered_ns >= self.registered.get(rank, 0) and (exited is None or registered_ns > exited[1])
 
 
 class RunRegistry:
@@ -168,7 +180,10 @@ def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str
         " argMax(tp, updated) AS tp, argMax(pp, updated) AS pp, argMax(dp, updated) AS dp,"
         " argMax(config, updated) AS config FROM runs WHERE run_id = {run_id:String} HAVING count() > 0"
     )
-    ranks_q = "SELECT rank, argMax(host, registered) AS host FROM ranks WHERE run_id = {run_id:String} GROUP BY rank"
+    ranks_q = (
+        "SELECT rank, argMax(host, registered) AS host, toUnixTimestamp64Nano(max(registered)) AS newest,"
+        " argMax(pp_rank, registered) >= 0 AS placed FROM ranks WHERE run_id = {run_id:String} GROUP BY rank"
+    )
     exits_q = (
         "SELECT rank, argMax(reason, time) AS reason, toUnixTimestamp64Nano(max(time)) AS t"
         " FROM exits WHERE run_id = {run_id:String} GROUP BY rank"
@@ -177,7 +192,10 @@ def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str
     info = RunInfo()
     for row in query(run_q, params).to_pylist():
         info = RunInfo(row["name"], row["start"], row["ws"], row["tp"], row["pp"], row["dp"], row["config"])
-    info.hosts = {r["rank"]: r["host"] for r in query(ranks_q, params).to_pylist()}
+    ranks = query(ranks_q, params).to_pylist()
+    info.hosts = {r["rank"]: r["host"] for r in ranks}
+    info.registered = {r["rank"]: r["newest"] for r in ranks}
+    info.placed = any(r["placed"] for r in ranks)
     info.exits = {r["rank"]: (r["reason"], r["t"]) for r in query(exits_q, params).to_pylist()}
     return info
 
@@ -312,25 +330,17 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
         if outside:
             raise IngestError(f"register.groups[{g.name!r}]: ranks {outside} outside 0 .. {reg.world_size - 1}")
     start = ctx.time("register.start_time_ns", reg.start_time_ns)
-
-    run = registry.run(ctx.run_id)
-    run.world_size, run.tp, run.pp, run.dp = reg.world_size, max(reg.tp, 1), max(reg.pp, 1), max(reg.dp, 1)
-    run.start_ns = min(run.start_ns, start) if run.start_ns else start
-    # Ranks that leave the name or config empty do not erase what another rank sent.
-    run.name, run.config = reg.run_name or run.name, reg.config_json or run.config
-    run.hosts[ctx.rank] = reg.host
-    run.exits.pop(ctx.rank, None)  # registered again: the rank (or its restart) is alive
-
-    now = pa.scalar(ctx.now_ns, type=TIMESTAMP)
-    return {
-        "runs": _runs_row(ctx, run, "running", end_ns=0),
+    registered = ctx.time("register.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns
+    # Rows versioned by when the agent registered, not by arrival: the newest stands whatever the order.
+    at = pa.scalar(registered, type=TIMESTAMP)
+    parts = {
         "ranks": _table(
             "ranks",
             {
                 "run_id": [ctx.run_id], "rank": [ctx.rank], "host": [reg.host], "pid": [max(reg.pid, 0)],
                 "local_rank": [reg.local_rank], "device": [reg.device], "tp_rank": [reg.tp_rank],
                 "pp_rank": [reg.pp_rank], "dp_rank": [reg.dp_rank], "clock_offset_ns": [ctx.offset],
-                "agent_version": [reg.agent_version], "registered": pa.array([now]),
+                "agent_version": [reg.agent_version], "registered": pa.array([at]),
             },
         ),
         "groups": _table(
@@ -338,10 +348,27 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
             {
                 "run_id": [ctx.run_id] * len(reg.groups), "name": [g.name for g in reg.groups],
                 "description": [g.description for g in reg.groups], "ranks": [list(g.ranks) for g in reg.groups],
-                "registered": pa.array([now] * len(reg.groups), type=TIMESTAMP),
+                "registered": pa.array([at] * len(reg.groups), type=TIMESTAMP),
             },
         ),
     }
+    run = registry.run(ctx.run_id)
+    if not run.is_current(ctx.rank, registered):
+        return parts  # stored for the record; the run stays as the rank's newer registration or exit left it
+    run.registered[ctx.rank] = registered
+    # A rank that does not know its coordinates yet (registered before the script set the topology)
+    # does not undo the sizes a rank that knew them sent.
+    placed = min(reg.tp_rank, reg.pp_rank, reg.dp_rank) >= 0
+    if placed or not run.placed:
+        run.tp, run.pp, run.dp, run.placed = max(reg.tp, 1), max(reg.pp, 1), max(reg.dp, 1), placed
+    run.world_size = reg.world_size
+    run.start_ns = min(run.start_ns, start) if run.start_ns else start
+    # Ranks that leave the name or config empty do not erase what another rank sent.
+    run.name, run.config = reg.run_name or run.name, reg.config_json or run.config
+    run.hosts[ctx.rank] = reg.host
+    run.exits.pop(ctx.rank, None)  # registered again: the rank (or its restart) is alive
+    parts["runs"] = _runs_row(ctx, run, "running", end_ns=0)
+    return parts
 
 
 def _runs_row(ctx: _Context, run: RunInfo, status: str, end_ns: int) -> pa.Table:

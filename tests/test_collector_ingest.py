@@ -34,12 +34,17 @@ def envelope(run_id: str, rank: int, *, offset_ns: int = 0, **payload: object) -
     )
 
 
-def register(run_id: str, rank: int, world_size: int, *, host: str = "node-0", start_ns: int | None = None) -> ingest_pb2.Batch:
+def register(
+    run_id: str, rank: int, world_size: int, *, host: str = "node-0", start_ns: int | None = None, time_ns: int = 0, placed: bool = True
+) -> ingest_pb2.Batch:
+    """A data-parallel rank's registration; ``placed=False``: one sent before the script set the
+    topology (sizes 1, coordinates -1)."""
     groups = [telemetry_pb2.Group(name="world", description="all ranks", ranks=list(range(world_size)))]
+    dp, coords = (world_size, (0, 0, rank)) if placed else (1, (-1, -1, -1))
     reg = telemetry_pb2.Register(
-        world_size=world_size, host=host, pid=1000 + rank, local_rank=rank, device="cpu", tp=1, pp=1, dp=world_size,
-        tp_rank=0, pp_rank=0, dp_rank=rank, groups=groups, run_name=f"job {run_id}", config_json='{"lr": 0.1}',
-        start_time_ns=start_ns or time.time_ns(), agent_version="test",
+        world_size=world_size, host=host, pid=1000 + rank, local_rank=rank, device="cpu", tp=1, pp=1, dp=dp,
+        tp_rank=coords[0], pp_rank=coords[1], dp_rank=coords[2], groups=groups, run_name=f"job {run_id}",
+        config_json='{"lr": 0.1}', start_time_ns=start_ns or time.time_ns(), agent_version="test", time_ns=time_ns,
     )
     return envelope(run_id, rank, register=reg)
 
@@ -186,6 +191,26 @@ def test_the_last_rank_to_end_closes_the_run() -> None:
     run = last["runs"].to_pylist()[0]
     assert run["status"] == "failed" and run["world_size"] == 2 and run["name"] == "job r"
     assert registry.has_ended("r", 1)
+
+
+def test_a_registration_delivered_after_a_newer_one_or_the_ranks_end_changes_nothing() -> None:
+    """A rank registers before the script sets its topology and again after; a retry or a spool
+    replay can deliver the first one last. Rows are versioned by when the agent registered, and the
+    run keeps what the newer registration (or the rank's end) left."""
+    registry = RunRegistry()
+    t = time.time_ns()
+    newer = _decode(register("r", 0, 2, time_ns=t), registry).parts
+    older = _decode(register("r", 0, 2, time_ns=t - 10**9, placed=False), registry).parts
+    assert "runs" not in older and registry.run("r").dp == 2
+    assert older["ranks"]["registered"][0].value == t - 10**9 < newer["ranks"]["registered"][0].value == t
+    # A rank that does not know its place yet keeps the sizes another rank sent.
+    unplaced = _decode(register("r", 1, 2, time_ns=t + 1, placed=False), registry).parts
+    assert unplaced["runs"].to_pylist()[0]["dp"] == 2
+    _decode(end("r", 0), registry)
+    assert "runs" not in _decode(register("r", 0, 2, time_ns=t), registry).parts  # the newest, again, after the end
+    assert registry.has_ended("r", 0)
+    _decode(register("r", 0, 2, time_ns=time.time_ns()), registry)  # registered after its end: restarted
+    assert not registry.has_ended("r", 0)
 
 
 def _corrupt(batch: ingest_pb2.Batch, field: str, value: object) -> ingest_pb2.Batch:

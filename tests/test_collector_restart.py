@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 def test_acknowledged_batches_survive_sigterm_and_restart(proc_runner: ProcRunner, tmp_path: Path) -> None:
     store, run = tmp_path / "data", "restart"
+    before_ns = time.time_ns()  # the registrations below carry no time of their own: they are versioned on arrival
     # A flush interval of a minute: the batches are still buffered when SIGTERM comes.
     first = start_collector(proc_runner, store, "--flush-interval", "60", name="first")
     batches = [register(run, rank, 2, host=f"node-{rank}") for rank in range(2)] + [spans(run, rank, 1000) for rank in range(2)]
@@ -42,11 +43,15 @@ def test_acknowledged_batches_survive_sigterm_and_restart(proc_runner: ProcRunne
         stub = ingest_pb2_grpc.IngestStub(channel)
         assert stub.Send(batches[2], timeout=30).duplicate  # stored by the first collector
         stub.Send(heartbeats(run, 1), timeout=30)
+        # An older registration of rank 0 arriving now (a spool replay) undoes nothing the first collector stored.
+        stub.Send(register(run, 0, 2, time_ns=before_ns, placed=False), timeout=30)
         for rank in range(2):
             stub.Send(end(run, rank), timeout=30)
     with Client(second.target) as client:
         assert client.query("SELECT count() AS n FROM spans WHERE run_id = {run:String}", {"run": run}).to_pylist() == [{"n": 2000}]
         # The host of a rank registered with the first collector, and the run's size, are known.
         assert client.query("SELECT host FROM heartbeats WHERE run_id = {run:String}", {"run": run}).to_pylist() == [{"host": "node-1"}]
-        status = client.query("SELECT status, world_size FROM runs FINAL WHERE run_id = {run:String}", {"run": run}).to_pylist()
-        assert status == [{"status": "finished", "world_size": 2}]
+        status = client.query("SELECT status, world_size, dp FROM runs FINAL WHERE run_id = {run:String}", {"run": run}).to_pylist()
+        assert status == [{"status": "finished", "world_size": 2, "dp": 2}]
+        places = "SELECT rank, argMax(dp_rank, registered) AS dp_rank FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank"
+        assert client.query(places, {"run": run}).to_pylist() == [{"rank": 0, "dp_rank": 0}, {"rank": 1, "dp_rank": 1}]

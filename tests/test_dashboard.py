@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import sys
 import time
 import urllib.request
@@ -46,20 +47,30 @@ STRAGGLER = "rank 5 (node-2)"
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, scenarios.Score]:
-    """(run id, store, a copy of the store, the diagnosis's score) of one real straggler run."""
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, scenarios.Score, str]:
+    """(run id, store, a copy of the store, the diagnosis's score, what to read if the live diagnosis
+    missed the straggler) of one real straggler run."""
     workdir = tmp_path_factory.mktemp("dashboard-run")
     score = scenarios.run(scenarios.SCENARIOS["straggler-1.3"], workdir=workdir, log=lambda line: None)
     copy = workdir / "store-copy"
     shutil.copytree(workdir / "store", copy, symlinks=True)  # chDB links tables into store/ with relative symlinks
-    return score.run_id, workdir / "store", copy, score
+    return score.run_id, workdir / "store", copy, score, "" if score.passed else _why_missed(workdir, copy, score.run_id)
 
 
-def _diagnosed(recorded: tuple[str, Path, Path, scenarios.Score]) -> str:
+def _why_missed(workdir: Path, store: Path, run_id: str) -> str:
+    """The collector's warnings and the offline diagnosis of the whole run (read before anything holds the copy)."""
+    offline = subprocess.run([sys.executable, "-m", "rankscope.cli.main", "diagnose", "--store", str(store), "--run", run_id],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    log = (workdir / "collector.log").read_text(errors="replace").splitlines()
+    warnings = [line for line in log if "WARNING" in line or "Error" in line][-20:]
+    return "\n".join(["offline diagnosis:", offline.stdout[-3000:], offline.stderr[-2000:], "collector warnings:", *warnings])
+
+
+def _diagnosed(recorded: tuple[str, Path, Path, scenarios.Score, str]) -> str:
     """The id of the incident naming rank 5: the pages that show incidents need the live diagnosis to have found it."""
     score = recorded[3]
     found = [i["incident_id"] for i in score.expected if 5 in i["ranks"]]
-    assert found, f"the live diagnosis (not the dashboard) missed rank 5: {score.line()}"
+    assert found, f"the live diagnosis (not the dashboard) missed rank 5: {score.line()}\n{recorded[4]}"
     return found[0]
 
 
