@@ -28,6 +28,15 @@ SEGMENTS_SQL = (
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} GROUP BY name, step, rank"
 )
 
+#: stages of up to this many ranks measure a rank's noise on the other ranks' points (see POINTS_SQL)
+LEAVE_ONE_OUT_UP_TO = 16
+
+
+def _median(array: str) -> str:
+    """SQL for the median of ``array`` as numpy computes it (the mean of the two middle values)."""
+    return f"(arrayReduce('quantileExactLow(0.5)', {array}) + arrayReduce('quantileExactHigh(0.5)', {array})) / 2"
+
+
 # Every (rank, segment, step) point compared with its stage, computed in the store: a 12,288-rank
 # job has about a million points in the window, too many to move and loop over in Python on every
 # pass. One pass of nested window functions (a CTE referenced twice is planned and run twice):
@@ -37,25 +46,30 @@ SEGMENTS_SQL = (
 #   median of the others (the straggler would pull a small median towards itself);
 # - the ratio, capped at 1 when the excess is too small to matter (a millisecond of data loading);
 # - ``recent``: among the last ``window`` points of its (rank, segment) series;
-# - the threshold of a segment in a stage: 1 + max(excess, 3 robust standard deviations (1.4826
-#   MAD) of all its ranks' recent ratios), so that a busy host's noise does not read as a
-#   straggler while a real one still stands out.
+# - the threshold of a rank's segment: 1 + max(excess, 3 robust standard deviations (1.4826 MAD)
+#   of its stage's recent ratios), so that a busy host's noise does not read as a straggler while
+#   a real one still stands out. In a stage of up to ``LEAVE_ONE_OUT_UP_TO`` ranks the noise is that
+#   of the other ranks: a quarter of a four-rank stage's points are the straggler's own, which
+#   would raise its bar; in a larger stage one rank's share moves the MAD little.
 # Only the points of series slow at ``min_steps`` or more steps come back: no other can be a straggler.
 POINTS_SQL = f"""
-SELECT name, step, rank, stage, ns, median, ratio, started, wall_only, threshold FROM (
+SELECT name, step, rank, ns, median, ratio, started, wall_only, threshold FROM (
   SELECT *, countIf(ratio >= threshold) OVER (PARTITION BY rank, name) AS slow_steps FROM (
-    SELECT *, 1 + greatest({{excess:Float64}}, 3 * (1.4826 * ((quantileExactLowIf(0.5)(dev, recent) OVER segment_stage
-                                                             + quantileExactHighIf(0.5)(dev, recent) OVER segment_stage) / 2))) AS threshold
+    SELECT *, 1 + greatest({{excess:Float64}}, 3 * 1.4826 * if(empty(peers), stage_mad, {_median("arrayMap(x -> abs(x - peers_mid), peers)")})) AS threshold
     FROM (
-      SELECT *, abs(ratio - (quantileExactLowIf(0.5)(ratio, recent) OVER segment_stage
-                             + quantileExactHighIf(0.5)(ratio, recent) OVER segment_stage) / 2) AS dev
+      SELECT *, (quantileExactLowIf(0.5)(dev, recent) OVER segment_stage + quantileExactHighIf(0.5)(dev, recent) OVER segment_stage) / 2 AS stage_mad,
+             arrayMap(p -> p.2, arrayFilter(p -> p.1 != rank, small_stage)) AS peers, {_median("peers")} AS peers_mid
       FROM (
-        SELECT *, if(ns - median >= {{min_excess_ns:Float64}}, ns / median, least(ns / median, 1.0)) AS ratio,
-               row_number() OVER (PARTITION BY rank, name ORDER BY step DESC) <= {{window:UInt32}} AS recent
+        SELECT *, abs(ratio - (quantileExactLowIf(0.5)(ratio, recent) OVER segment_stage
+                               + quantileExactHighIf(0.5)(ratio, recent) OVER segment_stage) / 2) AS dev,
+               groupArrayIf((rank, ratio), recent AND stage_ranks <= {LEAVE_ONE_OUT_UP_TO}) OVER segment_stage AS small_stage
         FROM (
+          SELECT *, if(ns - median >= {{min_excess_ns:Float64}}, ns / median, least(ns / median, 1.0)) AS ratio,
+                 row_number() OVER (PARTITION BY rank, name ORDER BY step DESC) <= {{window:UInt32}} AS recent,
+                 max(n) OVER (PARTITION BY name, stage) AS stage_ranks
+          FROM (
           SELECT *, arrayFilter((x, i) -> i != indexOf(few, ns), few, arrayEnumerate(few)) AS others,
-                 if(n <= 4, (arrayReduce('quantileExactLow(0.5)', others) + arrayReduce('quantileExactHigh(0.5)', others)) / 2,
-                    (lo + hi) / 2) AS median
+                 if(n <= 4, {_median("others")}, (lo + hi) / 2) AS median
           FROM (
             SELECT *, count() OVER cell AS n, quantileExactLow(0.5)(ns) OVER cell AS lo,
                    quantileExactHigh(0.5)(ns) OVER cell AS hi, groupArray(5)(ns) OVER cell AS few
@@ -77,6 +91,7 @@ SELECT name, step, rank, stage, ns, median, ratio, started, wall_only, threshold
       WINDOW segment_stage AS (PARTITION BY name, stage)
     )
     WINDOW segment_stage AS (PARTITION BY name, stage)
+    )
   )
 )
 WHERE slow_steps >= {{min_steps:UInt32}}
@@ -128,17 +143,17 @@ def _slow_segments(ctx: RunContext, first_step: int, last_step: int) -> dict[int
     cols = ctx.query(POINTS_SQL, params).to_pydict()
     # (rank, segment) -> [(step, ratio, own ns, median ns, started)], for the series that may be slow
     series: dict[tuple[int, str], list[tuple[int, float, int, float, int]]] = defaultdict(list)
-    thresholds: dict[tuple[str, int], float] = {}
+    thresholds: dict[tuple[int, str], float] = {}
     wall_only: set[str] = set()
-    rows = zip(*(cols[c] for c in ("name", "step", "rank", "stage", "ns", "median", "ratio", "started", "wall_only", "threshold")))
-    for name, step, rank, stage, ns, median, ratio, started, wall, threshold in rows:
+    rows = zip(*(cols[c] for c in ("name", "step", "rank", "ns", "median", "ratio", "started", "wall_only", "threshold")))
+    for name, step, rank, ns, median, ratio, started, wall, threshold in rows:
         series[(rank, name)].append((step, ratio, ns, median, started))
-        thresholds[(name, stage)] = threshold
+        thresholds[(rank, name)] = threshold
         if wall:
             wall_only.add(name)
     found: dict[int, dict] = {}
     for (rank, name), points in series.items():
-        threshold = thresholds[(name, ctx.stage.get(rank, 0))]
+        threshold = thresholds[(rank, name)]
         points.sort()
         recent = points[-s.straggler_window :]
         slow = [p for p in recent if p[1] >= threshold]
