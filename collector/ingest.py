@@ -91,6 +91,28 @@ def _array(values: object, type_: pa.DataType) -> pa.Array:
 # --- what the collector knows about runs and ranks -------------------------------------------
 
 
+@dataclass(frozen=True)
+class Registration:
+    """A rank's newest registration: its process's start and the registration's time as the rank's
+    own clock gave them (one rank's registrations come from one host's clock, so they are ordered
+    without a clock offset, which the agent does not know yet when it first registers), and the
+    version its rows were stored with (collector clock). Read back from the store after a restart,
+    only the version is known (the times are 0)."""
+
+    start_ns: int
+    time_ns: int
+    version: int
+
+    def newer(self, start_ns: int, time_ns: int, at_ns: int) -> bool | None:
+        """Whether a registration (its process's start and time on the rank's clock, its time on the
+        collector's) is newer than this one; None: this one again (sent again after a reconnect)."""
+        if not (time_ns and self.time_ns):  # read back from the store, or an agent that sends no time
+            return at_ns >= self.version
+        if (start_ns, time_ns) == (self.start_ns, self.time_ns):
+            return None
+        return (start_ns, time_ns) > (self.start_ns, self.time_ns)
+
+
 @dataclass
 class RunInfo:
     """One run as its ranks' registrations and exits describe it."""
@@ -105,8 +127,8 @@ class RunInfo:
     #: whether tp, pp and dp come from a rank that knew its place in them
     placed: bool = False
     hosts: dict[int, str] = field(default_factory=dict)
-    #: rank -> the time of its newest registration (ns, collector clock)
-    registered: dict[int, int] = field(default_factory=dict)
+    #: rank -> its newest registration
+    registered: dict[int, Registration] = field(default_factory=dict)
     #: rank -> (exit reason, exit time ns)
     exits: dict[int, tuple[str, int]] = field(default_factory=dict)
 
@@ -119,15 +141,23 @@ class RunInfo:
         if other.start_ns and (not self.start_ns or other.start_ns < self.start_ns):
             self.start_ns = other.start_ns
         self.hosts = {**other.hosts, **self.hosts}
-        for rank, registered in other.registered.items():
-            self.registered[rank] = max(registered, self.registered.get(rank, 0))
+        self.registered = {**other.registered, **self.registered}
         self.exits = {**other.exits, **self.exits}
 
-    def is_current(self, rank: int, registered_ns: int) -> bool:
-        """Whether a registration of ``rank`` made at ``registered_ns`` is its newest, and newer than its
-        exit: an older one delivered late (a retry, a spool replay) must not undo what came after it."""
+    def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int) -> int | None:
+        """Note a registration of ``rank`` (its process's start and its time on the rank's clock,
+        ``at_ns`` on the collector's); the version to store its rows with, or None when it is older
+        than the rank's newest registration or its exit: one delivered late (a retry, a spool
+        replay) must not undo what came after it."""
+        held = self.registered.get(rank)
+        newer = True if held is None else held.newer(start_ns, time_ns, at_ns)
         exited = self.exits.get(rank)
-        return registered_ns >= self.registered.get(rank, 0) and (exited is None or registered_ns > exited[1])
+        if newer is False or exited is not None and at_ns <= exited[1]:
+            return None
+        # Above the rank's earlier versions even when the agent's clock offset was corrected in between.
+        version = held.version if held is not None and newer is None else max(at_ns, held.version + 1 if held else 0)
+        self.registered[rank] = Registration(start_ns, time_ns, version)
+        return version
 
 
 class RunRegistry:
@@ -194,7 +224,7 @@ def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str
         info = RunInfo(row["name"], row["start"], row["ws"], row["tp"], row["pp"], row["dp"], row["config"])
     ranks = query(ranks_q, params).to_pylist()
     info.hosts = {r["rank"]: r["host"] for r in ranks}
-    info.registered = {r["rank"]: r["newest"] for r in ranks}
+    info.registered = {r["rank"]: Registration(0, 0, r["newest"]) for r in ranks}
     info.placed = any(r["placed"] for r in ranks)
     info.exits = {r["rank"]: (r["reason"], r["t"]) for r in query(exits_q, params).to_pylist()}
     return info
@@ -330,9 +360,13 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
         if outside:
             raise IngestError(f"register.groups[{g.name!r}]: ranks {outside} outside 0 .. {reg.world_size - 1}")
     start = ctx.time("register.start_time_ns", reg.start_time_ns)
-    registered = ctx.time("register.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns
+    at_ns = ctx.time("register.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns
+    run = registry.run(ctx.run_id)
+    version = run.register(ctx.rank, reg.start_time_ns, reg.time_ns, at_ns)
+    if version is None:
+        return {}  # an older registration than the rank's newest (or than its end), delivered late
     # Rows versioned by when the agent registered, not by arrival: the newest stands whatever the order.
-    at = pa.scalar(registered, type=TIMESTAMP)
+    at = pa.scalar(version, type=TIMESTAMP)
     parts = {
         "ranks": _table(
             "ranks",
@@ -352,10 +386,6 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
             },
         ),
     }
-    run = registry.run(ctx.run_id)
-    if not run.is_current(ctx.rank, registered):
-        return parts  # stored for the record; the run stays as the rank's newer registration or exit left it
-    run.registered[ctx.rank] = registered
     # A rank that does not know its coordinates yet (registered before the script set the topology)
     # does not undo the sizes a rank that knew them sent.
     placed = min(reg.tp_rank, reg.pp_rank, reg.dp_rank) >= 0

@@ -199,17 +199,26 @@ def test_a_registration_delivered_after_a_newer_one_or_the_ranks_end_changes_not
     run keeps what the newer registration (or the rank's end) left."""
     registry = RunRegistry()
     t = time.time_ns()
-    newer = _decode(register("r", 0, 2, time_ns=t), registry).parts
-    older = _decode(register("r", 0, 2, time_ns=t - 10**9, placed=False), registry).parts
-    assert "runs" not in older and registry.run("r").dp == 2
-    assert older["ranks"]["registered"][0].value == t - 10**9 < newer["ranks"]["registered"][0].value == t
+    started = t - 10 * 10**9  # the rank's process
+    newer = _decode(register("r", 0, 2, start_ns=started, time_ns=t), registry).parts
+    assert newer["ranks"]["registered"][0].value == t and registry.run("r").dp == 2
+    assert _decode(register("r", 0, 2, start_ns=started, time_ns=t - 10**9, placed=False), registry).parts == {}
+    assert registry.run("r").dp == 2
+    # The rank's clock was 5 s ahead when it first registered, before the agent knew its offset; the
+    # registration after the correction is still the newer one, and its rows get the higher version.
+    skewed = RunRegistry()
+    first = _decode(register("s", 0, 2, start_ns=started, time_ns=t - 10**9, placed=False), skewed).parts
+    corrected = register("s", 0, 2, start_ns=started, time_ns=t)
+    corrected.clock_offset_ns = -5 * 10**9
+    second = _decode(corrected, skewed).parts
+    assert second["ranks"]["registered"][0].value > first["ranks"]["registered"][0].value and skewed.run("s").dp == 2
     # A rank that does not know its place yet keeps the sizes another rank sent.
     unplaced = _decode(register("r", 1, 2, time_ns=t + 1, placed=False), registry).parts
     assert unplaced["runs"].to_pylist()[0]["dp"] == 2
     _decode(end("r", 0), registry)
-    assert "runs" not in _decode(register("r", 0, 2, time_ns=t), registry).parts  # the newest, again, after the end
+    assert "runs" not in _decode(register("r", 0, 2, start_ns=started, time_ns=t), registry).parts  # sent again after the end
     assert registry.has_ended("r", 0)
-    _decode(register("r", 0, 2, time_ns=time.time_ns()), registry)  # registered after its end: restarted
+    _decode(register("r", 0, 2, time_ns=time.time_ns()), registry)  # a new process registered after the end: restarted
     assert not registry.has_ended("r", 0)
 
 
