@@ -58,12 +58,12 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path,
 
 
 def _why_missed(workdir: Path, store: Path, run_id: str) -> str:
-    """The collector's warnings and the offline diagnosis of the whole run (read before anything holds the copy)."""
+    """The end of the collector's log (its incidents and warnings) and the offline diagnosis of the
+    whole run (read before anything holds the copy)."""
     offline = subprocess.run([sys.executable, "-m", "rankscope.cli.main", "diagnose", "--store", str(store), "--run", run_id],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
-    log = (workdir / "collector.log").read_text(errors="replace").splitlines()
-    warnings = [line for line in log if "WARNING" in line or "Error" in line][-20:]
-    return "\n".join(["offline diagnosis:", offline.stdout[-3000:], offline.stderr[-2000:], "collector warnings:", *warnings])
+    log = (workdir / "collector.log").read_text(errors="replace").splitlines()[-30:]
+    return "\n".join(["offline diagnosis:", offline.stdout[-3000:], offline.stderr[-2000:], "end of the collector's log:", *log])
 
 
 def _diagnosed(recorded: tuple[str, Path, Path, scenarios.Score, str]) -> str:
