@@ -6,9 +6,9 @@
    (RANKSCOPE_ENABLE=1, default settings), ``--repeats`` pairs of runs, against a collector on this
    machine (where the demo runs it): with its default live diagnosis, the same at ``--nice 10``
    (the priority advised beside training), ingesting only at ``--nice 10`` (``--no-diagnosis``),
-   and paused (SIGSTOP: what is left is the agent's own cost in the ranks); median step time of each side, the median and range of the pairs' ratios, and the
-   CPU the collector used during the measured steps (on a machine the job saturates, that CPU
-   is taken from training).
+   and paused (SIGSTOP: what is left is the agent's own cost in the ranks); median step time of
+   each side, the median and range of the pairs' ratios, and the CPU the collector used during
+   the measured steps (on a machine the job saturates, that CPU is taken from training).
 2. In two fresh processes side by side: the cost of one recorded span and one recorded
    collective (a 1-rank gloo all-reduce, agent on minus agent off), and of one OpenTelemetry SDK
    span with a batch span processor; the ratio OTel / agent span.

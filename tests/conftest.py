@@ -18,8 +18,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,12 +171,10 @@ def start_collector(
     return Running(proc, listen_address(line) or "", metrics_url.group(1) if metrics_url else None, store)
 
 
-INCIDENTS_SQL = "SELECT kind, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String} ORDER BY first_seen"
-
-
 def incidents(address: str, run_id: str, until: Callable[[list[dict], Any], bool], timeout_s: float) -> list[dict]:
     """Poll a run's incidents until ``until(incidents, client)`` holds (or time runs out); returns the last answer."""
     from rankscope.collector.client import Client
+    from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
 
     with Client(address) as client:
         deadline = time.monotonic() + timeout_s

@@ -77,4 +77,3 @@ def test_the_collector_yields_the_cpu_and_its_session_only_when_it_leads_one(own
     assert done.returncode == 0, done.stderr
     mine = _autogroup().split()[-1]
     assert done.stdout.split() == ["[7]", "7" if own_session else mine]
-
