@@ -3,9 +3,10 @@
     python benchmarks/agent.py [--repeats 5] [--steps 8] [--seconds 10]
 
 1. The bundled trainer's default 8-rank CPU job, alternately with the agent off and on
-   (RANKSCOPE_ENABLE=1, default settings), ``--repeats`` pairs of runs, against a collector on this
-   machine (where the demo runs it): with its default live diagnosis, the same at ``--nice 10``
-   (the priority advised beside training), ingesting only at ``--nice 10`` (``--no-diagnosis``),
+   (RANKSCOPE_ENABLE=1, default settings), ``--repeats`` pairs of runs (off first in one pair, on
+   first in the next: neither side always runs on a machine just woken or just warmed), against a
+   collector on this machine (where the demo runs it): with its defaults (live diagnosis, ``--nice
+   10``), the same at the job's own priority (``--nice 0``), ingesting only (``--no-diagnosis``),
    and paused (SIGSTOP: what is left is the agent's own cost in the ranks); median step time of
    each side, the median and range of the pairs' ratios, and the CPU the collector used during
    the measured steps (on a machine the job saturates, that CPU is taken from training).
@@ -79,9 +80,9 @@ MICRO = textwrap.dedent(
 #: collector (SIGSTOP while the job runs) uses no CPU: what is left is the agent's own cost in the
 #: ranks (its calls wait, its batches are kept in memory and spooled at the end).
 COLLECTORS = {
-    "collector with live diagnosis (defaults)": ((), False),
-    "collector with live diagnosis at --nice 10": (("--nice", "10"), False),
-    "collector ingesting only at --nice 10": (("--no-diagnosis", "--nice", "10"), False),
+    "collector with its defaults (live diagnosis, --nice 10)": ((), False),
+    "collector at the job's priority (--nice 0)": (("--nice", "0"), False),
+    "collector ingesting only (--no-diagnosis)": (("--no-diagnosis",), False),
     "collector paused (the agent in the ranks alone)": ((), True),
 }
 
@@ -163,8 +164,12 @@ def step_times(flags: tuple[str, ...], paused: bool, args: argparse.Namespace, w
     job = Job([])
     try:
         for pair in range(1, args.repeats + 1):
-            off = train(False, address, args.steps, workdir, collector.pid)
-            on = train(True, address, args.steps, workdir, collector.pid)
+            if pair % 2:
+                off = train(False, address, args.steps, workdir, collector.pid)
+                on = train(True, address, args.steps, workdir, collector.pid)
+            else:
+                on = train(True, address, args.steps, workdir, collector.pid)
+                off = train(False, address, args.steps, workdir, collector.pid)
             job.pairs.append((off, on))
             setup = f"{' '.join(flags) or '(defaults)'}{', paused' if paused else ''}"
             print(f"  collector {setup}: pair {pair}/{args.repeats}, on/off step {job.wall_ratios()[-1]:.3f}, "

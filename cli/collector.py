@@ -76,10 +76,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds between two diagnosis passes over the active runs (default: 5); a run"
                              " with nothing new stored since its last pass waits for new rows")
     parser.add_argument("--no-diagnosis", action="store_true", help="store only; run no detectors")
-    parser.add_argument("--nice", metavar="N", type=within(0, 19, "a nice value"), default=0,
-                        help="CPU priority to run at, 0-19 (default: 0); 10 on a machine it shares with training: the"
+    parser.add_argument("--nice", metavar="N", type=within(0, 19, "a nice value"), default=10,
+                        help="CPU priority to run at, 0-19 (default: 10): on a machine it shares with training, the"
                              " collector's bursts (inserts, diagnosis passes) then take a small share of a busy CPU instead"
-                             " of a whole core from the job")
+                             " of a whole core from the job; on a machine of its own it changes nothing")
     parser.add_argument("--alert-webhook", metavar="URL", help="POST every new incident as JSON to URL")
 
 
