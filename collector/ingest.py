@@ -154,8 +154,12 @@ class RunInfo:
         exited = self.exits.get(rank)
         if newer is False or exited is not None and at_ns <= exited[1]:
             return None
-        # Above the rank's earlier versions even when the agent's clock offset was corrected in between.
-        version = held.version if held is not None and newer is None else max(at_ns, held.version + 1 if held else 0)
+        if held is None:
+            version = at_ns
+        elif newer is None:
+            version = held.version  # the same registration again: its rows keep their version
+        else:  # above the rank's earlier versions even when the agent's clock offset was corrected in between
+            version = max(at_ns, held.version + 1)
         self.registered[rank] = Registration(start_ns, time_ns, version)
         return version
 
