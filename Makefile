@@ -4,6 +4,7 @@
 #   make test-fast   the same without the tests marked slow
 #   make bench       every benchmarks/*.py in turn
 #   make demo        the demo (rankscope demo: collector, dashboard, 8-rank run; Ctrl-C stops it)
+#   make screenshot  the README's picture: the browser test's heat map, copied to docs/images/
 #   make protos      regenerate protos/rankscope/v1/*_pb2*.py from the .proto files
 
 SHELL := /bin/bash
@@ -20,7 +21,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 BENCHMARKS := $(sort $(wildcard benchmarks/*.py))
 
-.PHONY: venv install browser test test-fast bench demo protos clean distclean
+.PHONY: venv install browser test test-fast bench demo screenshot protos clean distclean
 
 venv: $(PY)
 
@@ -62,6 +63,11 @@ bench: install
 
 demo: install
 	$(VENV)/bin/rankscope demo
+
+# The README's picture: the heat map page as the browser test drew it on a real recorded run.
+screenshot: install browser
+	$(PY) -m pytest tests/test_dashboard.py -q -k "real_browser and heatmap"
+	cp test-artifacts/dashboard/heatmap.png docs/images/dashboard.png
 
 # Regenerate the wire contract's Python code after editing protos/rankscope/v1/*.proto.
 protos: install

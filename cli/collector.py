@@ -83,12 +83,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alert-webhook", metavar="URL", help="POST every new incident as JSON to URL")
 
 
+def _log_to_the_terminal() -> None:
+    """rankscope's own log lines, without a prefix: news (a new run) on stdout, trouble on stderr."""
+    import logging
+
+    news = logging.StreamHandler(sys.stdout)
+    news.addFilter(lambda record: record.levelno < logging.WARNING)
+    trouble = logging.StreamHandler(sys.stderr)
+    trouble.setLevel(logging.WARNING)
+    logger = logging.getLogger("rankscope")
+    logger.setLevel(logging.INFO)
+    for handler in (news, trouble):
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.propagate = False
+
+
 def run(args: argparse.Namespace) -> int:
     from rankscope.agent.autoload import forbid
     from rankscope.processes import yield_cpu
 
     forbid("collector")  # never a training rank, nor anything it starts
     yield_cpu(args.nice)  # first: the threads started from here on take its priority
+    _log_to_the_terminal()
     from rankscope.collector.ingest import TimeWindow
     from rankscope.collector.query import Limits
     from rankscope.collector.server import ServerOptions, main

@@ -13,6 +13,7 @@ types of ``store.base.arrow_schema`` (so the store casts nothing).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,6 +25,8 @@ import pyarrow as pa
 from rankscope.collector.store import schema
 from rankscope.collector.store.base import arrow_schema, arrow_type
 from rankscope.protos.rankscope.v1 import ingest_pb2, telemetry_pb2
+
+log = logging.getLogger("rankscope.collector")
 
 SUPPORTED_SCHEMA_VERSION = 1
 BATCH_ID_BYTES = 16
@@ -366,6 +369,8 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
     start = ctx.time("register.start_time_ns", reg.start_time_ns)
     at_ns = ctx.time("register.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns
     run = registry.run(ctx.run_id)
+    if not run.registered:  # the user needs the id for `rankscope diagnose --run` and the dashboard's ?run=
+        log.info("run %s: rank %d of %d registered from %s", ctx.run_id, ctx.rank, reg.world_size, reg.host)
     version = run.register(ctx.rank, reg.start_time_ns, reg.time_ns, at_ns)
     if version is None:
         return {}  # an older registration than the rank's newest (or than its end), delivered late

@@ -75,8 +75,8 @@ def test_every_variable_has_a_default_and_is_documented() -> None:
     found = list(VARIABLE.finditer(COMPOSE.read_text()))
     # ${NAME:-} too: an empty default switches a feature (token, TLS) off.
     assert found and [m.group(0) for m in found if m.group(2) is None] == [], "docker compose up must work without a .env file"
-    readme = (ROOT / "README.md").read_text()
-    assert sorted({m.group(1) for m in found if f"`{m.group(1)}`" not in readme}) == []
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    assert sorted({m.group(1) for m in found if f"`{m.group(1)}`" not in page}) == []
 
 
 def test_three_services_a_pinned_clickhouse_and_one_image_for_the_others(compose: dict[str, Any]) -> None:

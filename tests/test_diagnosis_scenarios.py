@@ -8,7 +8,6 @@ and the time to detect are left to the benchmark (benchmarks/diagnosis.py).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rankscope.collector.diagnosis import scenarios
+from rankscope.dashboard import cookbook
 
 pytestmark = pytest.mark.slow
 
@@ -29,28 +29,24 @@ def test_scenario_is_diagnosed(scenario: scenarios.Scenario, tmp_path: Path) -> 
     # Right kind, rank and host, nothing else. How fast is the benchmark's to measure
     # (benchmarks/diagnosis.py): a loaded test machine says little about it.
     assert score.passed, f"{score.line()}\nincidents: {score.incidents}\n{_logs(tmp_path)}"
-    if scenario.name == "straggler-1.3":  # the same recorded run serves the README's cookbook
+    if scenario.name == "straggler-1.3":  # the same recorded run serves the SQL cookbook
         _cookbook_runs(tmp_path / "store", score.run_id)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
 def _cookbook_runs(store: Path, run_id: str) -> None:
-    """Every ``sql`` block of the README runs on a real recorded run (through ``rankscope sql --store``)."""
-    queries = re.findall(r"```sql\n(.*?)```", README.read_text(), re.S)
-    assert len(queries) >= 6, "the README's cookbook went missing"
+    """Every cookbook query (docs/sql.md prints them) runs on a real recorded run through ``rankscope sql --store``."""
     params = {"run": run_id, "group": "tp[0]", "seq": "3", "host": "node-2"}
     rows = {}
-    for sql in queries:
-        args = [arg for name in re.findall(r"\{(\w+):", sql) for arg in ("--param", f"{name}={params[name]}")]
+    for example in cookbook.EXAMPLES:
+        sql = example.sql
+        args = [arg for name in cookbook.placeholders(sql) for arg in ("--param", f"{name}={params[name]}")]
         done = subprocess.run(
             [sys.executable, "-m", "rankscope.cli.main", "sql", "--store", str(store), "--format", "json", *args, sql],
             capture_output=True, text=True, timeout=120,
         )
         assert done.returncode == 0 and not done.stderr, f"{sql}\n{done.stderr}"
-        rows[sql.splitlines()[0]] = json.loads(done.stdout)
-    empty = [comment for comment, result in rows.items() if not result and "GPU" not in comment]
+        rows[example.title] = json.loads(done.stdout)
+    empty = [title for title, result in rows.items() if not result and "GPU" not in title]
     assert not empty, f"cookbook queries found nothing in a real run: {empty}"  # no GPU here: no temperatures
 
 

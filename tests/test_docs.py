@@ -1,0 +1,362 @@
+"""The README and docs/ cannot drift from the code: their shell commands run.
+
+Every shell command in README.md and docs/*.md has an entry in ``COMMANDS``: it is run as
+written, run shortened (fewer steps, fewer simulated ranks: the entry says how), or marked as not
+runnable on this machine with the reason. A command without an entry fails the suite, and so
+does an entry whose command left the docs. Each page's commands run in order in a directory of
+their own, as a reader following the page would type them: ``cmd &`` keeps running until the
+page ends, a server in the foreground is started, checked and stopped. ``RUN`` stands for the
+newest run the page's collector holds. The README goes first and its store (a plain DDP script
+and the bundled trainer with a straggler, both with the agent on) is the data the other pages
+read, through a collector started on a copy of it at the default address.
+
+The same documents are also checked as text: flags, variables, make targets, links, the SQL
+cookbook (one source: ``rankscope.dashboard.cookbook``) and the README's length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import Proc, ProcRunner
+
+from rankscope.cli.main import COMMANDS as CLI_COMMANDS
+from rankscope.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+PAGES = {p.relative_to(ROOT).as_posix(): p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+#: words that stand for a value the reader supplies, in prose such as `--run RUN`
+PLACEHOLDERS = {"RUN", "NAME", "DIR", "URL", "HOST:PORT", "HOST:7777", "SPEC", "N", "R", "S", "FILE", "TOKEN", "PEM", "SECONDS", "PORT"}
+DEFAULT_PORTS = (7777, 8501)
+
+
+def shell_commands(text: str) -> list[str]:
+    """The commands of a page's bash blocks in order: continuation lines joined, comments and extra spaces dropped."""
+    commands = []
+    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
+            if line:
+                commands.append(line)
+    return commands
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run the command; ``shorten`` rewrites it first (pattern -> replacement), ``expect`` (a regex) must match its output."""
+
+    how: str = "as written"
+    shorten: tuple[tuple[str, str], ...] = ()
+    expect: str = ""
+    timeout_s: float = 240
+
+    def command(self, text: str) -> str:
+        for pattern, replacement in self.shorten:
+            changed = re.sub(pattern, replacement, text)
+            assert changed != text, f"{pattern!r} no longer shortens {text!r}"
+            text = changed
+        return text
+
+
+@dataclass(frozen=True)
+class Serve(Run):
+    """A server in the foreground: start it, wait for ``ready`` in its output, stop it with SIGTERM, expect exit 0."""
+
+    ready: str = "listening on"
+
+
+@dataclass(frozen=True)
+class NotHere:
+    """Not runnable on this machine (or not in the suite); ``why`` says so."""
+
+    why: str
+
+
+NO_DOCKER = NotHere("needs a Docker engine: none runs on the development machine or in CI (docker-compose.yml is checked as data in test_deploy.py)")
+SIM_SHORT = ((r"--ranks 12288 --tp 8 --pp 16 --dp 96 --steps 120", "--ranks 256 --tp 4 --pp 4 --dp 16 --steps 24"),
+             (r"rank=3000", "rank=100"), (r"hang:rank=7777,step=96\"$", 'hang:rank=200,step=18" --hold 10'))  # fmt: skip
+
+#: every shell command of README.md and docs/*.md -> how the suite treats it
+COMMANDS: dict[str, Run | NotHere] = {
+    # README.md
+    "make demo": NotHere("runs until Ctrl-C; tests/test_demo.py runs the `rankscope demo` it calls (shortened) and checks the recipe"),
+    "make test": NotHere("the test suite itself: this test runs inside it"),
+    "rankscope collector &": Run(),
+    "RANKSCOPE_ENABLE=1 RANKSCOPE_COLLECTOR=127.0.0.1:7777 torchrun --nproc-per-node 8 train.py": Run(),
+    "RANKSCOPE_ENABLE=1 rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --steps 24 --inject 'straggler:rank=6,factor=1.25,from_step=6'":
+        Run(expect=r"step\s+24/24"),
+    "rankscope dashboard": Serve(ready="http://127.0.0.1:8501"),
+    "rankscope diagnose --run RUN --format json": Run(expect='"kind": "straggler"'),
+    'rankscope sql "SELECT run_id, world_size, status FROM runs FINAL ORDER BY start_time DESC LIMIT 5"': Run(expect="finished"),
+    'rankscope sql --param run=RUN "SELECT kind, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String}"':
+        Run(expect="straggler"),
+    # docs/collector.md
+    "rankscope collector": Serve(),
+    "rankscope collector --listen 0.0.0.0:7777 --metrics-port 9464 --retention-days 30": Serve(ready="metrics on"),
+    # docs/dashboard.md
+    "rankscope dashboard --port 8502 --address 0.0.0.0": Serve(ready=":8502/"),
+    # docs/deployment.md
+    "export RANKSCOPE_WRITER_PASSWORD=... RANKSCOPE_READER_PASSWORD=...": NO_DOCKER,
+    "docker compose up -d --build": NO_DOCKER,
+    "rankscope schema --cluster prod --retention-days 30 | clickhouse-client --host node-1 --multiquery":
+        Run("no ClickHouse cluster here: the DDL goes to a file instead of clickhouse-client",
+            shorten=((r"\| clickhouse-client --host node-1 --multiquery", "| tee cluster.sql"),),
+            expect=r"(?s)ON CLUSTER prod.*ReplicatedReplacingMergeTree"),
+    # docs/diagnosis.md
+    "rankscope diagnose --run RUN": Run(expect="straggler"),
+    "rankscope diagnose --run RUN --format json --hang-after 10": Run(expect='"ranks"'),
+    "rankscope collector --hang-after 30 --silent-after 250 &": Run(),
+    'rankscope simulate --ranks 12288 --tp 8 --pp 16 --dp 96 --steps 120 --inject "straggler:rank=3000,factor=1.3,from_step=4;hang:rank=7777,step=96"':
+        Run("256 ranks, 24 steps and 10 s hung instead of 12,288 ranks, 120 steps and 120 s (benchmarks/diagnosis.py runs the full size)", shorten=SIM_SHORT, timeout_s=300),
+    "rankscope scenario list": Run(expect="straggler-1.3"),
+    "rankscope scenario run crash": Run(expect="crash", timeout_s=300),
+    # docs/sql.md
+    'rankscope sql "SHOW TABLES"': Run(expect="step_segments"),
+    'rankscope sql --format csv "SELECT run_id, world_size, status FROM runs FINAL ORDER BY start_time DESC LIMIT 5"': Run(expect=",8,"),
+    "rankscope sql --param run=RUN --param group='tp[0]' --param seq=42 \"SELECT rank, issue_time FROM collectives WHERE run_id = "
+    '{run:String} AND group_name = {group:String} AND seq = {seq:Int64} ORDER BY issue_time"': Run(),
+    # docs/trainer.md
+    "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --layers 4 --hidden 64 --heads 4 --seq 64 --vocab 256 --micro-batch 2 --global-batch 16 --steps 20":
+        Run("2 steps instead of 20", shorten=((r"--steps 20$", "--steps 2"),), expect=r"step\s+2/2"),
+    "torchrun --nproc-per-node 8 -m rankscope.trainer --tp 2 --pp 2 --dp 2 --steps 20":
+        Run("2 steps instead of 20", shorten=((r"--steps 20$", "--steps 2"),), expect=r"step\s+2/2"),
+}
+
+#: pages that read a recorded run through a collector at the default address (a copy of the README's store)
+NEEDS_A_COLLECTOR = {"docs/diagnosis.md", "docs/sql.md", "docs/dashboard.md"}
+#: a user's own training script, for the commands that run `train.py`
+USER_SCRIPT = ROOT / "tests" / "scripts" / "ddp_plain.py"
+
+
+def test_every_shell_command_is_run_or_marked_not_runnable() -> None:
+    found = {cmd for page in PAGES.values() for cmd in shell_commands(page.read_text())}
+    assert found - set(COMMANDS) == set(), "shell commands in the docs with no entry in tests/test_docs.py COMMANDS"
+    assert set(COMMANDS) - found == set(), "entries in COMMANDS whose command left the docs"
+
+
+class Page:
+    """One page's commands run in order in ``workdir``, as a reader would type them."""
+
+    def __init__(self, name: str, runner: ProcRunner, workdir: Path):
+        self.name, self.runner, self.workdir = name, runner, workdir
+        self.env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(workdir)}
+        self.background: list[Proc] = []
+        shutil.copy(USER_SCRIPT, workdir / "train.py")  # the reader's own training script
+        self.outputs: dict[str, str] = {}
+
+    def run_all(self) -> None:
+        for i, text in enumerate(shell_commands(PAGES[self.name].read_text())):
+            treatment = COMMANDS[text]
+            if isinstance(treatment, NotHere):
+                continue
+            command = treatment.command(text)
+            if "RUN" in command.split() or "run=RUN" in command:
+                command = re.sub(r"\bRUN\b", self.newest_run(), command)
+            self.outputs[text] = self.one(command, treatment, name=f"{i:02d}")
+        self.stop_background()
+
+    def one(self, command: str, treatment: Run, name: str) -> str:
+        background = command.endswith("&")
+        if command.startswith("rankscope collector"):
+            self.stop_background()  # a page that starts its collector replaces the one the reader had running
+        proc = self.runner.start(["bash", "-c", command.rstrip("& ")], env=self.env, cwd=self.workdir, name=name)
+        if background:
+            self.background.append(proc)
+            if "rankscope collector" in command:
+                proc.wait_for("listening on", timeout=90)
+            return ""
+        if isinstance(treatment, Serve):
+            proc.wait_for(treatment.ready, timeout=90)
+            proc.popen.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, f"{command}: did not stop cleanly on SIGTERM\n{proc.output()}"
+        else:
+            assert proc.wait(timeout=treatment.timeout_s) == 0, f"{command} failed\n{proc.output()}"
+        out = proc.stdout + proc.stderr
+        assert re.search(treatment.expect, out), f"{command}: {treatment.expect!r} not in its output\n{proc.output()}"
+        return out
+
+    def newest_run(self) -> str:
+        done = self.runner.start(
+            [str(VENV_BIN / "rankscope"), "sql", "--format", "json", "SELECT run_id FROM runs FINAL ORDER BY start_time DESC LIMIT 1"],
+            env=self.env, cwd=self.workdir, name="newest-run")  # fmt: skip
+        assert done.wait(timeout=60) == 0, done.output()
+        return json.loads(done.stdout)[0]["run_id"]
+
+    def stop_background(self) -> None:
+        """SIGTERM what the page left running (a reader's Ctrl-C); a collector must write everything and exit 0."""
+        for proc in self.background:
+            proc.popen.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, f"{proc.name} did not stop cleanly\n{proc.output()}"
+        self.background.clear()
+
+
+def _default_ports_free() -> None:
+    for port in DEFAULT_PORTS:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.fail(f"port {port} is taken on this machine: the docs' commands use the default addresses")
+
+
+@pytest.fixture(scope="module")
+def readme(tmp_path_factory: pytest.TempPathFactory) -> Page:
+    """The README followed top to bottom; its store is the recorded data of the other pages."""
+    _default_ports_free()
+    workdir = tmp_path_factory.mktemp("readme")
+    runner = ProcRunner(workdir)
+    page = Page("README.md", runner, workdir)
+    try:
+        page.run_all()
+    finally:
+        runner.cleanup()
+    return page
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_readme_runs_as_written_and_finds_the_straggler(readme: Page) -> None:
+    diagnosed = json.loads(readme.outputs["rankscope diagnose --run RUN --format json"])
+    found = [(i["kind"], i["ranks"], i["hosts"]) for i in diagnosed]
+    assert [k for k, _, _ in found] == ["straggler"] and found[0][1] == [6], found
+    assert found[0][2] == [socket.gethostname()], found  # the host each rank reports: this machine
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [n for n in PAGES if n != "README.md" and any(
+    isinstance(COMMANDS.get(c), Run) for c in shell_commands(PAGES[n].read_text()))])  # fmt: skip
+def test_the_page_runs_as_written(name: str, request: pytest.FixtureRequest, proc_runner: ProcRunner, tmp_path: Path) -> None:
+    _default_ports_free()
+    page = Page(name, proc_runner, tmp_path)
+    if name in NEEDS_A_COLLECTOR:
+        readme: Page = request.getfixturevalue("readme")
+        shutil.copytree(readme.workdir / "rankscope-data", tmp_path / "rankscope-data")
+        page.one("rankscope collector &", Run(), name="collector")
+    page.run_all()
+
+
+# --- the documents as text -------------------------------------------------------------------------
+
+
+def _all_text() -> str:
+    return "\n".join(p.read_text() for p in PAGES.values())
+
+
+def rankscope_commands() -> list[list[str]]:
+    """Every ``rankscope ...`` invocation of the shell blocks, as argv (without "rankscope")."""
+    found = []
+    for page in PAGES.values():
+        for line in shell_commands(page.read_text()):
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lexer.wordchars += "{}[]/:=,.*-"
+            words: list[str] = []
+            for token in [*lexer, ";"]:
+                if token and set(token) <= set("|&;()<>"):  # the end of one command of the line
+                    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):  # VAR=value prefixes
+                        words.pop(0)
+                    if words and words[0] == "rankscope":
+                        found.append(words[1:])
+                    words = []
+                else:
+                    words.append(token)
+    return found
+
+
+@pytest.mark.parametrize("argv", rankscope_commands(), ids=lambda argv: " ".join(argv)[:60])
+def test_every_rankscope_command_parses(argv: list[str]) -> None:
+    """Each command parses with rankscope's own parser (the trainer's for train), in the fast suite too."""
+    assert argv and argv[0] in CLI_COMMANDS, f"no such command: rankscope {' '.join(argv)}"
+    if argv[0] == "train":
+        from rankscope.trainer.config import build_parser as trainer_parser
+
+        trainer_parser().parse_args(argv[1:])
+        return
+    build_parser().parse_args(argv)
+
+
+def test_every_flag_in_prose_belongs_to_its_command() -> None:
+    """Inline examples such as `rankscope diagnose --run RUN --format json`: each flag exists on that command."""
+    from rankscope.trainer.config import build_parser as trainer_parser
+
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command").choices  # noqa: SLF001
+    problems = []
+    for command, rest in re.findall(r"`rankscope ([a-z]+)((?: [^`]*)?)`", _all_text()):
+        if command not in CLI_COMMANDS:
+            problems.append(f"rankscope {command}: no such command")
+            continue
+        parser = trainer_parser() if command == "train" else subparsers[command]
+        known = {s for a in parser._actions for s in a.option_strings}  # noqa: SLF001
+        problems += [f"rankscope {command} {flag}" for flag in re.findall(r"(--[a-z][a-z-]*)", rest) if flag not in known]
+    assert not problems, f"the docs name flags the commands lack: {problems}"
+
+
+def test_every_environment_variable_is_read_by_the_code() -> None:
+    named = set(re.findall(r"\b(RANKSCOPE_[A-Z0-9_]+)", _all_text()))
+    code = "\n".join(p.read_text() for p in ROOT.rglob("*.py") if ".venv" not in p.parts)
+    code += (ROOT / "docker-compose.yml").read_text() + (ROOT / "Makefile").read_text()
+    assert sorted(v for v in named if v not in code) == [], "the docs name variables nothing reads"
+
+
+def test_every_agent_variable_is_documented_in_the_agent_page() -> None:
+    from rankscope.agent.config import AGENT_VARIABLES
+
+    agent_page = (ROOT / "docs" / "agent.md").read_text()
+    assert sorted(v for v in AGENT_VARIABLES if f"`{v}`" not in agent_page) == []
+
+
+def test_every_make_target_named_exists() -> None:
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.M))
+    text = _all_text()
+    named = set(re.findall(r"`make ([a-z][a-z-]*)", text)) | set(re.findall(r"^\s*make ([a-z][a-z-]*)", text, re.M))
+    assert named and named <= targets, f"the docs name make targets the Makefile lacks: {named - targets}"
+
+
+def test_every_relative_link_resolves() -> None:
+    broken = []
+    for name, page in PAGES.items():
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
+                broken.append(f"{name}: {target}")
+    assert broken == []
+
+
+def test_the_readme_is_a_short_front_door_with_a_picture() -> None:
+    readme = PAGES["README.md"].read_text()
+    assert len(readme.splitlines()) <= 250
+    picture = re.search(r"!\[[^\]]*\]\(([^)]+\.png)\)", readme)
+    assert picture, "the README shows no picture"
+    assert (ROOT / picture.group(1)).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for page in PAGES:
+        assert page == "README.md" or f"({page})" in readme, f"the README does not link {page}"
+
+
+def test_every_python_block_compiles() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", _all_text(), re.S)
+    for block in blocks:
+        compile(block, "<docs>", "exec")
+
+
+def test_the_sql_cookbook_has_one_source() -> None:
+    """docs/sql.md prints the dashboard's cookbook, and no page carries a query of its own."""
+    from rankscope.dashboard import cookbook
+
+    sql_page = (ROOT / "docs" / "sql.md").read_text()
+    begin, end = (sql_page.index(marker) for marker in cookbook.MARKERS)
+    assert sql_page[begin : end + len(cookbook.MARKERS[1])] + "\n" == cookbook.markdown(), (
+        "docs/sql.md's cookbook differs from rankscope.dashboard.cookbook: "
+        "paste the output of `python -m rankscope.dashboard.cookbook` between its markers")
+    queries = {e.sql.strip() for e in cookbook.EXAMPLES}
+    strays = [q for q in re.findall(r"```sql\n(.*?)```", _all_text(), re.S) if q.strip() not in queries]
+    assert strays == []
