@@ -92,6 +92,16 @@ def test_rankscope_train_launches_torchrun(proc_runner: ProcRunner, tmp_path: Pa
     assert [line["step"] for line in records(metrics)] == [1, 2]
 
 
+@pytest.mark.timeout(120)
+def test_rankscope_train_takes_nproc(proc_runner: ProcRunner) -> None:
+    """Regression: --nproc reached torchrun, whose parser refused it as an ambiguous --nproc-per-node."""
+    exe = str(Path(sys.executable).parent / "rankscope")
+    tiny = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64", "--micro-batch", "1", "--global-batch", "2"]
+    proc = proc_runner.start([exe, "train", "--nproc", "2", "--tp", "1", "--pp", "1", "--dp", "2", "--steps", "1", *tiny])
+    assert proc.wait(100) == 0, proc.output()
+    assert "step     1/1 | loss" in proc.stdout, proc.output()
+
+
 def test_rankscope_train_refuses_bad_sizes_before_starting(proc_runner: ProcRunner) -> None:
     exe = str(Path(sys.executable).parent / "rankscope")
     started = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rankscope.trainer import faults
-from rankscope.trainer.config import ConfigError, TrainConfig, parse_args
+from rankscope.trainer.config import LAUNCHER_ONLY, ConfigError, TrainConfig, flag, parse_args, rank_argv
+from rankscope.trainer.launch import torchrun_command
 from rankscope.trainer.data import MicroBatches, TokenSource
 from rankscope.trainer.flops import flops_per_token, mfu, peak_flops
 from rankscope.trainer.layers import TPContext, vocab_parallel_cross_entropy
@@ -82,6 +84,53 @@ def test_parse_args_exits_2_with_the_reason(capsys: pytest.CaptureFixture[str]) 
     assert "--heads 3 is not divisible by --tp 2" in capsys.readouterr().err
 
 
+def _unlike_the_defaults(data: Path) -> TrainConfig:
+    """A valid configuration in which every field differs from its default, so every flag is written."""
+    data.write_bytes(bytes(64))
+    cfg = TrainConfig(
+        nproc=3, tp=3, pp=1, dp=1, layers=6, hidden=96, heads=6, ffn=192, seq=42, vocab=99, micro_batch=3, global_batch=9,
+        steps=7, lr=-2.5e-4, weight_decay=0.0, clip_grad=-1.0, seed=-7, sequence_parallel=True, distributed_optimizer=True,
+        parallel_block=True, window=5, bucket_mb=0.25, timeout=12.5, data=data, ckpt_dir=Path("-ckpt dir"), ckpt_every=2,
+        resume=True, inject="straggler:rank=2,factor=1.25,from_step=2;hang:rank=1,step=7", metrics_json=Path("m=1.jsonl"),
+        log_every=3,
+    ).validate()  # fmt: skip
+    same = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) == f.default]
+    assert not same, f"give these fields a value unlike their default: {same}"
+    return cfg
+
+
+def test_the_ranks_argv_parses_back_to_the_same_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``rankscope train`` hands the ranks ``rank_argv(cfg)``: the ranks must read exactly ``cfg`` from it (launcher-only
+    fields aside), including negative numbers, values with ``=`` and spaces, and an inject spec from the environment."""
+    monkeypatch.delenv("RANKSCOPE_INJECT", raising=False)
+    cfg = _unlike_the_defaults(tmp_path / "tokens.bin")
+    argv = rank_argv(cfg)
+    assert not any(arg.startswith("--nproc") for arg in argv)
+    assert parse_args(argv) == dataclasses.replace(cfg, nproc=None)
+    assert rank_argv(TrainConfig()) == []  # defaults are not repeated
+    monkeypatch.setenv("RANKSCOPE_INJECT", "nan:rank=3,step=4")
+    assert rank_argv(parse_args(["--glob", "64"])) == ["--global-batch=64", "--inject=nan:rank=3,step=4"]  # full spellings
+
+
+def test_no_trainer_flag_can_be_read_as_a_torchrun_option(tmp_path: Path) -> None:
+    """torchrun's parser classifies every ``--x`` token, also after ``-m module``, and refuses one that abbreviates
+    several of its options (``--nproc``: ``--nproc-per-node``/``--nproc_per_node``); one that names or abbreviates a
+    single option of its own would be taken for it. No flag handed to the ranks may be either."""
+    from torch.distributed.run import get_args_parser
+
+    torchrun = get_args_parser()
+    options = [o for action in torchrun._actions for o in action.option_strings]
+    handed = [flag(f) for f in dataclasses.fields(TrainConfig) if not f.metadata[LAUNCHER_ONLY]]
+    clashes = {f: [o for o in options if o.startswith(f)] for f in handed}
+    assert not {f: o for f, o in clashes.items() if o}
+    assert [flag(f) for f in dataclasses.fields(TrainConfig) if f.metadata[LAUNCHER_ONLY]] == ["--nproc"]
+    # And torchrun really hands a full command line over untouched.
+    argv = rank_argv(_unlike_the_defaults(tmp_path / "tokens.bin"))
+    parsed = torchrun.parse_args(torchrun_command(argv, 3)[3:])
+    assert (parsed.nproc_per_node, parsed.module, parsed.training_script) == ("3", True, "rankscope.trainer")
+    assert parsed.training_script_args == argv
+
+
 # --- fault grammar ------------------------------------------------------------------------------
 
 
@@ -101,7 +150,7 @@ def test_fault_spec_parses_every_kind() -> None:
     [
         ("slow:rank=1", "does not start with a known fault kind"),
         ("hang:rank=1", "hang: missing step"),
-        ("hang:rank=1,step=x", "step='x' is not a int"),
+        ("hang:rank=1,step=x", "step='x' is not a whole number"),
         ("crash:rank=1,step=2,factor=2", "'factor=2' is not one of rank=, step="),
         ("crash:rank=1,rank=2,step=2", "rank given twice"),
         ("straggler:rank=1,factor=0.5,from_step=1", "must be a number above 1"),

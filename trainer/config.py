@@ -2,6 +2,8 @@
 
 The command line is generated from the fields, so ``rankscope train`` and
 ``torchrun -m rankscope.trainer`` accept exactly the same flags and cannot drift from this file.
+``rank_argv`` writes a validated configuration back as the command line the launcher hands the
+ranks: full spellings only, launcher-only fields (``launcher_only`` in a field's metadata) left out.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
 
 
-def _opt(default: object, help: str, **extra: object) -> object:
-    return field(default=default, metadata={"help": help, **extra})
+#: metadata key of a field that only ``rankscope train`` reads: it is not handed to the ranks
+LAUNCHER_ONLY = "launcher_only"
+
+
+def _opt(default: object, help: str, *, launcher_only: bool = False, **extra: object) -> object:
+    return field(default=default, metadata={"help": help, LAUNCHER_ONLY: launcher_only, **extra})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs. Defaults give an 8-rank TP2xPP2xDP2 CPU job."""
 
-    nproc: int | None = _opt(None, "processes to launch on this machine (default: tp*pp*dp); launcher only")
+    nproc: int | None = _opt(None, "processes to launch on this machine (default: tp*pp*dp); launcher only", launcher_only=True)
     tp: int = _opt(2, "tensor-parallel size: attention heads, MLP and vocabulary split across this many ranks")
     pp: int = _opt(2, "pipeline-parallel size: layers split into this many stages, run with the 1F1B schedule")
     dp: int = _opt(2, "data-parallel size: replicas whose gradients are averaged")
@@ -125,6 +131,30 @@ class TrainConfig:
         return self
 
 
+def flag(f: dataclasses.Field[object]) -> str:
+    """The command-line flag of a ``TrainConfig`` field: ``--micro-batch`` for ``micro_batch``."""
+    return "--" + f.name.replace("_", "-")
+
+
+def rank_argv(cfg: TrainConfig) -> list[str]:
+    """The ranks' command line for ``cfg``: each value that differs from its default as ``--flag=value``.
+
+    The launcher rebuilds it instead of forwarding what the user typed: torchrun's parser reads
+    every ``--x`` token after ``-m module`` too and refuses one that abbreviates its own options
+    (``--nproc`` could be ``--nproc-per-node``), so only full trainer spellings may reach it, and
+    launcher-only fields, which the ranks do not need, stay out. ``--flag=value`` keeps a value
+    that starts with ``-`` a value. ``parse_args(rank_argv(cfg))`` gives ``cfg`` back, launcher-only
+    fields at their defaults.
+    """
+    argv: list[str] = []
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if f.metadata.get(LAUNCHER_ONLY) or value == f.default:
+            continue
+        argv.append(flag(f) if isinstance(value, bool) else f"{flag(f)}={value}")  # a bool flag is store_true
+    return argv
+
+
 def build_parser(prog: str = "rankscope train") -> argparse.ArgumentParser:
     """The command line, one flag per ``TrainConfig`` field (``--micro-batch`` for ``micro_batch``)."""
     parser = argparse.ArgumentParser(
@@ -133,20 +163,22 @@ def build_parser(prog: str = "rankscope train") -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
         help_text = str(f.metadata["help"])
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument(flag(f), action="store_true", help=help_text)
             continue
         base = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], None)
-        parser.add_argument(flag, type=f.metadata.get("type", base), default=f.default, help=help_text)
+        parser.add_argument(flag(f), type=f.metadata.get("type", base), default=f.default, help=help_text)
     return parser
 
 
 def parse_args(argv: list[str], prog: str = "rankscope train") -> TrainConfig:
     """Parse and validate a command line; ``RANKSCOPE_INJECT`` is used when --inject is absent.
 
-    Exits with status 2 and a clear message on a bad value, as argparse does.
+    Exits with status 2 and a clear message on a bad value: argparse's usage and error for a flag
+    it does not know or a value of the wrong type; for a configuration that cannot run only the
+    ``PROG: error: ...`` line (the usage does not help: the message names the flags), followed by
+    the fault grammar when --inject is wrong.
     """
     parser = build_parser(prog)
     args = parser.parse_args(argv)
@@ -155,5 +187,4 @@ def parse_args(argv: list[str], prog: str = "rankscope train") -> TrainConfig:
     try:
         return TrainConfig(**values).validate()
     except ConfigError as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")

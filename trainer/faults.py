@@ -29,6 +29,8 @@ _KEYS: dict[str, dict[str, type]] = {
     "nan": {"rank": int, "step": int},
     "slow_link": {"src": int, "dst": int, "delay_ms": float},
 }
+#: a value's type in words, for messages
+_WHAT: dict[type, str] = {int: "a whole number", float: "a number"}
 _FAULT_RE = re.compile(r"^\s*([a-z_]+)\s*:(.*)$")
 
 
@@ -84,7 +86,7 @@ def parse(spec: str) -> list[Fault]:
             try:
                 values[key] = wanted[key](raw)
             except ValueError:
-                raise FaultSpecError(f"{kind}: {key}={raw!r} is not a {wanted[key].__name__}") from None
+                raise FaultSpecError(f"{kind}: {key}={raw!r} is not {_WHAT[wanted[key]]}") from None
         missing = [k for k in wanted if k not in values]
         if missing:
             raise FaultSpecError(f"{kind}: missing {', '.join(missing)}")

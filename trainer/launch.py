@@ -1,6 +1,8 @@
 """``rankscope train``: validate the configuration, then launch torchrun on this machine.
 
 Sizes that do not divide and malformed fault specs are refused here, before any process starts.
+The ranks get the validated configuration written back as a command line (``rank_argv``), not
+the user's words: torchrun's parser would read those too (see ``rank_argv``).
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ import subprocess
 import sys
 
 from rankscope.agent.autoload import forbid
-from rankscope.trainer.config import parse_args
+from rankscope.trainer.config import parse_args, rank_argv
 
 
 def torchrun_command(argv: list[str], nproc: int) -> list[str]:
-    """The torchrun command line that runs ``argv`` on ``nproc`` local ranks."""
+    """The torchrun command line that runs the trainer with ``argv`` (``rank_argv``'s) on ``nproc`` local ranks."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "rankscope.trainer", *argv,
@@ -27,9 +29,8 @@ def main(argv: list[str]) -> int:
     cfg = parse_args(argv)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if cfg.inject:  # make the spec visible to the ranks even when it came from RANKSCOPE_INJECT
-        env["RANKSCOPE_INJECT"] = cfg.inject
-    process = subprocess.Popen(torchrun_command(argv, cfg.world_size), env=env)
+    # rank_argv carries --inject, also when the spec came from RANKSCOPE_INJECT
+    process = subprocess.Popen(torchrun_command(rank_argv(cfg), cfg.world_size), env=env)
     try:
         return process.wait()
     except KeyboardInterrupt:  # torchrun got the same SIGINT and stops its ranks; wait for it
