@@ -8,7 +8,8 @@ None, and the agent stays off while training runs as if it were not installed.
 variable                   meaning (default)
 =========================  ==================================================================
 RANKSCOPE_ENABLE           ``1`` turns the agent on in every training rank (off)
-RANKSCOPE_COLLECTOR        the collector, ``host:port`` or ``[v6 address]:port`` (127.0.0.1:7777)
+RANKSCOPE_COLLECTOR        the collector, ``host:port``, ``[v6 address]:port`` or
+                           ``unix:/path/of/its.sock`` (127.0.0.1:7777)
 RANKSCOPE_RUN_ID           the run's id (torchrun's TORCHELASTIC_RUN_ID, else SLURM_JOB_ID,
                            else agreed between the ranks at start-up)
 RANKSCOPE_HOST             the host name to report, a template over ``{rank}``,
@@ -153,7 +154,7 @@ def load_config(environ: Mapping[str, str]) -> AgentConfig | None:
     if node_rank is None:
         node_rank = read.value("NODE_RANK", _non_negative_int, None, "a node number")
     config = AgentConfig(
-        collector=read.value("RANKSCOPE_COLLECTOR", _address, DEFAULT_COLLECTOR, "host:port or [v6 address]:port"),
+        collector=read.value("RANKSCOPE_COLLECTOR", _address, DEFAULT_COLLECTOR, "host:port, [v6 address]:port or unix:/absolute/path"),
         run_id=_run_id(environ),
         host_template=read.value("RANKSCOPE_HOST", _template, "", _TEMPLATE_FORM),
         token=read.value("RANKSCOPE_TOKEN", _token, None, "printable ASCII without spaces"),
@@ -255,6 +256,10 @@ _HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>
 
 
 def _address(raw: str) -> str:
+    if raw.startswith("unix:"):
+        if not raw.startswith("unix:/"):
+            raise ValueError("a unix socket's path must be absolute")
+        return raw
     match = _HOST_PORT.fullmatch(raw)
     if match is None:
         raise ValueError("")

@@ -44,7 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--clickhouse", metavar="URL", type=_clickhouse,
                        help="store in a ClickHouse server instead: http[s]://user:password@host:8123/database")
     parser.add_argument("--listen", metavar="HOST:PORT", type=listen, default=DEFAULT_LISTEN,
-                        help=f"gRPC address (default: {DEFAULT_LISTEN}; port 0 picks a free port, printed at start-up)")
+                        help=f"gRPC address (default: {DEFAULT_LISTEN}; port 0 picks a free port, printed at start-up;"
+                             " unix:PATH for a Unix socket)")
     parser.add_argument("--token", metavar="TOKEN", default=os.environ.get("RANKSCOPE_TOKEN") or None,
                         help="require 'authorization: Bearer TOKEN' on every call (default: $RANKSCOPE_TOKEN; none if unset)")
     parser.add_argument("--tls-cert", metavar="PEM", type=pem_file("CERTIFICATE"), default=os.environ.get("RANKSCOPE_TLS_CERT") or None,

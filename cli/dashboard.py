@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Streamlit takes SIGTERM over once it serves; a stop asked for before then (a service manager,
+    # a script that gives up waiting) is a clean exit too, not death by the default action.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     from rankscope.agent.autoload import forbid
 
     forbid("dashboard")  # first: this process and what it starts are no training ranks
@@ -60,3 +64,7 @@ def run(args: argparse.Namespace) -> int:
     }  # fmt: skip
     argv = ["run", str(app), *(f"--{name}={value}" for name, value in flags.items())]
     return streamlit_cli.main.main(args=argv, prog_name="streamlit", standalone_mode=False) or 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

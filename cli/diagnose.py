@@ -30,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rankscope.collector.client import QueryFailed
     from rankscope.collector.diagnosis.engine import diagnose
-    from rankscope.collector.diagnosis.incidents import Ledger
+    from rankscope.collector.diagnosis.incidents import Ledger, headline
 
     try:
         reader = source.open_reader(args)
@@ -40,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
                 print("rankscope diagnose: no runs stored yet", file=sys.stderr)
                 return 2
             status = reader.query(RUN_SQL, {"run": run_id}).to_pylist()
-            if not status or status[0]["status"] is None:
-                print(f"rankscope diagnose: no run {run_id!r} in the store", file=sys.stderr)
+            if not status or not status[0]["status"]:  # argMax over no rows is the empty string
+                print(f"rankscope diagnose: no run {run_id!r} in the store (rankscope sql \"SELECT DISTINCT run_id FROM runs\" lists them)",
+                      file=sys.stderr)  # fmt: skip
                 return 2
             settings = thresholds(args)
             findings = diagnose(run_id, lambda sql, params: reader.query(sql, params), settings)
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"run {run_id} ({status[0]['status']}): {len(incidents)} incident{'s' if len(incidents) != 1 else ''}")
     for i in incidents:
         f = i.finding
-        print(f"\n[{f.severity}] {f.summary}")
+        print(f"\n[{f.severity}] {headline(f.kind, f.summary)}")
         print(f"  ranks {', '.join(map(str, f.ranks))}; hosts {', '.join(f.hosts) or '?'}; "
               f"first seen {i.as_json()['first_seen']}, last seen {i.as_json()['last_seen']}")  # fmt: skip
         print(f"  evidence: rankscope sql {json.dumps(f.sql)}")

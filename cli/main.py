@@ -24,6 +24,7 @@ import sys
 from types import ModuleType
 
 import rankscope
+from rankscope.cmdline import Parser
 
 # Subcommand name -> module under rankscope.cli. Add a command by adding one module and one
 # entry here.
@@ -47,7 +48,7 @@ def _command(name: str) -> ModuleType:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; passthrough commands appear in the help but parse nothing."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rankscope",
         description="Find what slows down or breaks a distributed training job, and where.",
     )

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """--collector / --clickhouse / --store (one of them), --token and --tls-ca."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--collector", metavar="HOST:PORT",
-                       help=f"ask the collector at HOST:PORT (the default, {DEFAULT_COLLECTOR})")  # fmt: skip
+                       help=f"ask the collector at HOST:PORT or unix:PATH (the default, {DEFAULT_COLLECTOR})")  # fmt: skip
     where.add_argument("--clickhouse", metavar="URL", help="read a ClickHouse server: http[s]://user:password@host:8123/database")
     where.add_argument("--store", metavar="DIR", type=Path,
                        help="open an embedded store directory (only while no collector runs on it)")  # fmt: skip

@@ -120,8 +120,8 @@ def _error(e: grpc.RpcError, target: str, timeout_s: float) -> QueryFailed:
         return Unauthenticated(f"the collector at {target} refused the call: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResultTooLarge(details)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return Unreachable(f"no collector at {target} ({details})")
+    if code == grpc.StatusCode.UNAVAILABLE:  # "failed to connect to all addresses; last error: ...: Connection refused"
+        return Unreachable(f"cannot reach the collector at {target}: {details.rsplit(': ', 1)[-1]}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Unreachable(f"no answer from the collector at {target} within {timeout_s:g} s")
     return QueryFailed(f"the collector at {target} answered {code.name}: {details}")

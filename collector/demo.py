@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
+from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, headline
 from rankscope.collector.orchestration import CLI, agent_env, collector_command, host_of, start, stop, wait_for_address
 from rankscope.trainer.faults import Fault, parse
 
@@ -207,7 +207,7 @@ class _Demo:
             for incident in incidents:
                 if incident["incident_id"] not in seen:
                     seen.add(incident["incident_id"])
-                    self.say(f"INCIDENT {_headline(incident['kind'], incident['summary'])}")
+                    self.say(f"INCIDENT {headline(incident['kind'], incident['summary'])}")
             if ended_at is not None:
                 continue
             hung = any(i["kind"] == "hang" for i in incidents)
@@ -277,11 +277,6 @@ class _Progress:
             self.stall_told = True
             self.say(f"no step has ended for {now - self.changed_at:.0f} s: the collector calls it a hang after "
                      f"{self.hang_after_s:.0f} s")  # fmt: skip
-
-
-def _headline(kind: str, summary: str) -> str:
-    """``kind: summary``, without saying the kind twice (some summaries start with it)."""
-    return summary if summary.startswith(f"{kind}:") else f"{kind}: {summary}"
 
 
 def _check_port_free(port: int) -> None:

@@ -147,15 +147,21 @@ class RunInfo:
         self.registered = {**other.registered, **self.registered}
         self.exits = {**other.exits, **self.exits}
 
+    def ended_since(self, rank: int, at_ns: int) -> bool:
+        """Whether ``rank`` ended after ``at_ns``: a registration made then is news of the past."""
+        exited = self.exits.get(rank)
+        return exited is not None and at_ns <= exited[1]
+
     def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int) -> int | None:
         """Note a registration of ``rank`` (its process's start and its time on the rank's clock,
         ``at_ns`` on the collector's); the version to store its rows with, or None when it is older
-        than the rank's newest registration or its exit: one delivered late (a retry, a spool
-        replay) must not undo what came after it."""
+        than the rank's newest registration, or than its exit while an earlier one is held: one
+        delivered late (a retry, a spool replay) must not undo what came after it. The first one
+        is stored even after the exit (replayed from the spool after the rank's end): without it
+        the rank would have no host."""
         held = self.registered.get(rank)
         newer = True if held is None else held.newer(start_ns, time_ns, at_ns)
-        exited = self.exits.get(rank)
-        if newer is False or exited is not None and at_ns <= exited[1]:
+        if newer is False or held is not None and self.ended_since(rank, at_ns):
             return None
         if held is None:
             version = at_ns
@@ -369,6 +375,7 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
     start = ctx.time("register.start_time_ns", reg.start_time_ns)
     at_ns = ctx.time("register.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns
     run = registry.run(ctx.run_id)
+    late = run.ended_since(ctx.rank, at_ns)
     if not run.registered:  # the user needs the id for `rankscope diagnose --run` and the dashboard's ?run=
         log.info("run %s: rank %d of %d registered from %s", ctx.run_id, ctx.rank, reg.world_size, reg.host)
     version = run.register(ctx.rank, reg.start_time_ns, reg.time_ns, at_ns)
@@ -405,6 +412,8 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
     # Ranks that leave the name or config empty do not erase what another rank sent.
     run.name, run.config = reg.run_name or run.name, reg.config_json or run.config
     run.hosts[ctx.rank] = reg.host
+    if late:  # the rank's identity is news, its being alive is not: it has ended since
+        return parts
     run.exits.pop(ctx.rank, None)  # registered again: the rank (or its restart) is alive
     parts["runs"] = _runs_row(ctx, run, "running", end_ns=0)
     return parts

@@ -221,8 +221,17 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+#: ``--listen unix:PATH``: a Unix socket, for agents that share this machine's file system but not its
+#: network (the test bed's namespace hosts, whose telemetry stays off the links its faults slow)
+UNIX = "unix:"
+
+
 def parse_listen(text: str) -> tuple[str, int]:
-    """("host", port) from HOST:PORT ([v6]:PORT too); ValueError with the reason."""
+    """("host", port) from HOST:PORT ([v6]:PORT too), or ("unix:PATH", 0); ValueError with the reason."""
+    if text.startswith(UNIX):
+        if not text[len(UNIX) :]:
+            raise ValueError(f"expected unix:PATH with the socket's path, got {text!r}")
+        return text, 0
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT with a port 0-65535, got {text!r}")
@@ -305,9 +314,10 @@ async def _run(
         await server.start()
         metrics = ""
         if options.metrics_port is not None:
-            metrics = f", metrics on http://{host}:{telemetry.serve(host, options.metrics_port)}/metrics"
+            http_host = "127.0.0.1" if host.startswith(UNIX) else host
+            metrics = f", metrics on http://{http_host}:{telemetry.serve(http_host, options.metrics_port)}/metrics"
         tls = ", with TLS" if credentials is not None else ""
-        ready(f"rankscope collector listening on {host}:{bound}{tls}, storing in {_where(options, store)}{metrics}")
+        ready(f"rankscope collector listening on {bound}{tls}, storing in {_where(options, store)}{metrics}")
         await stop.wait()
     finally:
         # Stop taking calls at once and write every buffer now: the calls in flight get their
@@ -340,14 +350,15 @@ async def _diagnose(collector: Collector, loop: asyncio.AbstractEventLoop, stop:
     await live.run(stop)
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
-    """Listen on host:port, over TLS when ``credentials`` are given; the port bound (port 0 picks a
-    free one). OSError when it cannot."""
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> str:
+    """Listen on host:port (or the ``unix:`` socket ``host``), over TLS when ``credentials`` are
+    given; the address bound (port 0 picks a free one). OSError when it cannot."""
+    address = host if host.startswith(UNIX) else f"{host}:{port}"
     try:
         if credentials is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
+            bound = server.add_insecure_port(address)
         else:
-            bound = server.add_secure_port(f"{host}:{port}", credentials)
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as e:
         if credentials is not None:  # gRPC says only "Failed to bind" when it cannot use the PEM files either
             raise OSError(
@@ -355,8 +366,8 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Serve
             ) from None
         raise OSError(f"cannot listen on {host}:{port}: {e}") from None
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")
-    return bound
+        raise OSError(f"cannot listen on {address} (in use, or not an address of this machine)")
+    return address if host.startswith(UNIX) else f"{host}:{bound}"
 
 
 async def _tick(telemetry: Telemetry, stop: asyncio.Event) -> None:

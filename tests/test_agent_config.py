@@ -141,9 +141,10 @@ def test_template_that_cannot_render_for_this_rank(caplog: pytest.LogCaptureFixt
     ("name", "value", "accepted"),
     [
         ("RANKSCOPE_ENABLE", "yes", "expected 1 (on) or 0 (off)"),
-        ("RANKSCOPE_COLLECTOR", "collector", "expected host:port or [v6 address]:port"),
-        ("RANKSCOPE_COLLECTOR", "collector:99999", "expected host:port or [v6 address]:port"),
-        ("RANKSCOPE_COLLECTOR", "::1:7777", "expected host:port or [v6 address]:port"),
+        ("RANKSCOPE_COLLECTOR", "collector", "expected host:port, [v6 address]:port or unix:/absolute/path"),
+        ("RANKSCOPE_COLLECTOR", "collector:99999", "expected host:port, [v6 address]:port or unix:/absolute/path"),
+        ("RANKSCOPE_COLLECTOR", "::1:7777", "expected host:port, [v6 address]:port or unix:/absolute/path"),
+        ("RANKSCOPE_COLLECTOR", "unix:relative.sock", "expected host:port, [v6 address]:port or unix:/absolute/path"),
         ("RANKSCOPE_TOKEN", "two words", "expected printable ASCII without spaces"),
         ("RANKSCOPE_TLS_CA", "/no/such/ca.pem", "expected the path of a readable CA bundle (PEM)"),
         ("RANKSCOPE_SPOOL_MAX_MB", "0", "expected a whole number of MiB >= 1"),

@@ -6,11 +6,14 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from conftest import ProcRunner, start_collector
 
 from rankscope.cli import collector as cli
 from rankscope.cli.main import main
+from rankscope.collector.orchestration import CLI
 from rankscope.collector.server import ServerOptions
 
 
@@ -19,6 +22,7 @@ from rankscope.collector.server import ServerOptions
     [
         (["--listen", "7777"], "expected HOST:PORT"),
         (["--listen", "localhost:99999"], "expected HOST:PORT"),
+        (["--listen", "unix:"], "expected unix:PATH"),
         (["--store", "a", "--clickhouse", "http://h:8123"], "not allowed with argument"),
         (["--clickhouse", "localhost:8123"], "expected http[s]://"),
         (["--retention-days", "-1"], "must be at least 0"),
@@ -77,3 +81,12 @@ def test_the_collector_yields_the_cpu_and_its_session_only_when_it_leads_one(own
     assert done.returncode == 0, done.stderr
     mine = _autogroup().split()[-1]
     assert done.stdout.split() == ["[7]", "7" if own_session else mine]
+
+
+def test_a_collector_on_a_unix_socket_answers_there(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """``--listen unix:PATH``: what the test bed's namespace hosts reach the collector through."""
+    socket_path = tmp_path / "collector.sock"
+    collector = start_collector(proc_runner, tmp_path / "store", listen=f"unix:{socket_path}")
+    assert collector.target == f"unix:{socket_path}" and socket_path.is_socket()
+    done = subprocess.run([*CLI, "sql", "--collector", collector.target, "SELECT 1 AS one"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "1", done

@@ -222,6 +222,18 @@ def test_a_registration_delivered_after_a_newer_one_or_the_ranks_end_changes_not
     assert not registry.has_ended("r", 0)
 
 
+def test_a_ranks_only_registration_replayed_after_its_end_is_stored_without_reopening_it() -> None:
+    """A busy rank's registration can still be in its spool when its end goes out live; replayed
+    later it is the only record of the rank's host and place, so it is stored, but the rank stays ended."""
+    registry = RunRegistry()
+    registered_at = time.time_ns()
+    _decode(register("r", 0, 2), registry)
+    _decode(end("r", 1), registry)
+    late = _decode(register("r", 1, 2, time_ns=registered_at), registry).parts
+    assert late["ranks"].to_pylist()[0]["host"] and "runs" not in late
+    assert registry.has_ended("r", 1) and registry.host("r", 1)
+
+
 def _corrupt(batch: ingest_pb2.Batch, field: str, value: object) -> ingest_pb2.Batch:
     setattr(getattr(batch, batch.WhichOneof("payload")), field, value)
     return batch

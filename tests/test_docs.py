@@ -85,6 +85,7 @@ class NotHere:
     why: str
 
 
+STREAMLIT_SERVES = "You can now view your Streamlit app"  # printed once the server listens
 NO_DOCKER = NotHere("needs a Docker engine: none runs on the development machine or in CI (docker-compose.yml is checked as data in test_deploy.py)")
 SIM_SHORT = ((r"--ranks 12288 --tp 8 --pp 16 --dp 96 --steps 120", "--ranks 256 --tp 4 --pp 4 --dp 16 --steps 24"),
              (r"rank=3000", "rank=100"), (r"hang:rank=7777,step=96\"$", 'hang:rank=200,step=18" --hold 10'))  # fmt: skip
@@ -98,7 +99,7 @@ COMMANDS: dict[str, Run | NotHere] = {
     "RANKSCOPE_ENABLE=1 RANKSCOPE_COLLECTOR=127.0.0.1:7777 torchrun --nproc-per-node 8 train.py": Run(),
     "RANKSCOPE_ENABLE=1 rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --steps 24 --inject 'straggler:rank=6,factor=1.25,from_step=6'":
         Run(expect=r"step\s+24/24"),
-    "rankscope dashboard": Serve(ready="http://127.0.0.1:8501"),
+    "rankscope dashboard": Serve(ready=STREAMLIT_SERVES),
     "rankscope diagnose --run RUN --format json": Run(expect='"kind": "straggler"'),
     'rankscope sql "SELECT run_id, world_size, status FROM runs FINAL ORDER BY start_time DESC LIMIT 5"': Run(expect="finished"),
     'rankscope sql --param run=RUN "SELECT kind, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String}"':
@@ -107,7 +108,7 @@ COMMANDS: dict[str, Run | NotHere] = {
     "rankscope collector": Serve(),
     "rankscope collector --listen 0.0.0.0:7777 --metrics-port 9464 --retention-days 30": Serve(ready="metrics on"),
     # docs/dashboard.md
-    "rankscope dashboard --port 8502 --address 0.0.0.0": Serve(ready=":8502/"),
+    "rankscope dashboard --port 8502 --address 0.0.0.0": Serve(ready=STREAMLIT_SERVES, expect="Local URL: http://localhost:8502"),
     # docs/deployment.md
     "export RANKSCOPE_WRITER_PASSWORD=... RANKSCOPE_READER_PASSWORD=...": NO_DOCKER,
     "docker compose up -d --build": NO_DOCKER,
@@ -242,7 +243,7 @@ def test_the_page_runs_as_written(name: str, request: pytest.FixtureRequest, pro
     page = Page(name, proc_runner, tmp_path)
     if name in NEEDS_A_COLLECTOR:
         readme: Page = request.getfixturevalue("readme")
-        shutil.copytree(readme.workdir / "rankscope-data", tmp_path / "rankscope-data")
+        shutil.copytree(readme.workdir / "rankscope-data", tmp_path / "rankscope-data", symlinks=True)  # chDB links metadata/ to store/
         page.one("rankscope collector &", Run(), name="collector")
     page.run_all()
 

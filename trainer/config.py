@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rankscope.cmdline import Parser
 from rankscope.trainer import faults
 
 
@@ -155,12 +156,17 @@ def rank_argv(cfg: TrainConfig) -> list[str]:
     return argv
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag's help, and the fault grammar's table kept as written."""
+
+
 def build_parser(prog: str = "rankscope train") -> argparse.ArgumentParser:
     """The command line, one flag per ``TrainConfig`` field (``--micro-batch`` for ``micro_batch``)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=prog,
         description="Megatron-style GPT training with tensor, pipeline and data parallelism.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=faults.GRAMMAR,
+        formatter_class=_HelpFormatter,
     )
     for f in dataclasses.fields(TrainConfig):
         help_text = str(f.metadata["help"])
@@ -175,10 +181,8 @@ def build_parser(prog: str = "rankscope train") -> argparse.ArgumentParser:
 def parse_args(argv: list[str], prog: str = "rankscope train") -> TrainConfig:
     """Parse and validate a command line; ``RANKSCOPE_INJECT`` is used when --inject is absent.
 
-    Exits with status 2 and a clear message on a bad value: argparse's usage and error for a flag
-    it does not know or a value of the wrong type; for a configuration that cannot run only the
-    ``PROG: error: ...`` line (the usage does not help: the message names the flags), followed by
-    the fault grammar when --inject is wrong.
+    Exits with status 2 and one ``PROG: error: ...`` line on a bad flag, a value of the wrong type
+    or a configuration that cannot run (the fault grammar is in ``--help``).
     """
     parser = build_parser(prog)
     args = parser.parse_args(argv)

@@ -35,10 +35,10 @@ _FAULT_RE = re.compile(r"^\s*([a-z_]+)\s*:(.*)$")
 
 
 class FaultSpecError(ValueError):
-    """A malformed fault spec; the message quotes the accepted grammar."""
+    """A malformed fault spec, in one line; ``GRAMMAR`` (in ``rankscope train --help``) lists what is accepted."""
 
     def __init__(self, problem: str) -> None:
-        super().__init__(f"bad --inject: {problem}\n{GRAMMAR}")
+        super().__init__(f"bad --inject: {problem} (faults: straggler, hang, crash, nan, slow_link; the grammar is in rankscope train --help)")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,11 @@ from rankscope.collector.store.schema import BY_NAME
 
 
 
+def headline(kind: str, summary: str) -> str:
+    """``kind: summary``, without saying the kind twice (some summaries start with it)."""
+    return summary if summary.startswith(f"{kind}:") else f"{kind}: {summary}"
+
+
 @dataclass(frozen=True)
 class Finding:
     """What one detector pass says about one fault."""

@@ -1,0 +1,101 @@
+"""The README's fault drill, exactly as written: a collector, then the bundled trainer with the agent on and a
+1.25x straggler on rank 6, must train and be diagnosed as one straggler incident naming rank 6 and its host.
+
+Nothing is shortened or tuned for the test: the command line is the README's, the agent gets only the two
+variables the README sets (the collector's address is the one this test started), and the collector runs
+with its default flags on a temporary store.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ProcRunner, incidents, start_collector
+
+from rankscope.collector.diagnosis.engine import CONCLUDE_AFTER_S, DIAGNOSE_EVERY_S
+
+COMMAND = "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --steps 24 --inject 'straggler:rank=6,factor=1.25,from_step=6'"
+RUNS_SQL = "SELECT DISTINCT run_id FROM runs"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_readme_straggler_drill_is_diagnosed(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    collector = start_collector(proc_runner, tmp_path / "store")
+    exe, *args = shlex.split(COMMAND)
+    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target}
+    started = time.monotonic()
+    training = proc_runner.start([str(Path(sys.executable).parent / exe), *args], env=env, cwd=tmp_path, name="train")
+    assert training.wait(720) == 0, training.output()
+    trained_s = time.monotonic() - started
+    assert "step    24/24 | loss" in training.stdout, training.output()
+
+    from rankscope.collector.client import Client
+
+    with Client(collector.target) as client:
+        runs = [row["run_id"] for row in client.query(RUNS_SQL).to_pylist()]
+    assert len(runs) == 1, runs  # one run, named by torchrun: the README sets no run id
+    # The run has ended: wait out the collector's final passes over it (a late second incident would show there).
+    ended = time.monotonic()
+    settle_s = CONCLUDE_AFTER_S + 2 * DIAGNOSE_EVERY_S
+    found = incidents(collector.target, runs[0], lambda found, client: time.monotonic() - ended > settle_s, settle_s + 30)
+    named = [(i["kind"], sorted(i["ranks"]), sorted(i["hosts"])) for i in found]
+    log = f"trained in {trained_s:.0f} s; incidents: {named}\n{collector.proc.output()}"
+    assert named == [("straggler", [6], [socket.gethostname()])], log
+
+
+# --- the errors a new user meets: one clear line on stderr, a non-zero exit -------------------------
+
+COLLECTOR_ERRORS = [
+    # (command after `rankscope`, exit status, what the one line says)
+    (["sql", "DROP TABLE runs"], 2, "refused"),
+    (["sql", "INSERT INTO runs (run_id) VALUES ('x')"], 2, "refused"),
+    (["diagnose", "--run", "no-such-run"], 2, "no run 'no-such-run' in the store"),
+]
+PLAIN_ERRORS = [
+    (["train", "--bogus"], 2, r"unrecognized arguments: --bogus \(see rankscope train --help\)"),
+    (["train", "--nproc", "2", "--inject", "straggler:rank=x,factor=2,from_step=1"], 2, "rank='x' is not a whole number"),
+    (["train", "--inject", "wobble:rank=1"], 2, "does not start with a known fault kind"),
+    (["train", "--inject", "hang:rank=99,step=2"], 2, "is not a rank of this 8-rank job"),
+    (["sql", "--format", "xml", "SELECT 1"], 2, "invalid choice: 'xml'"),
+    (["collector", "--flush-interval", "0"], 2, "must be more than 0 seconds"),
+    (["diagnose", "--run", "r", "--collector", "127.0.0.1:1"], 1, "cannot reach the collector at 127.0.0.1:1: Connection refused"),
+    (["no-such-command"], 2, "invalid choice: 'no-such-command'"),
+]
+
+
+def _one_line(argv: list[str], status: int, says: str, tmp_path: Path, timeout_s: float = 60) -> None:
+    import subprocess
+
+    done = subprocess.run([str(Path(sys.executable).parent / "rankscope"), *argv], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=timeout_s, stdin=subprocess.DEVNULL)  # fmt: skip
+    lines = done.stderr.splitlines()
+    assert done.returncode == status and len(lines) == 1, (done.returncode, done.stdout, done.stderr)
+    assert re.search(says, lines[0]) and lines[0].startswith("rankscope"), lines
+
+
+@pytest.mark.parametrize(("argv", "status", "says"), PLAIN_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_mistake_is_one_clear_line(argv: list[str], status: int, says: str, tmp_path: Path) -> None:
+    _one_line(argv, status, says, tmp_path)
+
+
+def test_the_mistakes_that_need_a_collector_are_one_clear_line(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    collector = start_collector(proc_runner, tmp_path / "store")
+    for argv, status, says in COLLECTOR_ERRORS:
+        _one_line([*argv, "--collector", collector.target], status, says, tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_collector_that_does_not_answer_is_one_clear_line(tmp_path: Path) -> None:
+    """A port that accepts connections and never speaks gRPC (a hung collector, a wrong service)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        _one_line(["sql", "--collector", target, "SELECT 1"], 1, f"cannot reach the collector at {target}", tmp_path, timeout_s=90)
