@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "scenario": "rankscope.cli.scenario",
     "spool": "rankscope.cli.spool",
     "simulate": "rankscope.cli.simulate",
+    "testbed": "rankscope.cli.testbed",
     "dashboard": "rankscope.cli.dashboard",
     "demo": "rankscope.cli.demo",
 }

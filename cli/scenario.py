@@ -1,7 +1,10 @@
-"""``rankscope scenario``: inject a fault into a real 8-rank run and score what the diagnosis says.
+"""``rankscope scenario``: inject a fault into a real run and score what the diagnosis says.
 
-``rankscope scenario list`` shows the built-in scenarios; ``rankscope scenario run NAME [NAME ...]``
-or ``--all`` runs them one after another and prints a score line each. Exit 1 if any failed.
+Two families: the trainer's own faults (``--inject``) in an 8-rank run on this machine, and the
+``testbed-*`` scenarios, whose faults come from outside the job (throttled, frozen, killed hosts and
+ranks, slow links) on namespace hosts (``rankscope testbed``; root only).
+``rankscope scenario list`` shows them; ``rankscope scenario run NAME [NAME ...]`` or ``--all``
+runs them one after another and prints a score line each. Exit 1 if any failed.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "run built-in fault scenarios (straggler, hang, crash, NaN, slow link) and score the diagnosis"
+HELP = "run built-in fault scenarios (straggler, hang, crash, NaN, slow link; faults from outside on the test bed) and score the diagnosis"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -17,23 +20,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("list", help="list the scenarios")
     run = sub.add_parser("run", help="run scenarios and print a score line each")
     run.add_argument("names", nargs="*", metavar="NAME", help="scenario names (see `rankscope scenario list`)")
-    run.add_argument("--all", action="store_true", help="every scenario, the benchmark-only ones included")
+    run.add_argument("--all", action="store_true", help="every scenario, the benchmark-only and test-bed ones included")
 
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.collector.diagnosis import scenarios
+    from rankscope.testbed import scenarios as testbed
 
+    known = {**scenarios.SCENARIOS, **testbed.SCENARIOS}
     if args.action == "list":
-        for s in scenarios.SCENARIOS.values():
-            print(f"{s.name:16} {s.doc}{'' if s.in_tests else ' [benchmark]'}")
+        for s in known.values():
+            tag = " [test bed, root]" if s.name in testbed.SCENARIOS else "" if s.in_tests else " [benchmark]"
+            print(f"{s.name:28} {s.doc}{tag}")
         return 0
-    names = list(scenarios.SCENARIOS) if args.all else args.names
-    unknown = [n for n in names if n not in scenarios.SCENARIOS]
+    names = list(known) if args.all else args.names
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
         print(f"rankscope scenario: {'unknown ' + ', '.join(unknown) if unknown else 'name a scenario or --all'}; "
-              f"known: {', '.join(scenarios.SCENARIOS)}", file=sys.stderr)  # fmt: skip
+              f"known: {', '.join(known)}", file=sys.stderr)  # fmt: skip
         return 2
-    scores = [scenarios.run(scenarios.SCENARIOS[n], log=lambda line: print(f"  {line}", flush=True)) for n in names]
+    from rankscope.testbed.hosts import TestbedError
+
+    scores = []
+    for name in names:
+        play = testbed.run if name in testbed.SCENARIOS else scenarios.run
+        try:
+            scores.append(play(known[name], log=lambda line: print(f"  {line}", flush=True)))  # type: ignore[arg-type]
+        except TestbedError as e:
+            print(f"rankscope scenario: {name}: {e}", file=sys.stderr)
+            return 1
     print()
     for score in scores:
         print(score.line())

@@ -25,13 +25,14 @@ import pytest
 
 from rankscope.collector.orchestration import CLI, free_port, listen_address
 from rankscope.processes import terminate_tree
+from rankscope.testbed.hosts import Testbed
 
 pytest_plugins = ("pytester",)  # tests/test_infra.py runs pytest inside a test.
 
 TERM_GRACE_S = 5.0
 
 
-__all__ = ["Proc", "ProcRunner", "Running", "free_port", "start_collector"]
+__all__ = ["Proc", "ProcRunner", "Running", "free_port", "make_testbed", "start_collector"]
 
 
 class Proc:
@@ -199,6 +200,26 @@ def proc_runner(tmp_path: Path) -> Iterator[ProcRunner]:
 def torchrun(proc_runner: ProcRunner) -> Callable[..., Proc]:
     """``torchrun(args, nproc, env=None) -> Proc``: ProcRunner.torchrun bound to this test."""
     return proc_runner.torchrun
+
+
+def make_testbed(hosts: int, ranks_per_host: int = 1) -> Iterator[Testbed]:
+    """A test bed of ``hosts`` namespace hosts, destroyed however the test ends; skips where none can be made."""
+    from rankscope.testbed import hosts as testbed_hosts
+
+    try:
+        bed = testbed_hosts.create(hosts, ranks_per_host=ranks_per_host)
+    except testbed_hosts.TestbedError as e:
+        pytest.skip(f"no test bed on this machine: {e}")
+    try:
+        yield bed
+    finally:
+        testbed_hosts.destroy(bed.name)
+
+
+@pytest.fixture
+def testbed() -> Iterator[Testbed]:
+    """Three namespace hosts of one rank each (see ``make_testbed`` for other sizes)."""
+    yield from make_testbed(3)
 
 
 @pytest.fixture(scope="module")

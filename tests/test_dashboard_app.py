@@ -76,7 +76,7 @@ def test_no_collector_is_a_message_on_every_page(monkeypatch):
     read_from(monkeypatch, Source(collector=f"127.0.0.1:{port}"))
     for name in PAGES:
         at = open_page(name)
-        assert f"No data. no collector at 127.0.0.1:{port}" in at.error[0].value.replace("*", ""), name
+        assert f"No data. cannot reach the collector at 127.0.0.1:{port}" in at.error[0].value.replace("*", ""), name
 
 
 def test_an_empty_store_says_there_are_no_runs_yet(store):

@@ -34,6 +34,7 @@ from conftest import Proc, ProcRunner
 
 from rankscope.cli.main import COMMANDS as CLI_COMMANDS
 from rankscope.cli.main import build_parser
+from rankscope.testbed import hosts as testbed_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -129,6 +130,15 @@ COMMANDS: dict[str, Run | NotHere] = {
     'rankscope sql --format csv "SELECT run_id, world_size, status FROM runs FINAL ORDER BY start_time DESC LIMIT 5"': Run(expect=",8,"),
     "rankscope sql --param run=RUN --param group='tp[0]' --param seq=42 \"SELECT rank, issue_time FROM collectives WHERE run_id = "
     '{run:String} AND group_name = {group:String} AND seq = {seq:Int64} ORDER BY issue_time"': Run(),
+    # docs/testbed.md
+    "rankscope testbed up --hosts 4 --ranks-per-host 2": Run(expect="node3"),
+    "rankscope collector --listen unix:/tmp/rankscope.sock &": Run(),
+    "rankscope testbed fault throttle-cpu --host node2 --share 0.25 --for 120 &": Run(),
+    "rankscope testbed run --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 2 --dp 2 --steps 40":
+        Run("12 steps instead of 40", shorten=((r"--steps 40$", "--steps 12"),), expect="node3: exit 0", timeout_s=300),
+    "rankscope diagnose --collector unix:/tmp/rankscope.sock": Run(expect=r"straggler: host node2: ranks 4, 5"),
+    "rankscope testbed down": Run(expect="is down"),
+    "rankscope scenario run testbed-freeze-rank": NotHere("tests/test_testbed_scenarios.py runs every test-bed scenario"),
     # docs/trainer.md
     "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --layers 4 --hidden 64 --heads 4 --seq 64 --vocab 256 --micro-batch 2 --global-batch 16 --steps 20":
         Run("2 steps instead of 20", shorten=((r"--steps 20$", "--steps 2"),), expect=r"step\s+2/2"),
@@ -138,6 +148,8 @@ COMMANDS: dict[str, Run | NotHere] = {
 
 #: pages that read a recorded run through a collector at the default address (a copy of the README's store)
 NEEDS_A_COLLECTOR = {"docs/diagnosis.md", "docs/sql.md", "docs/dashboard.md"}
+#: pages whose commands make namespace hosts: root only
+NEEDS_ROOT = {"docs/testbed.md"}
 #: a user's own training script, for the commands that run `train.py`
 USER_SCRIPT = ROOT / "tests" / "scripts" / "ddp_plain.py"
 
@@ -240,12 +252,19 @@ def test_the_readme_runs_as_written_and_finds_the_straggler(readme: Page) -> Non
     isinstance(COMMANDS.get(c), Run) for c in shell_commands(PAGES[n].read_text()))])  # fmt: skip
 def test_the_page_runs_as_written(name: str, request: pytest.FixtureRequest, proc_runner: ProcRunner, tmp_path: Path) -> None:
     _default_ports_free()
+    if name in NEEDS_ROOT and os.geteuid() != 0:
+        pytest.skip(f"{name} makes namespace hosts: needs root")
     page = Page(name, proc_runner, tmp_path)
     if name in NEEDS_A_COLLECTOR:
         readme: Page = request.getfixturevalue("readme")
         shutil.copytree(readme.workdir / "rankscope-data", tmp_path / "rankscope-data", symlinks=True)  # chDB links metadata/ to store/
         page.one("rankscope collector &", Run(), name="collector")
-    page.run_all()
+    beds = set(testbed_hosts.running())
+    try:
+        page.run_all()
+    finally:  # a page that failed before its `rankscope testbed down`
+        for name in set(testbed_hosts.running()) - beds:
+            testbed_hosts.destroy(name)
 
 
 # --- the documents as text -------------------------------------------------------------------------

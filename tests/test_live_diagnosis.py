@@ -72,3 +72,23 @@ def test_a_run_with_nothing_new_stored_is_passed_over_until_the_recheck(migrated
     live.pass_once()
     assert {run for run, _ in seen} == {"job-0", "job-1"}  # the recheck: silence shows only with time,
     assert ("job-0", "topology") in seen  # and ranks that registered with another collector of the store
+
+
+def test_a_host_finding_continues_the_incident_of_its_first_straggler_rank() -> None:
+    """A straggler rank is named first; once its whole host is slow the same incident names the host."""
+    from rankscope.collector.diagnosis.incidents import Finding, Ledger
+
+    rank = Finding("straggler", "straggler:rank=5", "warning", (5,), ("node2",), 10, 20, "rank 5 (node2): backward 180% slower")
+    host = Finding("straggler", "straggler:host=node2", "warning", (4, 5), ("node2",), 12, 30, "host node2: ranks 4, 5 are all slower",
+                   absorbs=("straggler:rank=5", "straggler:rank=4"))  # fmt: skip
+    ledger = Ledger("run")
+    _, new = ledger.update([rank])
+    assert [i.incident_id for i in new] == ["straggler:rank=5"]
+    stored, new = ledger.update([host])
+    assert new == [] and [(i.incident_id, i.finding.ranks, i.status) for i in stored] == [("straggler:rank=5", (4, 5), "open")]
+    assert stored[0].finding.first_seen_ns == 10  # the fault's first sighting stays
+    stored, _ = ledger.update([host], final=True)
+    assert [(i.incident_id, i.status) for i in stored] == [("straggler:rank=5", "closed")]
+    assert [i.incident_id for i in ledger.incidents.values()] == ["straggler:rank=5"]
+    _, new = Ledger("run").update([host])  # nothing to continue: the host's own id
+    assert [i.incident_id for i in new] == ["straggler:host=node2"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("agent", "cli", "collector", "dashboard", "protos", "trainer")
+PARTS = ("agent", "cli", "collector", "dashboard", "protos", "testbed", "trainer")
 SKIP = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
     "rankscope-data", "test-artifacts", ".whl", ".gl", "tests", "benchmarks",

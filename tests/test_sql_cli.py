@@ -107,7 +107,7 @@ def test_a_wrong_token_or_no_collector_exits_1(sql: SqlRun, capfd: pytest.Captur
     assert (status, out) == (1, "") and "token is wrong" in err
     assert main(["sql", "--collector", "127.0.0.1:1", "SELECT 1"]) == 1
     out, err = capfd.readouterr()
-    assert out == "" and "no collector at 127.0.0.1:1" in err
+    assert out == "" and "cannot reach the collector at 127.0.0.1:1: Connection refused" in err
 
 
 def _rankscope_sql(*args: str) -> subprocess.CompletedProcess[str]:

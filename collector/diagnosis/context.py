@@ -14,6 +14,12 @@ from clickhouse_connect.driver.binding import format_bind_value
 Query = Callable[[str, Mapping[str, object]], pa.Table]
 
 
+STEP_TIME_SQL = (
+    "SELECT median(value) AS step_s FROM step_metrics WHERE run_id = {run:String} AND name = 'step_time_s' "
+    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
+)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Detector thresholds; the defaults are what the scenarios are tuned and tested with."""
@@ -27,8 +33,14 @@ class Settings:
     #: ... over this many recent steps (median of them), seen in at least ``straggler_min_steps``
     straggler_window: int = 6
     straggler_min_steps: int = 3
-    #: ... and by at least this much time per step (tiny segments are all noise)
+    #: ... and by at least this much time per step (tiny segments are all noise) ...
     straggler_min_excess_s: float = 0.002
+    #: ... and this share of the step: a segment that costs the step less is no straggler worth a
+    #: look, and a small wall-time-only segment (data loading) on a busy host is mostly the scheduler
+    straggler_step_share: float = 0.01
+    #: where CPU time is compared, wall time too, slower by at least this share: a rank starved of
+    #: CPU computes no slower, it waits to run (wall time on shared cores is noisy, hence the bar)
+    straggler_wall_excess: float = 0.5
     #: slow link: a pair's transfer time this many times the median of comparable pairs ...
     slow_link_ratio: float = 4.0
     #: ... costing at least this share of a step (and this much time) per step
@@ -77,6 +89,11 @@ class RunContext:
 
     def hosts_of(self, ranks: list[int] | tuple[int, ...]) -> tuple[str, ...]:
         return tuple(sorted({self.host[r] for r in ranks if r in self.host}))
+
+    def median_step_s(self, first_step: int, last_step: int) -> float:
+        """The median step time over steps ``first_step``..``last_step`` of every rank; 0 when none was recorded."""
+        params = {"run": self.run_id, "first_step": first_step, "last_step": last_step}
+        return float(self.query(STEP_TIME_SQL, params).to_pylist()[0]["step_s"] or 0.0)
 
     def literal_sql(self, sql: str, **params: Any) -> str:
         """A copyable statement: ``{name:Type}`` placeholders written out as literals (for people; never run here)."""

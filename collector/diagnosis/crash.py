@@ -5,7 +5,8 @@ exception, or a signal. The culprit is the first rank to end abnormally on its o
 non-zero exit, or a signal other than the launcher's SIGTERM/SIGINT). The ranks torchrun then
 terminates (SIGTERM) or whose collectives time out are victims: evidence of the same incident.
 A rank whose heartbeats stop without a last word lost its process or host (killed -9, kernel
-panic, network gone); every rank of a host going silent together names the host.
+panic, network gone): every rank of a host going silent together names the host (lost host); a
+rank silent while another rank of its host ended after it lost its process (a crash).
 After a hang, the ranks that time out and the hung rank killed by the launcher are the hang's
 consequences, so no crash incident is opened for them.
 """
@@ -37,11 +38,13 @@ LAUNCHER_SIGNALS = (int(signal.SIGTERM), int(signal.SIGINT))
 TIMEOUT_WORDS = ("timed out", "timeout", "watchdog", "connection reset", "connection closed", "aborted")
 
 
-def detect(ctx: RunContext, *, now_ns: int, after_hang_ns: int | None = None) -> list[Finding]:
+def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None) -> list[Finding]:
     """``now_ns``: the collector's clock (live) or the run's last data time (offline).
 
-    ``after_hang_ns``: when a hang was found, ends after it are that hang's consequences.
+    ``hang``: the hang found in this pass, if any: ends after it are its consequences, and its
+    roots that went silent are its own (frozen, not lost).
     """
+    after_hang_ns = hang.first_seen_ns if hang is not None else None
     exits = {r["rank"]: r for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
     last_beat = {r["rank"]: r["last_ns"] for r in ctx.query(HEARTBEATS_SQL, {"run": ctx.run_id}).to_pylist()}
     abnormal = sorted((r for r in exits.values() if r["reason"] != "normal"), key=lambda r: r["time_ns"])
@@ -53,11 +56,28 @@ def detect(ctx: RunContext, *, now_ns: int, after_hang_ns: int | None = None) ->
         first = culprits[0]
         findings.append(_crash(ctx, first, [r for r in abnormal if r is not first]))
     silent = _silent(ctx, exits, last_beat, now_ns)
+    if hang is not None:
+        silent = {r: t for r, t in silent.items() if r not in hang.ranks}
     cutoff = culprits[0]["time_ns"] if culprits else after_hang_ns
     if cutoff is not None:  # silence after the job started failing is a consequence
         silent = {r: t for r, t in silent.items() if t < cutoff}
-    findings += _lost(ctx, silent, exits)
+    findings += _lost(ctx, _settled(ctx, silent, exits, last_beat, now_ns), exits)
     return findings
+
+
+def _settled(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], last_beat: dict[int, int], now_ns: int) -> dict[int, int]:
+    """The silent ranks whose fate is known. Silence alone does not tell a dead process or host from a
+    frozen one: a dead one makes its launcher stop its host-mates, or its peers fail on the broken
+    connections, and ranks end; around a frozen one nobody ends, the others wait, and the hang
+    detector names it once the run has stalled for ``hang_after_s``. Until a rank ends, or well past
+    that (a hang that was never named), silence is left undecided while others are still heard."""
+    if not silent:
+        return silent
+    since = min(silent.values())
+    ended_since = any(e["time_ns"] > since for e in exits.values())
+    heard = any(r not in silent and r not in exits and now_ns - t < ctx.settings.silent_after_s * 1e9 for r, t in last_beat.items())
+    patience_ns = (ctx.settings.hang_after_s + ctx.settings.silent_after_s) * 1e9
+    return silent if ended_since or not heard or now_ns - since > patience_ns else {}
 
 
 def _on_its_own(row: dict) -> bool:
@@ -110,6 +130,10 @@ def _silent(ctx: RunContext, exits: dict[int, dict], last_beat: dict[int, int], 
 
 
 def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict]) -> list[Finding]:
+    """Silent ranks: a lost host when all of a host's ranks went silent; a crash when another rank of
+    the host ended after the silent one went quiet (the machine was up and its launcher stopped the
+    others: the process died, killed by SIGKILL or the kernel's OOM killer, which leave no last
+    word); else a lost rank (a frozen process is the hang detector's: its host-mates wait on)."""
     if not silent:
         return []
     by_host: dict[str, list[int]] = {}
@@ -121,15 +145,21 @@ def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict]) -> li
         ranks.sort()
         whole_host = host in lost_hosts
         since = min(silent[r] for r in ranks)
+        stopped = [o for o in ctx.ranks_of_host.get(host, []) if o in exits and exits[o]["time_ns"] > since] if host else []
+        names = ", ".join(ctx.who(r) for r in ranks)
         if whole_host:
-            key, summary = f"lost:host={host}", f"lost host: every rank of {host} ({', '.join(map(str, ranks))}) went silent without a last word"
+            kind, key = "lost_host", f"lost:host={host}"
+            summary = f"lost host: every rank of {host} ({', '.join(map(str, ranks))}) went silent without a last word"
+        elif stopped:
+            kind, key = "crash", f"crash:rank={ranks[0]}"
+            summary = (f"crash: {names} died without a last word (SIGKILL or the OOM killer) while its host {host} "
+                       f"was up (rank {', '.join(map(str, stopped))} ended after it)")  # fmt: skip
         else:
-            key = f"lost:ranks={','.join(map(str, ranks))}"
-            names = ", ".join(ctx.who(r) for r in ranks)
+            kind, key = "lost_rank", f"lost:ranks={','.join(map(str, ranks))}"
             summary = f"lost rank: {names} went silent without a last word (process killed or host unreachable)"
         findings.append(
             Finding(
-                kind="lost_host" if whole_host else "lost_rank",
+                kind=kind,
                 key=key,
                 severity="critical",
                 ranks=tuple(ranks),

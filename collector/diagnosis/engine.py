@@ -52,7 +52,7 @@ def diagnose(
         now_ns = int(query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
     hangs = _with_stacks(ctx, hang.detect(ctx))
     findings = list(hangs)
-    findings += crash.detect(ctx, now_ns=now_ns, after_hang_ns=hangs[0].first_seen_ns if hangs else None)
+    findings += crash.detect(ctx, now_ns=now_ns, hang=hangs[0] if hangs else None)
     for detector in (straggler.detect, nan.detect, slow_link.detect, gpu.detect):
         findings += detector(ctx)
     return findings

@@ -36,6 +36,7 @@ ENTERED_SQL = (
     "SELECT rank, group_name, peer, position(splitByChar(':', op)[-1], 'send') > 0 AS sends, max(seq) AS seq "
     "FROM collectives WHERE run_id = {run:String} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
 )
+EXITED_SQL = "SELECT DISTINCT rank FROM exits WHERE run_id = {run:String}"
 EVIDENCE_SQL = (
     "SELECT rank, max(time) AS last_heartbeat, argMax(step, time) AS step, argMax(phase, time) AS phase, "
     "argMax(arrayZip(inflight_group, inflight_seq, inflight_op, inflight_peer, inflight_waiting), time) AS in_flight "
@@ -79,22 +80,36 @@ def detect(ctx: RunContext) -> list[Finding]:
     behind: dict[tuple[str, int], set[int]] = {}  # shared: thousands of ranks wait in the same collective
     edges = {r: _blockers(ctx, r, ws, entered, behind) for r, ws in waits.items()}
     roots = _roots(edges)
-    if any(r not in alive for r in roots):
-        return []  # a silent root is a crash or a lost host: the crash detector reports it
-    roots &= heard  # a rank not heard since the stall may be blocked too: its report is not in yet
+    # A root gone silent while the others wait on it (no exit came) stopped answering: a frozen
+    # process or host, or one cut off the network. A rank not heard since the stall but not
+    # silent may be blocked too: its report is not in yet.
+    if roots - alive and set(ctx.query(EXITED_SQL, {"run": ctx.run_id}).column("rank").to_pylist()) & (roots - alive):
+        return []  # a root that ended is a crash (the crash detector's), and its waiting peers its victims
+    silent = {r for r in roots - alive if r in states}
+    roots = (roots & heard) | silent
     if not roots:
         return []
     waiting = sorted(r for r, out in edges.items() if out)
     root_list = sorted(roots)
-    where = ", ".join(f"{ctx.who(r)} in {states[r]['phase']} at step {states[r]['step']}" for r in root_list[:MAX_NAMED])
+    at = {r: f"in {states[r]['phase']} at step {states[r]['step']}" for r in root_list[:MAX_NAMED]}
+    where = ", ".join(f"{ctx.who(r)} {at[r]}" for r in at)
     if len(root_list) > MAX_NAMED:
         where += f" and {len(root_list) - MAX_NAMED} more ranks"
     # Where the ranks waiting directly on a root are blocked: the operations the root never entered.
     blocked_in = sorted({f"{w.group} #{w.seq}" for r in waiting if edges[r] & roots for w in waits[r]})[:6]
+    what = "is" if len(root_list) == 1 else "are"
+    hosts = ctx.whole_hosts(silent)
+    if len(hosts) == 1 and silent == roots:  # a whole host stopped answering: name the host
+        (host,) = hosts
+        where = f"host {host} ({', '.join(f'rank {r} {at[r]}' for r in at)})"
+        what = "is"
+    state = "not in any collective the others wait in"
+    if silent:
+        quiet_s = (last_heartbeat - max(states[r]["time_ns"] for r in silent)) / 1e9
+        state = f"silent for {quiet_s:.0f} s (frozen, stopped or cut off), {state}"
     summary = (
-        f"hang: {where} {'is' if len(root_list) == 1 else 'are'} not in any collective the others wait in; "
-        f"{len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on {'it' if len(root_list) == 1 else 'them'} "
-        f"({', '.join(blocked_in)}) since step {step}"
+        f"hang: {where} {what} {state}; {len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on "
+        f"{'it' if len(root_list) == 1 else 'them'} ({', '.join(blocked_in)}) since step {step}"
     )
     evidence = {
         "step": step,
@@ -103,6 +118,7 @@ def detect(ctx: RunContext) -> list[Finding]:
         "waits_for": {str(r): sorted(out) for r, out in edges.items() if out},
         "blocked_in": {str(r): [f"{w.op} {w.group} #{w.seq}" + (f" peer {w.peer}" if w.peer >= 0 else "") for w in waits[r]] for r in waiting},
         "root_phase": {str(r): states[r]["phase"] for r in root_list},
+        "silent_roots": sorted(silent),
         "not_heard_since_stall": len(alive - heard),
     }
     return [

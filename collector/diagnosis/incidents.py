@@ -39,6 +39,9 @@ class Finding:
     summary: str
     evidence: Mapping[str, Any] = field(default_factory=dict)
     sql: str = ""
+    #: keys of narrower findings this one grew out of (the straggler ranks of a host that turned out
+    #: slow as a whole): it continues the first of them that is an incident already, under its id
+    absorbs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Ledger:
     def __init__(self, run_id: str, known: Iterable[Incident] = ()) -> None:
         self.run_id = run_id
         self.incidents: dict[str, Incident] = {i.incident_id: i for i in known}
+        self._continues: dict[str, str] = {}  # a finding's key -> the id of the incident it absorbed
 
     def update(self, findings: Iterable[Finding], *, final: bool = False) -> tuple[list[Incident], list[Incident]]:
         """Fold one pass's findings in; returns (incidents to store, incidents that are new).
@@ -89,6 +93,7 @@ class Ledger:
         new: list[Incident] = []
         seen = set()
         for finding in findings:
+            finding = replace(finding, key=self._incident_id(finding))
             seen.add(finding.key)
             before = self.incidents.get(finding.key)
             if before is not None:  # keep the first sighting of a fault that is seen again
@@ -107,6 +112,14 @@ class Ledger:
                 self.incidents[key] = closed
                 changed.append(closed)
         return changed, new
+
+    def _incident_id(self, finding: Finding) -> str:
+        """The finding's own key, or that of the incident it absorbed when it first appeared."""
+        if finding.key not in self._continues and finding.key not in self.incidents:
+            absorbed = [k for k in finding.absorbs if k in self.incidents]
+            if absorbed:
+                self._continues[finding.key] = absorbed[0]
+        return self._continues.get(finding.key, finding.key)
 
 
 def _next_version(before: Incident | None) -> int:

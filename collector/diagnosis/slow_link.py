@@ -6,7 +6,9 @@ data: a receiver waiting for a late sender is not a slow link, the sender is lat
 operation when the code marks one (the bundled trainer does), else the operation's issue time.
 Pairs are compared with pairs moving the same number of bytes, and a pair is reported only when
 its extra time costs a visible share of a training step: on shared or busy hosts every transfer
-carries milliseconds of scheduling noise that no link is to blame for.
+carries milliseconds of scheduling noise that no link is to blame for. The slow pairs between
+the same two hosts make one incident: a slow NIC, cable or path between them slows every pair of
+ranks across it.
 """
 
 from __future__ import annotations
@@ -53,10 +55,6 @@ GROUP BY src, dst, nbytes HAVING transfers >= 2
 """
 MIN_STEPS = 3
 
-STEP_TIME_SQL = (
-    "SELECT median(value) AS step_s FROM step_metrics WHERE run_id = {run:String} AND name = 'step_time_s' "
-    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
-)
 EVIDENCE_SQL = (
     "SELECT rank, peer, op, group_name, seq, step, issue_time, end_time, "
     "toUnixTimestamp64Nano(end_time) - toUnixTimestamp64Nano(issue_time) AS ns FROM collectives "
@@ -78,7 +76,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     if last_step - first_step + 1 < MIN_STEPS:
         return []
     window = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step}
-    step_s = ctx.query(STEP_TIME_SQL, window).to_pylist()[0]["step_s"]
+    step_s = ctx.median_step_s(first_step, last_step)
     if not step_s:
         return []
     pairs = {(r["src"], r["dst"], r["nbytes"]): r for r in ctx.query(PAIRS_SQL, window).to_pylist()}
@@ -86,36 +84,54 @@ def detect(ctx: RunContext) -> list[Finding]:
     min_cost_s = max(s.slow_link_min_s, s.slow_link_step_share * step_s)
     medians = {pair: r["median_ns"] for pair, r in pairs.items()}
     typical_of = _typical(medians)
-    findings = []
+    slow: dict[tuple[str, ...], list[dict]] = defaultdict(list)  # the pair of hosts (or ranks) -> its slow rank pairs
     for (src, dst, nbytes), median in medians.items():
         if (src, dst, nbytes) not in typical_of:
             continue  # fewer than two other pairs to compare with
         typical, compared = typical_of[(src, dst, nbytes)]
-        transfers = pairs[(src, dst, nbytes)]["transfers"]
-        cost_per_step_s = (median - typical) / 1e9 * transfers / max(steps, 1)
+        pair = pairs[(src, dst, nbytes)]
+        cost_per_step_s = (median - typical) / 1e9 * pair["transfers"] / max(steps, 1)
         if median < s.slow_link_ratio * max(typical, 1.0) or cost_per_step_s < min_cost_s:
             continue
-        ranks = (src, dst)
-        findings.append(
-            Finding(
-                kind="slow_link",
-                key=f"slow_link:{src}->{dst}",
-                severity="warning",
-                ranks=ranks,
-                hosts=ctx.hosts_of(ranks),
-                first_seen_ns=pairs[(src, dst, nbytes)]["first_ns"],
-                last_seen_ns=pairs[(src, dst, nbytes)]["last_ns"],
-                summary=(
-                    f"slow link: {ctx.who(src)} -> {ctx.who(dst)}: point-to-point transfers take {median / 1e6:.0f} ms, "
-                    f"{median / max(typical, 1.0):.0f}x the {typical / 1e6:.1f} ms of other pairs moving {nbytes} bytes"
-                ),
-                evidence={"median_transfer_ms": round(median / 1e6, 3), "typical_ms": round(typical / 1e6, 3),
-                          "transfers": transfers, "bytes": nbytes, "compared_pairs": compared,
-                          "cost_per_step_ms": round(cost_per_step_s * 1e3, 1), "step_time_ms": round(1e3 * step_s, 1)},  # fmt: skip
-                sql=ctx.literal_sql(EVIDENCE_SQL, src=src, dst=dst),
-            )
-        )
-    return findings
+        hosts = ctx.hosts_of((src, dst))
+        slow[hosts if len(hosts) == 2 else (str(src), str(dst))].append(
+            {**pair, "median": median, "typical": typical, "compared": compared, "cost_per_step_s": cost_per_step_s})
+    return [_finding(ctx, found, step_s) for found in slow.values()]
+
+
+def _finding(ctx: RunContext, found: list[dict], step_s: float) -> Finding:
+    """One incident per pair of hosts: the ranks on both sides of a slow link are all slow over it."""
+    found.sort(key=lambda p: -p["median"])
+    worst = found[0]
+    src, dst, typical = worst["src"], worst["dst"], worst["typical"]
+    ranks = tuple(sorted({r for p in found for r in (p["src"], p["dst"])}))
+    hosts = ctx.hosts_of(ranks)
+    transfers = f"{ctx.who(src)} -> {ctx.who(dst)}: point-to-point transfers take {worst['median'] / 1e6:.0f} ms"
+    absorbs: tuple[str, ...] = ()
+    if len(found) == 1:
+        key, summary = f"slow_link:{src}->{dst}", f"slow link: {transfers}"
+    else:  # continues the incident of the pair seen slow first, if any
+        absorbs = tuple(f"slow_link:{p['src']}->{p['dst']}" for p in sorted(found, key=lambda p: p["first_ns"]))
+        others = ", ".join(f"{p['src']} -> {p['dst']}" for p in found[1:])
+        key = f"slow_link:{'<->'.join(hosts)}"
+        summary = f"slow link between {' and '.join(hosts)}: {transfers} (and {others})"
+    summary += f", {worst['median'] / max(typical, 1.0):.0f}x the {typical / 1e6:.1f} ms of other pairs moving {worst['nbytes']} bytes"
+    return Finding(
+        kind="slow_link",
+        key=key,
+        severity="warning",
+        ranks=ranks,
+        hosts=hosts,
+        first_seen_ns=min(p["first_ns"] for p in found),
+        last_seen_ns=max(p["last_ns"] for p in found),
+        summary=summary,
+        evidence={"median_transfer_ms": round(worst["median"] / 1e6, 3), "typical_ms": round(typical / 1e6, 3),
+                  "transfers": worst["transfers"], "bytes": worst["nbytes"], "compared_pairs": worst["compared"],
+                  "cost_per_step_ms": round(worst["cost_per_step_s"] * 1e3, 1), "step_time_ms": round(1e3 * step_s, 1),
+                  "slow_pairs": [{"src": p["src"], "dst": p["dst"], "median_transfer_ms": round(p["median"] / 1e6, 3)} for p in found]},  # fmt: skip
+        sql=ctx.literal_sql(EVIDENCE_SQL, src=src, dst=dst),
+        absorbs=absorbs,
+    )
 
 
 def _typical(medians: dict[tuple[int, int, int], float]) -> dict[tuple[int, int, int], tuple[float, int]]:

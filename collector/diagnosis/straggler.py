@@ -8,13 +8,18 @@ look slow. Communication time is the wrong signal: the fast ranks are the ones t
 Corroboration: in the groups it belongs to, the straggler arrives last at collectives.
 Where the agent measured the CPU time of every piece of a segment (host-only runs on shared
 cores, see agent.recorder), that is compared instead of wall time: it measures the work, while
-wall time there mostly measures the scheduler.
+wall time there mostly measures the scheduler. Wall time is compared too, with a far higher bar
+(``straggler_wall_excess``): a rank starved of CPU (a throttled host, a CPU quota) does the same
+work in the same CPU time, and only waits longer to run.
+A rank is a straggler when it has been slow for several steps in a row (a single fast step among
+them allowed): slow steps scattered among fast ones are a busy host's scheduler, not a slow rank.
 A host is named when every rank on it (two or more) is a straggler.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 
@@ -75,7 +80,7 @@ SELECT name, step, rank, ns, median, ratio, started, wall_only, threshold FROM (
                    quantileExactHigh(0.5)(ns) OVER cell AS hi, groupArray(5)(ns) OVER cell AS few
             FROM (
               SELECT s.*, greatest(r.pp, 0) AS stage FROM (
-                SELECT name, step, rank, started, min(has_cpu) OVER (PARTITION BY name) = 0 AS wall_only,
+                SELECT name, step, rank, started, min(has_cpu) OVER (PARTITION BY name) = 0 OR {{wall:UInt8}} = 1 AS wall_only,
                        if(wall_only, wall, cpu) AS ns
                 FROM ({SEGMENTS_SQL})
               ) AS s
@@ -97,6 +102,10 @@ SELECT name, step, rank, ns, median, ratio, started, wall_only, threshold FROM (
 WHERE slow_steps >= {{min_steps:UInt32}}
 """
 
+CPU_MEASURED_SQL = (
+    "SELECT countIf(cpu_pieces > 0) > 0 AS cpu FROM step_segments WHERE run_id = {run:String} "
+    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
+)
 EVIDENCE_SQL = (
     "SELECT step, rank, round(sum(total_ns) / 1e6, 2) AS wall_ms, round(sum(total_cpu_ns) / 1e6, 2) AS cpu_ms FROM step_segments "
     "WHERE run_id = {run:String} AND name = {segment:String} AND rank IN {ranks:Array(UInt32)} "
@@ -128,18 +137,28 @@ def detect(ctx: RunContext) -> list[Finding]:
     first_step = max(3, last_step - 4 * s.straggler_window)
     if last_step < first_step:
         return []
-    slow = _slow_segments(ctx, first_step, last_step)
+    slow = _slow_segments(ctx, first_step, last_step, wall=False)
+    window = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step}
+    if ctx.query(CPU_MEASURED_SQL, window).to_pylist()[0]["cpu"]:
+        for rank, info in _slow_segments(ctx, first_step, last_step, wall=True).items():
+            if rank not in slow or info["ratio"] > slow[rank]["ratio"]:
+                slow[rank] = info
     if not slow:
         return []
     arrivals = _arrivals(ctx, first_step, sorted(slow))
     return _findings(ctx, slow, arrivals)
 
 
-def _slow_segments(ctx: RunContext, first_step: int, last_step: int) -> dict[int, dict]:
-    """rank -> its slowest persistently slow segment: {segment, ratio, since_step, since_ns, steps, peers_ms, ms}."""
+def _slow_segments(ctx: RunContext, first_step: int, last_step: int, *, wall: bool) -> dict[int, dict]:
+    """rank -> its slowest persistently slow segment: {segment, ratio, since_step, since_ns, steps, peers_ms, ms}.
+
+    ``wall``: compare wall time even where CPU time was measured, with the higher bar ``straggler_wall_excess``.
+    """
     s = ctx.settings
     params = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step, "window": s.straggler_window,
-              "min_excess_ns": s.straggler_min_excess_s * 1e9, "excess": s.straggler_excess, "min_steps": s.straggler_min_steps}  # fmt: skip
+              "min_excess_ns": max(s.straggler_min_excess_s, s.straggler_step_share * ctx.median_step_s(first_step, last_step)) * 1e9,
+              "excess": max(s.straggler_excess, s.straggler_wall_excess) if wall else s.straggler_excess,
+              "min_steps": s.straggler_min_steps, "wall": int(wall)}  # fmt: skip
     cols = ctx.query(POINTS_SQL, params).to_pydict()
     # (rank, segment) -> [(step, ratio, own ns, median ns, started)], for the series that may be slow
     series: dict[tuple[int, str], list[tuple[int, float, int, float, int]]] = defaultdict(list)
@@ -160,6 +179,8 @@ def _slow_segments(ctx: RunContext, first_step: int, last_step: int) -> dict[int
         if len(slow) < s.straggler_min_steps or recent[-1][1] < threshold:
             continue  # not slow often enough lately, or no longer slow
         episode = _episode(points, threshold)
+        if sum(p[1] >= threshold for p in episode) < s.straggler_min_steps:
+            continue  # slow steps scattered among fast ones: the scheduler's noise, not a slow rank
         ratio = float(np.median([p[1] for p in episode if p[1] >= threshold]))
         if rank not in found or ratio > found[rank]["ratio"]:
             found[rank] = {
@@ -202,9 +223,10 @@ def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[
         ranks = ctx.ranks_of_host[host]
         worst = max(ranks, key=lambda r: slow[r]["ratio"])
         info = slow[worst]
-        findings.append(_finding(ctx, f"straggler:host={host}", ranks, info, arrivals,
-                                 f"host {host}: ranks {', '.join(map(str, ranks))} are all slower than their stage peers; "
-                                 f"{ctx.who(worst)} {info['segment']} {_pct(info['ratio'])} slower since step {info['since_step']}"))  # fmt: skip
+        summary = (f"host {host}: ranks {', '.join(map(str, ranks))} are all slower than their stage peers; "
+                   f"{ctx.who(worst)} {info['segment']} {_pct(info['ratio'])} slower since step {info['since_step']}")  # fmt: skip
+        found = _finding(ctx, f"straggler:host={host}", ranks, info, arrivals, summary)
+        findings.append(replace(found, absorbs=tuple(f"straggler:rank={r}" for r in sorted(ranks, key=lambda r: slow[r]["since_step"]))))
     for rank in sorted(r for r in slow if ctx.host.get(r) not in slow_hosts):
         info = slow[rank]
         summary = f"{ctx.who(rank)}: {info['segment']} {_pct(info['ratio'])} slower than its stage peers since step {info['since_step']}"

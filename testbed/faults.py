@@ -1,0 +1,124 @@
+"""Faults applied to a test bed from outside the job: the training processes never know.
+
+Each function changes what the kernel does to a host or a process, as a sick machine would, and
+returns an ``Applied`` that can undo it (``undo``) where undoing makes sense:
+
+- ``throttle_cpu``: a share of the host's CPU quota (cgroup ``cpu.cfs_quota_us``): a slow host;
+- ``freeze_rank`` / ``freeze_host``: SIGSTOP one rank; the freezer cgroup for all of a host's
+  processes, its launcher included: a hung process or machine;
+- ``kill_rank`` / ``kill_host``: SIGKILL one rank; every process of the host: a crash, a lost machine;
+- ``limit_bandwidth``: tbf on both directions of the host's link: a degraded NIC or cable;
+- ``delay_link``: a fixed delay on both directions of the host's link (``relay``): a long or congested path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, set_cpu_quota
+from rankscope.testbed.job import Rank
+
+__all__ = [
+    "Applied", "delay_link", "freeze_host", "freeze_rank", "kill_host", "kill_rank", "limit_bandwidth", "throttle_cpu",
+]  # fmt: skip
+
+
+@dataclass
+class Applied:
+    """A fault in force since ``at_ns`` (wall clock); ``undo`` lifts it (once; a no-op for kills)."""
+
+    what: str
+    at_ns: int
+    _undo: Callable[[], None] | None = field(default=None, repr=False)
+
+    def undo(self) -> None:
+        if self._undo is not None:
+            undo, self._undo = self._undo, None
+            try:
+                undo()
+            except FileNotFoundError:
+                pass  # the host's cgroup is gone (the test bed is down), and the fault with it
+
+
+def throttle_cpu(bed: Testbed, host: Host, share: float) -> Applied:
+    """Cut the host's CPU to ``share`` (e.g. 0.25) of what it has, as a throttled or overheated machine."""
+    if not 0 < share < 1:
+        raise ValueError(f"a throttled host keeps a share of its CPU between 0 and 1, not {share}")
+    set_cpu_quota(host, share * bed.cores)
+    return Applied(f"{host.name}: CPU cut to {share:.0%} ({share * bed.cores:.2g} cores)", time.time_ns(),
+                   lambda: set_cpu_quota(host, bed.cores))  # fmt: skip
+
+
+def freeze_host(host: Host) -> Applied:
+    """Freeze every process of the host (launcher and ranks): it neither computes nor answers."""
+    state = host.cgroup("freezer") / "freezer.state"
+    state.write_text("FROZEN")
+    deadline = time.monotonic() + 10
+    while state.read_text().strip() != "FROZEN":
+        if time.monotonic() > deadline:
+            raise TestbedError(f"{host.name} did not freeze within 10 s")
+        time.sleep(0.02)
+    return Applied(f"{host.name}: frozen", time.time_ns(), lambda: state.write_text("THAWED"))
+
+
+def freeze_rank(rank: Rank) -> Applied:
+    """Stop one rank's process (SIGSTOP): its threads, the agent's included, stand still."""
+    os.kill(rank.pid, signal.SIGSTOP)
+    return Applied(f"rank {rank.rank} on {rank.host.name}: stopped", time.time_ns(), lambda: _signal(rank.pid, signal.SIGCONT))
+
+
+def kill_rank(rank: Rank) -> Applied:
+    """SIGKILL one rank: no exception, no exit code of its own, no last word from its agent."""
+    os.kill(rank.pid, signal.SIGKILL)
+    return Applied(f"rank {rank.rank} on {rank.host.name}: killed", time.time_ns())
+
+
+def kill_host(bed: Testbed, host: Host) -> Applied:
+    """SIGKILL every process of the host at once (its launcher too): the machine is gone."""
+    state = host.cgroup("freezer") / "freezer.state"
+    state.write_text("FROZEN")  # nobody of the host acts between the first kill and the last
+    pids = bed.pids(host)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    state.write_text("THAWED")
+    return Applied(f"{host.name}: all {len(pids)} processes killed", time.time_ns())
+
+
+def limit_bandwidth(bed: Testbed, host: Host, mbit: float) -> Applied:
+    """Token-bucket limit on the host's link, both ways: its eth0 and the switch's port towards it."""
+    ends = [(host.namespace, HOST_IF), (bed.switch, f"h{host.index}")]
+    rate = f"{mbit:g}mbit"
+    for ns, dev in ends:
+        _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kb", "latency", "400ms")
+
+    def undo() -> None:
+        for ns, dev in ends:
+            _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
+
+    return Applied(f"{host.name}: link limited to {rate}", time.time_ns(), undo)
+
+
+def delay_link(bed: Testbed, host: Host, delay_ms: float) -> Applied:
+    """Every packet into and out of the host waits ``delay_ms`` (a round trip to it gains twice that)."""
+    from rankscope.testbed.relay import start_delay
+
+    relay = start_delay(bed.switch, host.namespace, host.index, delay_ms)
+    return Applied(f"{host.name}: link delayed {delay_ms:g} ms each way", time.time_ns(), relay.stop)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _tc(namespace: str, *args: str, check: bool = True) -> None:
+    done = subprocess.run(["ip", "netns", "exec", namespace, "tc", *args], capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise TestbedError(f"tc {' '.join(args)} in {namespace}: {done.stderr.strip()}")

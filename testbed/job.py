@@ -1,0 +1,170 @@
+"""A training job on a test bed: one torchrun elastic agent per host, meeting at a c10d rendezvous.
+
+Each host's launcher joins the host's cgroups, takes its CPUs, enters its namespace and a UTS namespace of its own
+(so ``socket.gethostname()`` in its ranks is the host's name, as on a real machine), and runs
+``torchrun --nnodes=N --rdzv-backend=c10d`` with the rendezvous on host 0. gloo talks over the
+host's ``eth0``. The ranks reach the collector through a Unix socket (a file the namespaces share):
+the telemetry stays off the links that the faults slow down, like a real cluster's management
+network. Which rank runs on which host is read back from the processes (``placement``), never assumed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rankscope.processes import terminate_tree
+from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, pin_rank
+
+__all__ = ["Job", "Rank", "find_ranks", "launch", "trainer"]
+
+RDZV_PORT = 29400
+#: enter the host's cgroups (before ``ip netns exec`` remounts /sys), its namespace, then its host name
+_ENTER = 'for g in "$1" "$2"; do echo $$ > "$g/cgroup.procs" || exit 97; done; shift 2; exec "$@"'
+_NAME = 'hostname "$1" || exit 98; shift; exec "$@"'
+
+
+def trainer(*flags: str) -> list[str]:
+    """The bundled trainer as the program of a job: ``launch(bed, trainer("--tp", "2", ...))``."""
+    return ["-m", "rankscope.trainer", *flags]
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One training process: its global rank, local rank, pid and host."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    host: Host
+
+
+@dataclass
+class Job:
+    """The launchers of one job (one per host) and where their output goes."""
+
+    bed: Testbed
+    run_id: str
+    ranks_per_host: int
+    launchers: dict[str, subprocess.Popen[bytes]]
+    logs: dict[str, Path]
+    _placement: dict[int, Rank] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_host * len(self.launchers)
+
+    def placement(self, timeout_s: float = 120) -> dict[int, Rank]:
+        """Global rank -> its process and host, once every rank has started (read from /proc); each
+        rank gets its share of its host's CPU to itself (``pin_rank``) when first found."""
+        deadline = time.monotonic() + timeout_s
+        while len(self._placement) < self.world_size:
+            for rank, found in find_ranks(self.bed).items():
+                if rank not in self._placement:  # a rank's first process is the one launched
+                    try:
+                        pin_rank(found.host, found.local_rank, found.pid, self.ranks_per_host)
+                    except ProcessLookupError:
+                        pass  # it has ended already
+                    self._placement[rank] = found
+            if len(self._placement) < self.world_size:
+                if time.monotonic() > deadline or self.finished():
+                    raise TestbedError(f"only ranks {sorted(self._placement)} of {self.world_size} started\n{self.output()}")
+                time.sleep(0.2)
+        return dict(self._placement)
+
+    def ranks_on(self, host: Host) -> list[Rank]:
+        return sorted((r for r in self.placement().values() if r.host == host), key=lambda r: r.rank)
+
+    def finished(self) -> bool:
+        return all(p.poll() is not None for p in self.launchers.values())
+
+    def wait(self, timeout_s: float) -> dict[str, int]:
+        """Each host's launcher exit status; TimeoutError (with the output) if the job runs on."""
+        deadline = time.monotonic() + timeout_s
+        while not self.finished():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.run_id} still running after {timeout_s:.0f} s\n{self.output()}")
+            time.sleep(0.2)
+        return {name: p.returncode for name, p in self.launchers.items()}
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every launcher and its ranks (the test bed's ``destroy`` kills whatever is left)."""
+        for proc in self.launchers.values():
+            terminate_tree(proc, grace_s)
+            proc.wait()
+
+    def output(self, tail: int = 4000) -> str:
+        return "\n".join(f"--- {name} ---\n{path.read_text(errors='replace')[-tail:]}" for name, path in self.logs.items())
+
+
+def launch(
+    bed: Testbed, program: Sequence[str], *, run_id: str, workdir: Path, ranks_per_host: int | None = None,
+    env: Mapping[str, str] | None = None, max_restarts: int = 0,
+) -> Job:  # fmt: skip
+    """Start ``program`` (a script and its arguments, or ``-m module ...``) on every host of ``bed``.
+
+    ``env`` is added to this process's environment (the agent's variables, say). The rendezvous id
+    is ``run_id``, which the agent also takes as the run's id. ``ranks_per_host`` defaults to the test bed's.
+    """
+    ranks_per_host = ranks_per_host or bed.ranks_per_host
+    workdir.mkdir(parents=True, exist_ok=True)
+    head = bed.hosts[0]
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": HOST_IF, "PYTHONUNBUFFERED": "1", **(env or {})}
+    launchers, logs = {}, {}
+    for host in bed.hosts:
+        torchrun = [
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(bed.hosts)}", f"--nproc-per-node={ranks_per_host}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={head.address}:{RDZV_PORT}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf=is_host={str(host is head).lower()}", f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
+            *program,
+        ]  # fmt: skip
+        command = [
+            "sh", "-c", _ENTER, "enter", str(host.cgroup("cpu")), str(host.cgroup("freezer")),
+            "taskset", "-c", ",".join(map(str, host.cpus)), "ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", _NAME, "name", host.name, *torchrun,
+        ]  # fmt: skip
+        logs[host.name] = workdir / f"{host.name}.log"
+        with open(logs[host.name], "wb") as out:
+            launchers[host.name] = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=base, cwd=workdir,
+                start_new_session=True,
+            )  # fmt: skip
+    return Job(bed, run_id, ranks_per_host, launchers, logs)
+
+
+def find_ranks(bed: Testbed) -> dict[int, Rank]:
+    """The training processes running on the test bed now, by global rank."""
+    found = {}
+    for host in bed.hosts:
+        for pid in bed.pids(host):
+            rank = _rank_of(pid)
+            if rank is not None:
+                found[rank[0]] = Rank(rank[0], rank[1], pid, host)
+    return found
+
+
+def _rank_of(pid: int) -> tuple[int, int] | None:
+    """(RANK, LOCAL_RANK) of a torchrun worker (not of a process the worker started), else None."""
+    own = _environ(pid)
+    if "RANK" not in own or "LOCAL_RANK" not in own:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+    if "RANK" in _environ(ppid):  # a data loader worker or another child of a rank
+        return None
+    return int(own["RANK"]), int(own["LOCAL_RANK"])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)

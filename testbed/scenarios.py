@@ -1,0 +1,207 @@
+"""Faults from outside the job, on real namespace hosts, scored on what the live diagnosis says.
+
+Each scenario makes a test bed (4 hosts of 2 ranks by default), starts a collector on a Unix socket,
+runs a job across the hosts with the agent on (the bundled trainer, TP2 x PP2 x DP2, or a plain DDP
+script), waits until the job reaches ``fault_step``, applies its fault to a host or a rank from
+outside (``faults``) and watches the incidents. It passes when exactly the expected incident is
+there, naming the rank(s) and the host the fault hit (the host's own name, as its processes see
+it), and nothing else. ``Score.seconds_to_detect`` is the time from the fault to the incident.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
+from rankscope.collector.orchestration import CLI, start, stop, wait_for_address
+from rankscope.testbed import faults, hosts
+from rankscope.testbed.job import Job, Rank, launch, trainer
+
+HANG_AFTER_S = 10.0
+SILENT_AFTER_S = 8.0
+#: the plain DDP script (a user's own job, not rankscope's trainer), shipped beside this module
+DDP_SCRIPT = Path(__file__).resolve().parent / "ddp_job.py"
+PROGRAMS = {
+    "trainer": lambda steps: trainer("--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(steps), "--timeout", "90"),
+    "ddp": lambda steps: [str(DDP_SCRIPT), "--steps", str(steps)],
+}
+
+#: (bed, job, target rank) -> the applied fault
+Apply = Callable[[hosts.Testbed, Job, Rank], faults.Applied]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    doc: str
+    #: the incident kind expected, or None for a healthy run
+    kind: str | None
+    apply: Apply | None = None
+    #: the rank the fault hits (or one rank of the host it hits)
+    rank: int = 5
+    #: "rank": the incident names that rank; "host": every rank of its host; "link": every rank of its
+    #: host and their pipeline neighbours (the trainer's PP2: rank r and r + world/2 on the far stage)
+    names: str = "rank"
+    fault_step: int = 4
+    steps: int = 14
+    program: str = "trainer"
+    #: the job is expected to end by itself (a kill ends it; a freeze does not)
+    ends: bool = True
+    in_tests: bool = True
+    extra_ok: tuple[str, ...] = field(default_factory=tuple)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("testbed-clean", "no fault: no incident may appear", None, steps=10),
+        Scenario("testbed-throttle-host", "rank 5's host's CPU cut to a third (cgroup quota) from step 4", "straggler",
+                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host"),  # fmt: skip
+        Scenario("testbed-freeze-rank", "rank 5 stopped (SIGSTOP) at step 4", "hang",
+                 lambda bed, job, r: faults.freeze_rank(r), ends=False),  # fmt: skip
+        Scenario("testbed-freeze-host", "every process of rank 5's host frozen (freezer cgroup) at step 4", "hang",
+                 lambda bed, job, r: faults.freeze_host(r.host), names="host", ends=False),  # fmt: skip
+        Scenario("testbed-kill-rank", "rank 5 killed (SIGKILL) at step 4", "crash", lambda bed, job, r: faults.kill_rank(r)),
+        Scenario("testbed-kill-host", "every process of rank 5's host killed (SIGKILL) at step 4: a lost host", "lost_host",
+                 lambda bed, job, r: faults.kill_host(bed, r.host), names="host"),  # fmt: skip
+        Scenario("testbed-slow-link", "rank 5's host's link limited to 20 Mbit/s (tbf) from step 4", "slow_link",
+                 lambda bed, job, r: faults.limit_bandwidth(bed, r.host, 20.0), names="link"),  # fmt: skip
+        Scenario("testbed-delay-link", "rank 5's host's link delayed 30 ms each way from step 4", "slow_link",
+                 lambda bed, job, r: faults.delay_link(bed, r.host, 30.0), names="link"),  # fmt: skip
+        Scenario("testbed-ddp-clean", "a plain DDP script: no incident may appear", None, program="ddp", steps=10),
+        Scenario("testbed-ddp-throttle-host", "a plain DDP script, rank 5's host's CPU cut to a third", "straggler",
+                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", program="ddp"),  # fmt: skip
+        Scenario("testbed-ddp-freeze-rank", "a plain DDP script, rank 5 stopped (SIGSTOP)", "hang",
+                 lambda bed, job, r: faults.freeze_rank(r), program="ddp", ends=False),  # fmt: skip
+        Scenario("testbed-ddp-kill-host", "a plain DDP script, every process of rank 5's host killed", "lost_host",
+                 lambda bed, job, r: faults.kill_host(bed, r.host), names="host", program="ddp"),  # fmt: skip
+    )
+}
+
+STEP_SQL = "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String}"
+
+
+@dataclass
+class Score:
+    scenario: Scenario
+    run_id: str
+    #: what the incident must name: ranks and hosts (from where the ranks really ran)
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    incidents: list[dict] = field(default_factory=list)
+    seconds_to_detect: float | None = None
+    fault: str = ""
+
+    @property
+    def expected(self) -> list[dict]:
+        return [i for i in self.incidents if i["kind"] == self.scenario.kind]
+
+    @property
+    def extra(self) -> list[dict]:
+        return [i for i in self.incidents if i["kind"] != self.scenario.kind and i["kind"] not in self.scenario.extra_ok]
+
+    @property
+    def passed(self) -> bool:
+        if self.scenario.kind is None:
+            return not self.incidents
+        found = self.expected
+        return (
+            len(found) == 1 and tuple(sorted(found[0]["ranks"])) == self.ranks and tuple(sorted(found[0]["hosts"])) == self.hosts
+            and not self.extra
+        )  # fmt: skip
+
+    def line(self) -> str:
+        s = self.scenario
+        verdict = "PASS" if self.passed else "FAIL"
+        found = "; ".join(f"{i['kind']}: {i['summary']}" for i in self.incidents) or "no incident"
+        if s.kind is None:
+            return f"{verdict} {s.name}: expected no incident, found {found}"
+        timing = f" in {self.seconds_to_detect:.1f} s" if self.seconds_to_detect is not None else ""
+        return f"{verdict} {s.name}{timing}: expected {s.kind} on ranks {list(self.ranks)} hosts {list(self.hosts)}; found {found}"
+
+
+def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str], None] = print) -> Score:
+    """Run one scenario on a test bed of its own; every process and namespace is gone when it returns."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rankscope-testbed-{scenario.name}-"))
+    socket_path = workdir / "collector.sock"
+    flags = ["--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S), "--diagnose-every", "1", "--flush-interval", "0.5"]
+    collector = start([*CLI, "collector", "--store", str(workdir / "store"), "--listen", f"unix:{socket_path}", *flags],
+                      workdir / "collector.log", os.environ)  # fmt: skip
+    bed = None
+    try:
+        address = wait_for_address(collector, workdir / "collector.log")
+        bed = hosts.create(4, ranks_per_host=2)
+        return _play(scenario, bed, address, workdir, log)
+    finally:
+        if bed is not None:
+            hosts.destroy(bed.name)
+        stop(collector)
+
+
+def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, log: Callable[[str], None]) -> Score:
+    from rankscope.collector.client import Client
+
+    run_id = f"{scenario.name}-{uuid.uuid4().hex[:8]}"
+    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_RUN_ID": run_id, "RANKSCOPE_HEARTBEAT_S": "1",
+           "RANKSCOPE_FLUSH_S": "1", "RANKSCOPE_SPOOL_DIR": str(workdir / "spool")}  # fmt: skip
+    job = launch(bed, PROGRAMS[scenario.program](scenario.steps), run_id=run_id, workdir=workdir / "hosts", env=env)
+    score = Score(scenario, run_id)
+    applied = None
+    with Client(address) as client:
+        try:
+            placement = job.placement()
+            target = placement[scenario.rank]
+            named = job.ranks_on(target.host) if scenario.names in ("host", "link") else [target]
+            if scenario.names == "link":
+                named += [placement[(r.rank + job.world_size // 2) % job.world_size] for r in named]
+            score.ranks, score.hosts = tuple(sorted(r.rank for r in named)), tuple(sorted({r.host.name for r in named}))
+            log(f"{scenario.name}: run {run_id} on test bed {bed.name}: {scenario.doc}")
+            if scenario.apply is not None:
+                _wait_for_step(client, run_id, scenario.fault_step, job)
+                applied = scenario.apply(bed, job, target)
+                score.fault = applied.what
+                log(f"{scenario.name}: {applied.what}")
+            _watch(score, client, job, applied.at_ns if applied else time.time_ns(), log)
+        finally:
+            if applied is not None:
+                applied.undo()
+            job.stop()
+    return score
+
+
+def _wait_for_step(client: object, run_id: str, step: int, job: Job, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = client.query(STEP_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
+        if rows and (rows[0]["step"] or 0) >= step:
+            return
+        if job.finished():
+            raise RuntimeError(f"the job ended before step {step}\n{job.output()}")
+        time.sleep(0.25)
+    raise TimeoutError(f"the job did not reach step {step} in {timeout_s:.0f} s\n{job.output()}")
+
+
+def _watch(score: Score, client: object, job: Job, fault_ns: int, log: Callable[[str], None]) -> None:
+    """Poll incidents until the job ended and the diagnosis had its last passes, or the fault was found
+    (and some time more, for a second incident that should not come)."""
+    s = score.scenario
+    settle_s = 8.0
+    deadline = time.monotonic() + 90 + 8 * s.steps
+    quiet_since: float | None = None
+    while time.monotonic() < deadline:
+        score.incidents = client.query(INCIDENTS_SQL, {"run": score.run_id}).to_pylist()  # type: ignore[attr-defined]
+        if score.expected and score.seconds_to_detect is None:
+            score.seconds_to_detect = (time.time_ns() - fault_ns) / 1e9
+            log(f"{s.name}: {score.expected[0]['summary']} ({score.seconds_to_detect:.1f} s after the fault)")
+        done = job.finished() or (not s.ends and score.seconds_to_detect is not None)
+        if done and quiet_since is None:
+            quiet_since = time.monotonic()
+        if quiet_since is not None and time.monotonic() - quiet_since > settle_s:
+            return
+        time.sleep(0.5)

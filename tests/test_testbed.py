@@ -1,0 +1,93 @@
+"""The test bed: namespace hosts with their own address and host name, a job across them with one
+torchrun agent per host, and nothing left behind, also when a test fails in the middle."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rankscope.testbed import hosts
+from rankscope.testbed.job import launch
+
+pytestmark = pytest.mark.timeout(180)
+
+#: one line per rank: what the rank's own machine says it is and where gloo reached its peers
+PROBE = """
+import os, socket, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} on {socket.gethostname()} sum {t.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_hosts_have_their_own_address_and_name_and_go_without_a_trace(testbed: hosts.Testbed) -> None:
+    for host in testbed.hosts:
+        seen = subprocess.run(["ip", "-n", host.namespace, "-4", "-o", "addr", "show", "eth0"], capture_output=True, text=True, check=True)
+        assert f"{host.address}/24" in seen.stdout
+        assert host.cgroup("cpu").is_dir() and host.cgroup("freezer").is_dir()
+    hosts.destroy(testbed.name)
+    assert hosts.leftovers(testbed.name) == []
+    hosts.destroy(testbed.name)  # idempotent: the fixture calls it again
+
+
+def test_a_job_spans_the_hosts_each_rank_on_its_own_named_host(testbed: hosts.Testbed, tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    job = launch(testbed, [str(script)], run_id="probe", workdir=tmp_path / "logs")
+    try:
+        placement = job.placement()
+        exits = job.wait(120)
+    finally:
+        job.stop()
+    assert set(exits.values()) == {0}, job.output()
+    lines = sorted(line for line in job.output(tail=100_000).splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r} of 3 on {placement[r].host.name} sum 3" for r in range(3)], job.output()
+    assert sorted(r.host.name for r in placement.values()) == ["node0", "node1", "node2"]
+
+
+def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """The fixture's teardown runs when the test fails with a job running on the test bed."""
+    record = tmp_path / "name"
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(
+        f"""
+        from pathlib import Path
+        from rankscope.testbed.job import launch
+
+        def test_fails_mid_job(testbed, tmp_path):
+            Path({str(record)!r}).write_text(testbed.name)
+            script = tmp_path / "sleep.py"
+            script.write_text("import time; time.sleep(1000)")
+            job = launch(testbed, [str(script)], run_id="left", workdir=tmp_path)
+            job.placement()  # every rank runs
+            raise AssertionError("failed on purpose")
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    name = record.read_text()
+    assert hosts.leftovers(name) == []
+    assert name not in hosts.running()
+
+
+def test_the_command_brings_a_test_bed_up_and_down(tmp_path: Path) -> None:
+    rankscope = [sys.executable, "-m", "rankscope.cli.main", "testbed"]
+    name = f"rscli{tmp_path.name[-4:].replace('_', '')}"
+    try:
+        up = subprocess.run([*rankscope, "up", "--hosts", "2", "--ranks-per-host", "1", "--name", name], capture_output=True, text=True, timeout=60)
+        if up.returncode != 0 and "needs root" in up.stderr:
+            pytest.skip(up.stderr)
+        assert up.returncode == 0 and "node1" in up.stdout, up
+        assert name in subprocess.run([*rankscope, "list"], capture_output=True, text=True, timeout=60).stdout
+        (tmp_path / "probe.py").write_text(PROBE)
+        run = subprocess.run([*rankscope, "run", "--testbed", name, "--workdir", str(tmp_path), "--", str(tmp_path / "probe.py")],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert run.returncode == 0 and "node0: exit 0" in run.stdout, (run, (tmp_path / "node0.log").read_text())
+    finally:
+        down = subprocess.run([*rankscope, "down", name], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0 and hosts.leftovers(name) == [], down
