@@ -49,7 +49,7 @@ class Scenario:
     #: host and their pipeline neighbours (the trainer's PP2: rank r and r + world/2 on the far stage)
     names: str = "rank"
     fault_step: int = 4
-    steps: int = 14
+    steps: int = 12
     program: str = "trainer"
     #: the job is expected to end by itself (a kill ends it; a freeze does not)
     ends: bool = True

@@ -60,17 +60,20 @@ def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Py
         from rankscope.testbed.job import launch
 
         def test_fails_mid_job(testbed, tmp_path):
-            Path({str(record)!r}).write_text(testbed.name)
             script = tmp_path / "sleep.py"
             script.write_text("import time; time.sleep(1000)")
             job = launch(testbed, [str(script)], run_id="left", workdir=tmp_path)
             job.placement()  # every rank runs
+            pids = [pid for host in testbed.hosts for pid in testbed.pids(host)]
+            Path({str(record)!r}).write_text(testbed.name + " " + " ".join(map(str, pids)))
             raise AssertionError("failed on purpose")
         """
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    name = record.read_text()
+    name, *pids = record.read_text().split()
+    assert len(pids) >= 6  # a launcher and a rank per host at least
+    assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
     assert hosts.leftovers(name) == []
     assert name not in hosts.running()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,15 @@ class RunContext:
         """A copyable statement: ``{name:Type}`` placeholders written out as literals (for people; never run here)."""
         values = {"run": self.run_id, **params}
         return _PLACEHOLDER.sub(lambda m: format_bind_value(values[m.group(1)], top_level=False), sql)
+
+
+def died_at(silent_since_ns: int, exit_times_ns: Iterable[int], settings: Settings) -> bool:
+    """Whether ranks that went silent at ``silent_since_ns`` died rather than froze: some rank ended
+    soon after (within ``hang_after_s``), as a dead process's launcher stops its host-mates and its
+    peers fail on the broken connections at once. Around a frozen one the others wait, until their
+    collectives time out much later."""
+    window_ns = settings.hang_after_s * 1e9
+    return any(silent_since_ns < t <= silent_since_ns + window_ns for t in exit_times_ns)
 
 
 def who(rank: int, hosts: Mapping[int, str]) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import signal
 
-from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.incidents import Finding
 
 EXITS_SQL = (
@@ -67,14 +67,13 @@ def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None) -> list
 
 def _settled(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], last_beat: dict[int, int], now_ns: int) -> dict[int, int]:
     """The silent ranks whose fate is known. Silence alone does not tell a dead process or host from a
-    frozen one: a dead one makes its launcher stop its host-mates, or its peers fail on the broken
-    connections, and ranks end; around a frozen one nobody ends, the others wait, and the hang
-    detector names it once the run has stalled for ``hang_after_s``. Until a rank ends, or well past
-    that (a hang that was never named), silence is left undecided while others are still heard."""
+    frozen one (``died_at``); around a frozen one the others wait, and the hang detector names it
+    once the run has stalled for ``hang_after_s``. Until ranks end, or well past that (a hang that
+    was never named), silence is left undecided while others are still heard."""
     if not silent:
         return silent
     since = min(silent.values())
-    ended_since = any(e["time_ns"] > since for e in exits.values())
+    ended_since = died_at(since, (e["time_ns"] for e in exits.values()), ctx.settings)
     heard = any(r not in silent and r not in exits and now_ns - t < ctx.settings.silent_after_s * 1e9 for r, t in last_beat.items())
     patience_ns = (ctx.settings.hang_after_s + ctx.settings.silent_after_s) * 1e9
     return silent if ended_since or not heard or now_ns - since > patience_ns else {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.incidents import Finding
 
 PROGRESS_SQL = (
@@ -36,7 +36,7 @@ ENTERED_SQL = (
     "SELECT rank, group_name, peer, position(splitByChar(':', op)[-1], 'send') > 0 AS sends, max(seq) AS seq "
     "FROM collectives WHERE run_id = {run:String} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
 )
-EXITED_SQL = "SELECT DISTINCT rank FROM exits WHERE run_id = {run:String}"
+EXITS_SQL = "SELECT rank, toUnixTimestamp64Nano(min(time)) AS time_ns FROM exits WHERE run_id = {run:String} GROUP BY rank"
 EVIDENCE_SQL = (
     "SELECT rank, max(time) AS last_heartbeat, argMax(step, time) AS step, argMax(phase, time) AS phase, "
     "argMax(arrayZip(inflight_group, inflight_seq, inflight_op, inflight_peer, inflight_waiting), time) AS in_flight "
@@ -83,9 +83,11 @@ def detect(ctx: RunContext) -> list[Finding]:
     # A root gone silent while the others wait on it (no exit came) stopped answering: a frozen
     # process or host, or one cut off the network. A rank not heard since the stall but not
     # silent may be blocked too: its report is not in yet.
-    if roots - alive and set(ctx.query(EXITED_SQL, {"run": ctx.run_id}).column("rank").to_pylist()) & (roots - alive):
-        return []  # a root that ended is a crash (the crash detector's), and its waiting peers its victims
     silent = {r for r in roots - alive if r in states}
+    if silent:
+        exits = {r["rank"]: r["time_ns"] for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
+        if silent & set(exits) or died_at(min(states[r]["time_ns"] for r in silent), exits.values(), s):
+            return []  # a root that ended or died is a crash or a lost host (the crash detector's)
     roots = (roots & heard) | silent
     if not roots:
         return []
