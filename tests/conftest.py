@@ -32,7 +32,7 @@ pytest_plugins = ("pytester",)  # tests/test_infra.py runs pytest inside a test.
 TERM_GRACE_S = 5.0
 
 
-__all__ = ["Proc", "ProcRunner", "Running", "free_port", "make_testbed", "start_collector"]
+__all__ = ["Proc", "ProcRunner", "Running", "free_port", "make_testbed", "running", "start_collector"]
 
 
 class Proc:
@@ -149,6 +149,15 @@ class ProcRunner:
         for proc in self.procs:
             terminate_tree(proc.popen, self.term_grace_s)
 
+
+
+def running(pid: int) -> bool:
+    """True while pid exists and is not a zombie (orphans may stay zombies a while)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TERM_GRACE_S
+from conftest import TERM_GRACE_S, running
 
 # A child that starts three grandchildren: one in its own process group, one in a new session
 # (as torchrun starts its workers), one that ignores SIGTERM (needs the SIGKILL), then writes
@@ -36,15 +36,6 @@ SPAWNER = textwrap.dedent(
 )
 
 
-def _running(pid: int) -> bool:
-    """True while pid exists and is not a zombie (orphans may stay zombies a while)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
 def _wait_for_file(path: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -60,13 +51,13 @@ def test_cleanup_kills_group_and_escaped_descendants(proc_runner, tmp_path: Path
     proc = proc_runner.start([sys.executable, str(script), str(pidfile)])
     proc.wait_for("ready", timeout=30)
     pids = json.loads(pidfile.read_text())
-    assert all(_running(pid) for pid in pids)
+    assert all(running(pid) for pid in pids)
     assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)  # its own process group
 
     start = time.monotonic()
     proc_runner.cleanup()
     elapsed = time.monotonic() - start
-    assert [pid for pid in pids if _running(pid)] == []
+    assert [pid for pid in pids if running(pid)] == []
     assert proc.returncode is not None
     # the SIGTERM-proof grandchild held out for the whole 0.5 s grace, then SIGKILL ended it at once:
     # well before the default grace would have run out
@@ -110,7 +101,7 @@ def test_pytest_timeout_still_kills_children(pytester: pytest.Pytester, tmp_path
     _wait_for_file(pidfile, timeout=1)
     pids = json.loads(pidfile.read_text())
     assert len(pids) == 4
-    assert [pid for pid in pids if _running(pid)] == []
+    assert [pid for pid in pids if running(pid)] == []
 
 
 WORKER = textwrap.dedent(
@@ -134,7 +125,7 @@ def test_torchrun_workers_die_with_the_test(torchrun, proc_runner, tmp_path: Pat
     for rank in (0, 1):
         _wait_for_file(tmp_path / f"rank{rank}.pid", timeout=120)
     pids = [int((tmp_path / f"rank{rank}.pid").read_text()) for rank in (0, 1)]
-    assert all(_running(pid) for pid in pids)
+    assert all(running(pid) for pid in pids)
     assert os.getpgid(pids[0]) != proc.pid  # really outside torchrun's group
     proc_runner.cleanup()
-    assert [pid for pid in pids if _running(pid)] == []
+    assert [pid for pid in pids if running(pid)] == []

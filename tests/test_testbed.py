@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import running
 
 from rankscope.testbed import hosts
 from rankscope.testbed.job import launch
@@ -73,7 +74,7 @@ def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Py
     result.assert_outcomes(failed=1)
     name, *pids = record.read_text().split()
     assert len(pids) >= 6  # a launcher and a rank per host at least
-    assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
+    assert [pid for pid in pids if running(int(pid))] == []
     assert hosts.leftovers(name) == []
     assert name not in hosts.running()
 
@@ -94,3 +95,4 @@ def test_the_command_brings_a_test_bed_up_and_down(tmp_path: Path) -> None:
     finally:
         down = subprocess.run([*rankscope, "down", name], capture_output=True, text=True, timeout=60)
     assert down.returncode == 0 and hosts.leftovers(name) == [], down
+
