@@ -133,9 +133,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     # docs/testbed.md
     "rankscope testbed up --hosts 4 --ranks-per-host 2": Run(expect="node3"),
     "rankscope collector --listen unix:/tmp/rankscope.sock &": Run(),
-    "rankscope testbed fault throttle-cpu --host node2 --share 0.25 --for 120 &": Run(),
+    "rankscope testbed fault throttle-cpu --host node2 --share 0.25 --for 600 &": Run(),
     "rankscope testbed run --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 2 --dp 2 --steps 40":
-        Run("12 steps instead of 40", shorten=((r"--steps 40$", "--steps 12"),), expect="node3: exit 0", timeout_s=300),
+        Run("10 steps instead of 40", shorten=((r"--steps 40$", "--steps 10"),), expect="node3: exit 0", timeout_s=400),
     "rankscope diagnose --collector unix:/tmp/rankscope.sock": Run(expect=r"straggler: host node2: ranks 4, 5"),
     "rankscope testbed down": Run(expect="is down"),
     "rankscope scenario run testbed-freeze-rank": NotHere("tests/test_testbed_scenarios.py runs every test-bed scenario"),

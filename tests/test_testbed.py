@@ -36,6 +36,7 @@ def test_hosts_have_their_own_address_and_name_and_go_without_a_trace(testbed: h
     hosts.destroy(testbed.name)  # idempotent: the fixture calls it again
 
 
+@pytest.mark.slow
 def test_a_job_spans_the_hosts_each_rank_on_its_own_named_host(testbed: hosts.Testbed, tmp_path: Path) -> None:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
@@ -51,6 +52,7 @@ def test_a_job_spans_the_hosts_each_rank_on_its_own_named_host(testbed: hosts.Te
     assert sorted(r.host.name for r in placement.values()) == ["node0", "node1", "node2"]
 
 
+@pytest.mark.slow
 def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """The fixture's teardown runs when the test fails with a job running on the test bed."""
     record = tmp_path / "name"
@@ -79,6 +81,7 @@ def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Py
     assert name not in hosts.running()
 
 
+@pytest.mark.slow
 def test_the_command_brings_a_test_bed_up_and_down(tmp_path: Path) -> None:
     rankscope = [sys.executable, "-m", "rankscope.cli.main", "testbed"]
     name = f"rscli{tmp_path.name[-4:].replace('_', '')}"

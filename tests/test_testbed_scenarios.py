@@ -17,11 +17,8 @@ from rankscope.testbed import hosts, scenarios
 
 pytestmark = pytest.mark.slow
 
-IN_TESTS = [s for s in scenarios.SCENARIOS.values() if s.in_tests]
-
-
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("scenario", IN_TESTS, ids=[s.name for s in IN_TESTS])
+@pytest.mark.parametrize("scenario", scenarios.SCENARIOS.values(), ids=list(scenarios.SCENARIOS))
 def test_an_external_fault_is_diagnosed(scenario: scenarios.Scenario, tmp_path: Path) -> None:
     try:
         score = scenarios.run(scenario, workdir=tmp_path, log=lambda line: None)

@@ -38,9 +38,10 @@ class Settings:
     #: ... and this share of the step: a segment that costs the step less is no straggler worth a
     #: look, and a small wall-time-only segment (data loading) on a busy host is mostly the scheduler
     straggler_step_share: float = 0.01
-    #: where CPU time is compared, wall time too, slower by at least this share: a rank starved of
-    #: CPU computes no slower, it waits to run. Wall time on shared cores is noisy: 8 ranks on 2
-    #: cores showed three steps in a row 1.5-1.9x their stage's median with steady CPU time
+    #: where CPU time is compared, wall time too, slower by at least this share at every step of the
+    #: window: a rank starved of CPU computes no slower, it waits to run. Wall time on shared cores
+    #: is noisy: 8 ranks on 2 cores showed three steps in a row 1.5-1.9x their stage's median with
+    #: steady CPU time
     straggler_wall_excess: float = 1.0
     #: slow link: a pair's transfer time this many times the median of comparable pairs ...
     slow_link_ratio: float = 4.0

@@ -146,15 +146,17 @@ def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict]) -> li
         since = min(silent[r] for r in ranks)
         stopped = [o for o in ctx.ranks_of_host.get(host, []) if o in exits and exits[o]["time_ns"] > since] if host else []
         names = ", ".join(ctx.who(r) for r in ranks)
-        if whole_host:
+        absorbs: tuple[str, ...] = ()
+        if whole_host:  # continues the incident of the host's rank that fell silent first (heartbeats are staggered)
             kind, key = "lost_host", f"lost:host={host}"
+            absorbs = tuple(f"lost:rank={r}" for r in sorted(ranks, key=lambda r: silent[r]))
             summary = f"lost host: every rank of {host} ({', '.join(map(str, ranks))}) went silent without a last word"
         elif stopped:
             kind, key = "crash", f"crash:rank={ranks[0]}"
             summary = (f"crash: {names} died without a last word (SIGKILL or the OOM killer) while its host {host} "
                        f"was up (rank {', '.join(map(str, stopped))} ended after it)")  # fmt: skip
         else:
-            kind, key = "lost_rank", f"lost:ranks={','.join(map(str, ranks))}"
+            kind, key = "lost_rank", f"lost:rank={ranks[0]}"
             summary = f"lost rank: {names} went silent without a last word (process killed or host unreachable)"
         findings.append(
             Finding(
@@ -168,6 +170,7 @@ def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict]) -> li
                 summary=summary,
                 evidence={"last_heartbeat_ns": {str(r): silent[r] for r in ranks}, "ranks_that_said_they_ended": sorted(exits)},
                 sql=ctx.literal_sql(SILENCE_EVIDENCE_SQL),
+                absorbs=absorbs,
             )
         )
     return findings

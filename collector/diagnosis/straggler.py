@@ -9,8 +9,8 @@ Corroboration: in the groups it belongs to, the straggler arrives last at collec
 Where the agent measured the CPU time of every piece of a segment (host-only runs on shared
 cores, see agent.recorder), that is compared instead of wall time: it measures the work, while
 wall time there mostly measures the scheduler. Wall time is compared too, with a far higher bar
-(``straggler_wall_excess``): a rank starved of CPU (a throttled host, a CPU quota) does the same
-work in the same CPU time, and only waits longer to run.
+(``straggler_wall_excess``, at every step of the window): a rank starved of CPU (a throttled host,
+a CPU quota) does the same work in the same CPU time, and only waits longer to run.
 A rank is a straggler when it has been slow for several steps in a row (a single fast step among
 them allowed): slow steps scattered among fast ones are a busy host's scheduler, not a slow rank.
 A host is named when every rank on it (two or more) is a straggler.
@@ -152,13 +152,15 @@ def detect(ctx: RunContext) -> list[Finding]:
 def _slow_segments(ctx: RunContext, first_step: int, last_step: int, *, wall: bool) -> dict[int, dict]:
     """rank -> its slowest persistently slow segment: {segment, ratio, since_step, since_ns, steps, peers_ms, ms}.
 
-    ``wall``: compare wall time even where CPU time was measured, with the higher bar ``straggler_wall_excess``.
+    ``wall``: compare wall time even where CPU time was measured, with the higher bar
+    ``straggler_wall_excess`` met at every step of the window (its noise comes in runs of steps).
     """
     s = ctx.settings
+    min_steps = s.straggler_window if wall else s.straggler_min_steps
     params = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step, "window": s.straggler_window,
               "min_excess_ns": max(s.straggler_min_excess_s, s.straggler_step_share * ctx.median_step_s(first_step, last_step)) * 1e9,
               "excess": max(s.straggler_excess, s.straggler_wall_excess) if wall else s.straggler_excess,
-              "min_steps": s.straggler_min_steps, "wall": int(wall)}  # fmt: skip
+              "min_steps": min_steps, "wall": int(wall)}  # fmt: skip
     cols = ctx.query(POINTS_SQL, params).to_pydict()
     # (rank, segment) -> [(step, ratio, own ns, median ns, started)], for the series that may be slow
     series: dict[tuple[int, str], list[tuple[int, float, int, float, int]]] = defaultdict(list)
@@ -176,10 +178,10 @@ def _slow_segments(ctx: RunContext, first_step: int, last_step: int, *, wall: bo
         points.sort()
         recent = points[-s.straggler_window :]
         slow = [p for p in recent if p[1] >= threshold]
-        if len(slow) < s.straggler_min_steps or recent[-1][1] < threshold:
+        if len(slow) < min_steps or recent[-1][1] < threshold:
             continue  # not slow often enough lately, or no longer slow
         episode = _episode(points, threshold)
-        if sum(p[1] >= threshold for p in episode) < s.straggler_min_steps:
+        if sum(p[1] >= threshold for p in episode) < min_steps:
             continue  # slow steps scattered among fast ones: the scheduler's noise, not a slow rank
         ratio = float(np.median([p[1] for p in episode if p[1] >= threshold]))
         if rank not in found or ratio > found[rank]["ratio"]:
