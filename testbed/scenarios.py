@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
+from rankscope.collector.diagnosis.scenarios import verdict
 from rankscope.collector.orchestration import CLI, start, stop, wait_for_address
 from rankscope.testbed import faults, hosts
 from rankscope.testbed.job import Job, Rank, launch, trainer
@@ -101,18 +102,8 @@ class Score:
         return [i for i in self.incidents if i["kind"] == self.scenario.kind]
 
     @property
-    def extra(self) -> list[dict]:
-        return [i for i in self.incidents if i["kind"] != self.scenario.kind]
-
-    @property
     def passed(self) -> bool:
-        if self.scenario.kind is None:
-            return not self.incidents
-        found = self.expected
-        return (
-            len(found) == 1 and tuple(sorted(found[0]["ranks"])) == self.ranks and tuple(sorted(found[0]["hosts"])) == self.hosts
-            and not self.extra
-        )  # fmt: skip
+        return verdict(self.scenario.kind, self.ranks, self.hosts, self.incidents)
 
     def line(self) -> str:
         s = self.scenario

@@ -67,6 +67,14 @@ FAULT_START_SQL = (
 )
 
 
+def verdict(kind: str | None, ranks: tuple[int, ...], hosts: tuple[str, ...], incidents: list[dict]) -> bool:
+    """Exactly one incident, of ``kind``, naming ``ranks`` and ``hosts`` (in any order); none when ``kind`` is None."""
+    if kind is None:
+        return not incidents
+    return len(incidents) == 1 and incidents[0]["kind"] == kind and (
+        sorted(incidents[0]["ranks"]), sorted(incidents[0]["hosts"])) == (sorted(ranks), sorted(hosts))  # fmt: skip
+
+
 @dataclass
 class Score:
     scenario: Scenario
@@ -87,15 +95,7 @@ class Score:
 
     @property
     def passed(self) -> bool:
-        s = self.scenario
-        if s.kind is None:
-            return not self.incidents
-        return (
-            len(self.expected) == 1
-            and tuple(sorted(self.expected[0]["ranks"])) == tuple(sorted(s.ranks))
-            and tuple(sorted(self.expected[0]["hosts"])) == s.hosts
-            and not self.extra
-        )
+        return verdict(self.scenario.kind, self.scenario.ranks, self.scenario.hosts, self.incidents)
 
     def line(self) -> str:
         s = self.scenario
