@@ -14,8 +14,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rankscope.cli.args import count
+
+if TYPE_CHECKING:
+    from rankscope.testbed.hosts import Testbed
 
 HELP = "simulated hosts (network namespaces) on this machine: run a job across them, apply faults from outside"
 
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run_job(bed: object, args: argparse.Namespace) -> int:
+def _run_job(bed: Testbed, args: argparse.Namespace) -> int:
     from rankscope.testbed.hosts import TestbedError
     from rankscope.testbed.job import launch
 
@@ -95,7 +99,7 @@ def _run_job(bed: object, args: argparse.Namespace) -> int:
             return 2
         env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": args.collector}
     run_id = args.run_id or f"testbed-{uuid.uuid4().hex[:8]}"
-    job = launch(bed, program, run_id=run_id, workdir=args.workdir, env=env, ranks_per_host=args.ranks_per_host)  # type: ignore[arg-type]
+    job = launch(bed, program, run_id=run_id, workdir=args.workdir, env=env, ranks_per_host=args.ranks_per_host)
     print(f"run {run_id}: {job.world_size} ranks on {len(job.launchers)} hosts; logs in {args.workdir}/", flush=True)
     try:
         placement = job.placement()
@@ -103,7 +107,7 @@ def _run_job(bed: object, args: argparse.Namespace) -> int:
         print(f"rankscope testbed run: {e}", file=sys.stderr)
         job.stop()
         return 1
-    for host in bed.hosts:  # type: ignore[attr-defined]
+    for host in bed.hosts:
         print(f"  {host.name}: ranks {', '.join(str(r) for r, p in sorted(placement.items()) if p.host == host)}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: job.stop())
     try:
@@ -116,14 +120,14 @@ def _run_job(bed: object, args: argparse.Namespace) -> int:
     return max(exits.values(), key=abs)
 
 
-def _fault(bed: object, args: argparse.Namespace) -> int:
+def _fault(bed: Testbed, args: argparse.Namespace) -> int:
     from rankscope.testbed import faults
     from rankscope.testbed.job import find_ranks
 
-    host = bed.host(int(args.host) if args.host and args.host.isdigit() else args.host) if args.host else None  # type: ignore[attr-defined]
+    host = bed.host(int(args.host) if args.host.isdigit() else args.host) if args.host else None
     rank = None
     if args.kind.endswith("-rank"):
-        ranks = find_ranks(bed)  # type: ignore[arg-type]
+        ranks = find_ranks(bed)
         if args.rank is None or args.rank not in ranks:
             print(f"rankscope testbed fault: {args.kind} needs --rank, one of the running ranks {sorted(ranks)}", file=sys.stderr)
             return 2

@@ -192,8 +192,9 @@ def load(name: str | None = None) -> Testbed:
         saved = [p for p in saved if p.stem == name]
     if len(saved) != 1:
         known = ", ".join(p.stem for p in sorted(STATE_DIR.glob("*.json"))) if STATE_DIR.is_dir() else ""
-        raise TestbedError(f"no test bed {name!r} (up: {known or 'none'})" if name else
-                           f"{'no test bed is up' if not known else 'several test beds are up: ' + known}; name one")  # fmt: skip
+        if name:
+            raise TestbedError(f"no test bed {name!r} (up: {known or 'none'})")
+        raise TestbedError(f"several test beds are up ({known}): name one" if known else "no test bed is up (rankscope testbed up makes one)")
     data = json.loads(saved[0].read_text())
     return Testbed(data["name"], tuple(Host(**{**h, "cpus": tuple(h["cpus"])}) for h in data["hosts"]), data["ranks_per_host"], data["cores"])
 
