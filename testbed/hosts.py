@@ -25,6 +25,7 @@ Every address lives inside the namespaces: nothing here routes through the root 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -222,6 +223,9 @@ def destroy(name: str) -> None:
         shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
     for group in groups:
         _rmdir(group)
+    for controller in CONTROLLERS:  # the test beds' parent group goes with the last of them
+        with contextlib.suppress(OSError):
+            (CGROUP_ROOT / controller / CGROUP_PARENT).rmdir()
     (STATE_DIR / f"{name}.json").unlink(missing_ok=True)
 
 
