@@ -74,7 +74,7 @@ class build_with_agent_pth(build):
     sub_commands = [*build.sub_commands, ("build_agent_pth", None)]
 
 
-PARTS = ("agent", "cli", "collector", "dashboard", "protos", "testbed", "trainer")
+PARTS = ("agent", "cli", "collector", "dashboard", "healing", "protos", "testbed", "trainer")
 
 package_dir = {"rankscope": "rankscope"}
 packages = ["rankscope"]

@@ -22,7 +22,7 @@ from typing import Protocol
 import grpc
 import pyarrow as pa
 
-from rankscope.protos.rankscope.v1 import query_pb2, query_pb2_grpc
+from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
 from .query import (
     Limits,
@@ -85,6 +85,7 @@ class Client:
                 raise QueryFailed(f"cannot read the CA bundle {tls_ca}: {e.strerror or e}") from None
             self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca), options=options)
         self._stub = query_pb2_grpc.QueryStub(self._channel)
+        self._ingest = ingest_pb2_grpc.IngestStub(self._channel)
 
     def query(self, sql: str, params: Mapping[str, object] | None = None, max_rows: int = 0) -> pa.Table:
         request = query_pb2.QueryRequest(sql=sql, params=params_to_wire(params), max_rows=max_rows)
@@ -95,6 +96,11 @@ class Client:
         """Ask that rank's agent for a stack dump; False when the rank has already ended."""
         request = query_pb2.StackRequest(run_id=run_id, rank=rank, reason=reason)
         return bool(self._call(self._stub.RequestStack, request).queued)
+
+    def send(self, batch: ingest_pb2.Batch) -> bool:
+        """Deliver one batch through the collector's Ingest service (the run-level records of
+        ``rankscope.healing.record``); True when stored now, False when it was stored before."""
+        return not self._call(self._ingest.Send, batch).duplicate
 
     def close(self) -> None:
         self._channel.close()

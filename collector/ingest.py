@@ -30,6 +30,8 @@ log = logging.getLogger("rankscope.collector")
 
 SUPPORTED_SCHEMA_VERSION = 1
 BATCH_ID_BYTES = 16
+#: payloads about the run as a whole (their batch's rank is 0 and says nothing about rank 0)
+RUN_LEVEL = ("action", "selfcheck")
 
 
 class IngestError(ValueError):
@@ -78,9 +80,13 @@ _SCHEMAS: dict[str, pa.Schema] = {t.name: arrow_schema(t) for t in schema.TABLES
 TIMESTAMP = arrow_type("DateTime64(9)")
 
 
-def _table(name: str, columns: Mapping[str, object]) -> pa.Table:
-    """An Arrow table for ``name`` from column name -> values (numpy, Arrow or list)."""
+def _table(name: str, columns: Mapping[str, object], attempt: int | None = None) -> pa.Table:
+    """An Arrow table for ``name`` from column name -> values (numpy, Arrow or list); a table with an
+    ``attempt`` column gets ``attempt`` (the batch's) in every row."""
     target = _SCHEMAS[name]
+    if attempt is not None:
+        rows = len(next(iter(columns.values())))
+        columns = {**columns, "attempt": np.full(rows, attempt, dtype=np.uint16)}
     if set(columns) != set(target.names):
         raise AssertionError(f"{name}: columns {sorted(columns)} != {sorted(target.names)}")
     arrays = [_array(columns[f.name], f.type) for f in target]
@@ -105,10 +111,16 @@ class Registration:
     start_ns: int
     time_ns: int
     version: int
+    #: the attempt (restart) of the run the registering process belongs to
+    attempt: int = 0
 
-    def newer(self, start_ns: int, time_ns: int, at_ns: int) -> bool | None:
-        """Whether a registration (its process's start and time on the rank's clock, its time on the
-        collector's) is newer than this one; None: this one again (sent again after a reconnect)."""
+    def newer(self, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> bool | None:
+        """Whether a registration (its attempt, its process's start and time on the rank's clock, its
+        time on the collector's) is newer than this one; None: this one again (sent again after a
+        reconnect). A later attempt is newer whatever the clocks say: after a restart the same rank
+        may run on another host, whose clock is not this one's."""
+        if attempt != self.attempt:
+            return attempt > self.attempt
         if not (time_ns and self.time_ns):  # read back from the store, or an agent that sends no time
             return at_ns >= self.version
         if (start_ns, time_ns) == (self.start_ns, self.time_ns):
@@ -152,7 +164,12 @@ class RunInfo:
         exited = self.exits.get(rank)
         return exited is not None and at_ns <= exited[1]
 
-    def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int) -> int | None:
+    def attempt(self, rank: int) -> int:
+        """The attempt of ``rank``'s newest registration (0 before any)."""
+        held = self.registered.get(rank)
+        return held.attempt if held is not None else 0
+
+    def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> int | None:
         """Note a registration of ``rank`` (its process's start and its time on the rank's clock,
         ``at_ns`` on the collector's); the version to store its rows with, or None when it is older
         than the rank's newest registration, or than its exit while an earlier one is held: one
@@ -160,7 +177,7 @@ class RunInfo:
         is stored even after the exit (replayed from the spool after the rank's end): without it
         the rank would have no host."""
         held = self.registered.get(rank)
-        newer = True if held is None else held.newer(start_ns, time_ns, at_ns)
+        newer = True if held is None else held.newer(start_ns, time_ns, at_ns, attempt)
         if newer is False or held is not None and self.ended_since(rank, at_ns):
             return None
         if held is None:
@@ -169,7 +186,7 @@ class RunInfo:
             version = held.version  # the same registration again: its rows keep their version
         else:  # above the rank's earlier versions even when the agent's clock offset was corrected in between
             version = max(at_ns, held.version + 1)
-        self.registered[rank] = Registration(start_ns, time_ns, version)
+        self.registered[rank] = Registration(start_ns, time_ns, version, attempt)
         return version
 
 
@@ -225,7 +242,7 @@ def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str
     )
     ranks_q = (
         "SELECT rank, argMax(host, registered) AS host, toUnixTimestamp64Nano(max(registered)) AS newest,"
-        " argMax(pp_rank, registered) >= 0 AS placed FROM ranks WHERE run_id = {run_id:String} GROUP BY rank"
+        " argMax(pp_rank, registered) >= 0 AS placed, max(attempt) AS attempt FROM ranks WHERE run_id = {run_id:String} GROUP BY rank"
     )
     exits_q = (
         "SELECT rank, argMax(reason, time) AS reason, toUnixTimestamp64Nano(max(time)) AS t"
@@ -237,7 +254,7 @@ def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str
         info = RunInfo(row["name"], row["start"], row["ws"], row["tp"], row["pp"], row["dp"], row["config"])
     ranks = query(ranks_q, params).to_pylist()
     info.hosts = {r["rank"]: r["host"] for r in ranks}
-    info.registered = {r["rank"]: Registration(0, 0, r["newest"]) for r in ranks}
+    info.registered = {r["rank"]: Registration(0, 0, r["newest"], r["attempt"]) for r in ranks}
     info.placed = any(r["placed"] for r in ranks)
     info.exits = {r["rank"]: (r["reason"], r["t"]) for r in query(exits_q, params).to_pylist()}
     return info
@@ -253,6 +270,7 @@ class _Context:
         self.kind = kind
         self.run_id = batch.run_id
         self.rank = batch.rank
+        self.attempt = batch.attempt
         self.offset = batch.clock_offset_ns
         self.now_ns = now_ns
         self.lo = now_ns - int(window.past_s * 1e9)
@@ -378,7 +396,7 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
     late = run.ended_since(ctx.rank, at_ns)
     if not run.registered:  # the user needs the id for `rankscope diagnose --run` and the dashboard's ?run=
         log.info("run %s: rank %d of %d registered from %s", ctx.run_id, ctx.rank, reg.world_size, reg.host)
-    version = run.register(ctx.rank, reg.start_time_ns, reg.time_ns, at_ns)
+    version = run.register(ctx.rank, reg.start_time_ns, reg.time_ns, at_ns, ctx.attempt)
     if version is None:
         return {}  # an older registration than the rank's newest (or than its end), delivered late
     # Rows versioned by when the agent registered, not by arrival: the newest stands whatever the order.
@@ -392,6 +410,7 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
                 "pp_rank": [reg.pp_rank], "dp_rank": [reg.dp_rank], "clock_offset_ns": [ctx.offset],
                 "agent_version": [reg.agent_version], "registered": pa.array([at]),
             },
+            ctx.attempt,
         ),
         "groups": _table(
             "groups",
@@ -441,6 +460,7 @@ def _spans(ctx: _Context, msg: telemetry_pb2.SpanBatch, registry: RunRegistry) -
                 "microbatch": c.array("microbatch", "<i4"), "attributes": c.strings_at("attributes", none_allowed=True),
                 "cpu_ns": c.optional("cpu_ns", "<i8", missing=-1),
             },
+            ctx.attempt,
         )
     }
 
@@ -457,6 +477,7 @@ def _collectives(ctx: _Context, msg: telemetry_pb2.CollectiveBatch, registry: Ru
                 "start_time": c.times("start_ns", zero_is_unknown=True), "end_time": c.times("end_ns", zero_is_unknown=True),
                 "state": c.enum("state", COLLECTIVE_STATES), "step": c.unsigned("step", "<i4"),
             },
+            ctx.attempt,
         )
     }
 
@@ -484,6 +505,7 @@ def _heartbeats(ctx: _Context, msg: telemetry_pb2.HeartbeatBatch, registry: RunR
                 "inflight_waiting": [[int(op.waiting) for op in hb.in_flight] for hb in beats],
                 "events_dropped": [hb.events_dropped for hb in beats],
             },
+            ctx.attempt,
         )
     }
 
@@ -499,6 +521,7 @@ def _metrics(ctx: _Context, msg: telemetry_pb2.MetricBatch, registry: RunRegistr
                 "device": c.strings_at("device"), "time": c.times("time_ns"), "name": c.strings_at("name"),
                 "value": c.array("value", "<f8"),
             },
+            ctx.attempt,
         )
     }
 
@@ -512,6 +535,7 @@ def _step_metrics(ctx: _Context, msg: telemetry_pb2.StepMetricBatch, registry: R
                 **c.run_rank(), "step": c.unsigned("step", "<i4"), "name": c.strings_at("name"),
                 "value": c.array("value", "<f8"), "time": c.times("time_ns"),
             },
+            ctx.attempt,
         )
     }
 
@@ -525,6 +549,7 @@ def _stack(ctx: _Context, msg: telemetry_pb2.StackDump, registry: RunRegistry) -
                 "time": [ctx.time("stack.time_ns", msg.time_ns)], "reason": [msg.reason], "method": [msg.method],
                 "text": [msg.text],
             },
+            ctx.attempt,
         )
     }
 
@@ -536,7 +561,9 @@ def _end(ctx: _Context, msg: telemetry_pb2.EndOfRank, registry: RunRegistry) -> 
     reason = EXIT_REASONS[msg.reason]
     time_ns = ctx.time("end.time_ns", msg.time_ns)
     run = registry.run(ctx.run_id)
-    run.exits[ctx.rank] = (reason, time_ns)
+    current = ctx.attempt >= run.attempt(ctx.rank)  # else the end of a process an earlier attempt left behind
+    if current:
+        run.exits[ctx.rank] = (reason, time_ns)
     parts = {
         "exits": _table(
             "exits",
@@ -545,14 +572,49 @@ def _end(ctx: _Context, msg: telemetry_pb2.EndOfRank, registry: RunRegistry) -> 
                 "time": [time_ns], "reason": [reason], "exit_code": [msg.exit_code], "signal": [msg.signal],
                 "message": [msg.message],
             },
+            ctx.attempt,
         )
     }
     # Re-emitted when a retried last exit is decoded again: runs is a ReplacingMergeTree.
-    if run.world_size and all(r in run.exits for r in range(run.world_size)):
+    if current and run.world_size and all(r in run.exits for r in range(run.world_size)):
         failed = any(why != EXIT_REASONS[0] for why, _ in run.exits.values())
         end_ns = max(t for _, t in run.exits.values())
         parts["runs"] = _runs_row(ctx, run, "failed" if failed else "finished", end_ns)
     return parts
+
+
+def _action(ctx: _Context, msg: telemetry_pb2.Action, registry: RunRegistry) -> dict[str, pa.Table]:
+    if not msg.action:
+        raise IngestError("action.action is empty: say what was decided or done")
+    return {
+        "actions": _table(
+            "actions",
+            {
+                "run_id": [ctx.run_id], "time": [ctx.time("action.time_ns", msg.time_ns)], "action": [msg.action],
+                "hosts": [list(msg.hosts)], "incident_id": [msg.incident_id], "reason": [msg.reason],
+                "evidence": [msg.evidence_json],
+            },
+            ctx.attempt,
+        )
+    }
+
+
+def _selfcheck(ctx: _Context, msg: telemetry_pb2.SelfCheck, registry: RunRegistry) -> dict[str, pa.Table]:
+    if not msg.host:
+        raise IngestError("selfcheck.host is empty: a self-check names the host it checked")
+    n = len(msg.figures)
+    return {
+        "selfchecks": _table(
+            "selfchecks",
+            {
+                "run_id": [ctx.run_id] * n, "host": [msg.host] * n, "time": [ctx.time("selfcheck.time_ns", msg.time_ns)] * n,
+                "check": [f.check for f in msg.figures], "value": [f.value for f in msg.figures],
+                "unit": [f.unit for f in msg.figures], "reference": [f.reference for f in msg.figures],
+                "passed": [int(f.passed) for f in msg.figures], "host_passed": [int(msg.passed)] * n,
+                "summary": [msg.summary] * n, "detail": [f.detail for f in msg.figures],
+            },
+        )
+    }
 
 
 # Payload field of Batch -> builder(context, payload message, registry) -> tables.
@@ -565,6 +627,8 @@ _PAYLOADS: dict[str, Callable[[_Context, Any, RunRegistry], dict[str, pa.Table]]
     "step_metrics": _step_metrics,
     "stack": _stack,
     "end": _end,
+    "action": _action,
+    "selfcheck": _selfcheck,
 }
 
 

@@ -26,7 +26,7 @@ from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2
 from .control import PendingCommands
 from .diagnosis.context import Settings
 from .diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
-from .ingest import IngestError, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
+from .ingest import RUN_LEVEL, IngestError, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
 from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
 from .store.base import Store, StoreError, open_store
 from .store.migrations import migrate
@@ -124,7 +124,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             written = await self._store(request, received_ns)
         except _Refusal as refusal:
             await self.c.refuse(context, refusal)
-        self.c.telemetry.seen(request.run_id, request.rank)
+        if request.WhichOneof("payload") not in RUN_LEVEL:
+            self.c.telemetry.seen(request.run_id, request.rank)
         return ingest_pb2.Ack(
             batch_id=request.batch_id,
             duplicate=not written,

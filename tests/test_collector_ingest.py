@@ -193,6 +193,44 @@ def test_the_last_rank_to_end_closes_the_run() -> None:
     assert registry.has_ended("r", 1)
 
 
+def test_a_restarted_job_is_one_run_whose_rows_carry_their_attempt() -> None:
+    """torchrun restarts every worker with fewer hosts: the same run id, a smaller world, the same
+    ranks on other hosts (whose clocks may be behind), and the old processes' ends arriving late."""
+    registry = RunRegistry()
+    for rank in range(3):
+        _decode(register("r", rank, 3, host=f"node-{rank}"), registry)
+    again = []
+    for rank in range(2):  # attempt 1 on two hosts, registered with a clock a minute behind
+        batch = register("r", rank, 2, host=f"node-{rank + 1}", start_ns=time.time_ns() - 60 * 10**9)
+        batch.attempt = 1
+        again.append(_decode(batch, registry).parts)
+    assert [p["ranks"].to_pylist()[0]["attempt"] for p in again] == [1, 1]
+    assert again[1]["runs"].to_pylist()[0]["world_size"] == 2 and registry.host("r", 1) == "node-2"
+    late = _decode(end("r", 0, reason=3), registry).parts  # attempt 0's rank 0, stopped by torchrun
+    assert late["exits"].to_pylist()[0]["attempt"] == 0 and "runs" not in late and not registry.has_ended("r", 0)
+    beat = heartbeats("r", 1)
+    beat.attempt = 1
+    assert _decode(beat, registry).parts["heartbeats"].to_pylist()[0]["attempt"] == 1
+    for rank in range(2):
+        done = end("r", rank)
+        done.attempt = 1
+        parts = _decode(done, registry).parts
+    assert parts["runs"].to_pylist()[0]["status"] == "finished"
+
+
+def test_run_level_records_store_a_drivers_actions_and_a_hosts_self_check() -> None:
+    from rankscope.healing.record import Figure, action_batch, selfcheck_batch
+
+    act = _decode(action_batch("r", "evict", attempt=1, hosts=["node-2"], incident_id="straggler-1", reason="slow",
+                               evidence={"steps_lost": 2})).parts["actions"].to_pylist()  # fmt: skip
+    assert [(a["action"], a["hosts"], a["attempt"], a["evidence"]) for a in act] == [("evict", ["node-2"], 1, '{"steps_lost": 2}')]
+    figures = [Figure("matmul", 12.5, "GFLOP/s", 40.0, False), Figure("memory_bandwidth", 9.0, "GB/s", 9.5)]
+    rows = _decode(selfcheck_batch("r", "node-2", False, "matmul 0.31x its peers", figures)).parts["selfchecks"].to_pylist()
+    assert [(r["check"], r["passed"], r["host_passed"], r["reference"]) for r in rows] == [("matmul", 0, 0, 40.0), ("memory_bandwidth", 1, 0, 9.5)]
+    with pytest.raises(IngestError, match="selfcheck.host is empty"):
+        _decode(selfcheck_batch("r", "", True, "", figures))
+
+
 def test_a_registration_delivered_after_a_newer_one_or_the_ranks_end_changes_nothing() -> None:
     """A rank registers before the script sets its topology and again after; a retry or a spool
     replay can deliver the first one last. Rows are versioned by when the agent registered, and the
@@ -271,7 +309,7 @@ def test_the_clock_offset_brings_a_skewed_rank_into_the_window() -> None:
 
 
 def test_a_payload_of_a_newer_contract_is_refused_not_dropped() -> None:
-    newer = ingest_pb2.Batch.FromString(envelope("r", 0).SerializeToString() + b"\x92\x01\x00")  # field 18, empty
+    newer = ingest_pb2.Batch.FromString(envelope("r", 0).SerializeToString() + b"\xc2\x02\x00")  # field 40, empty
     with pytest.raises(IngestError, match="a payload type this collector does not know"):
         _decode(newer)
 

@@ -108,9 +108,17 @@ def sample_rows(table: str, n: int = 3, *, run_id: str = "run-1", start_ns: int 
                               "severity": ["warning"] * n, "status": ["open"] * n, "ranks": [[13]] * n, "hosts": [["node-06"]] * n,
                               "first_seen": ns, "last_seen": ns + 10**9, "summary": text(), "evidence": ['{"ratio": 1.21}'] * n,
                               "sql": ["SELECT 1"] * n, "version": u32.astype("uint64")},
+        "actions": lambda: {"run_id": [run_id] * n, "time": ns, "action": ["evict"] * n, "hosts": [["node-06"]] * n,
+                            "incident_id": [f"straggler-{k}" for k in i], "reason": text(), "evidence": ['{"steps_lost": 3}'] * n},
+        "selfchecks": lambda: {"run_id": [run_id] * n, "host": [f"node-{k:02d}" for k in i], "time": ns, "check": ["matmul"] * n,
+                               "value": i * 10.5, "unit": ["GFLOP/s"] * n, "reference": [float("nan")] + [20.0] * (n - 1),
+                               "passed": (i % 2).astype("uint8"), "host_passed": (i % 2).astype("uint8"), "summary": text(),
+                               "detail": [""] * n},
         "batches": lambda: {"run_id": [run_id] * n, "rank": u32, "batch_id": [int(k).to_bytes(16, "big") for k in i],
                             "kind": ["spans"] * n, "rows": np.full(n, 4096, "uint32"), "received": ns},
     }[table]()
+    if "attempt" in arrow_schema(BY_NAME[table]).names:
+        columns["attempt"] = (i % 2).astype("uint16")
     return pa.table(columns, schema=arrow_schema(BY_NAME[table]))
 
 
@@ -188,7 +196,8 @@ def test_cluster_ddl_has_replicated_local_tables_and_distributed_tables_over_the
         assert without_name_and_engine(local) == without_name_and_engine(same)
         # Rows of one rank (or run, for tables without ranks) stay on one shard.
         key = {"schema_version": "rand()", "runs": "cityHash64(run_id)", "groups": "cityHash64(run_id)",
-               "incidents": "cityHash64(run_id)"}.get(table.name, "cityHash64(run_id, rank)")
+               "incidents": "cityHash64(run_id)", "actions": "cityHash64(run_id)",
+               "selfchecks": "cityHash64(run_id)"}.get(table.name, "cityHash64(run_id, rank)")
         assert (
             f"CREATE TABLE IF NOT EXISTS obs.{table.name} ON CLUSTER prod AS obs.{table.name}_local "
             f"ENGINE = Distributed(prod, obs, {table.name}_local, {key})"
@@ -367,35 +376,49 @@ def versions(store: Store) -> list[int]:
 def test_migrate_creates_then_is_idempotent(store: Store) -> None:
     assert migrate(store, store.database, None) == SCHEMA_VERSION
     assert migrate(store, store.database, None) == SCHEMA_VERSION
-    assert versions(store) == [SCHEMA_VERSION]
-    row = store.query_arrow(f"SELECT rankscope_version FROM {store.database}.schema_version").to_pylist()
+    assert versions(store) == [m.version for m in MIGRATIONS]
+    row = store.query_arrow(f"SELECT DISTINCT rankscope_version FROM {store.database}.schema_version").to_pylist()
     from rankscope import __version__
 
     assert row == [{"rankscope_version": __version__}]
     assert MIGRATIONS[-1].version == SCHEMA_VERSION
 
 
+def test_the_attempts_step_refills_the_step_rollup_from_the_spans_already_stored(store: Store) -> None:
+    migrate(store, store.database, None, steps=MIGRATIONS[:1])
+    store.insert_arrow("spans", sample_rows("spans", 4))
+    store.command(f"TRUNCATE TABLE {store.database}.step_segments")  # as a version-1 rollup would be dropped
+    assert migrate(store, store.database, None) == SCHEMA_VERSION
+    rows = store.query_arrow(
+        f"SELECT attempt, step, rank, sum(total_ns) AS total FROM {store.database}.step_segments GROUP BY attempt, step, rank ORDER BY step"
+    ).to_pylist()
+    assert [(r["attempt"], r["step"], r["rank"]) for r in rows] == [(0, 1, 0), (1, 2, 1), (0, 3, 2), (1, 4, 3)]
+    assert all(r["total"] > 12_000_000 for r in rows)
+
+
 def test_migrate_runs_only_the_newer_steps_and_records_each(store: Store) -> None:
     migrate(store, store.database, None)
-    note = Migration(2, "add a note to runs", lambda db, _days, _cluster: [f"ALTER TABLE {db}.runs ADD COLUMN IF NOT EXISTS note String"])
-    assert migrate(store, store.database, None, steps=(*MIGRATIONS, note)) == 2
-    assert migrate(store, store.database, None, steps=(*MIGRATIONS, note)) == 2
-    assert versions(store) == [1, 2]
+    later = SCHEMA_VERSION + 1
+    note = Migration(later, "add a note to runs", lambda db, _days, _cluster: [f"ALTER TABLE {db}.runs ADD COLUMN IF NOT EXISTS note String"])
+    assert migrate(store, store.database, None, steps=(*MIGRATIONS, note)) == later
+    assert migrate(store, store.database, None, steps=(*MIGRATIONS, note)) == later
+    assert versions(store) == [*range(1, later + 1)]
     columns = store.query_arrow(f"DESCRIBE TABLE {store.database}.runs")["name"].to_pylist()
     assert columns[-1] == "note"
-    # This rankscope (which knows only version 1) now refuses the store.
-    with pytest.raises(StoreVersionError, match="was written by schema version 2; this rankscope knows up to 1: upgrade rankscope"):
+    # This rankscope (which knows only up to SCHEMA_VERSION) now refuses the store.
+    with pytest.raises(StoreVersionError, match=f"was written by schema version {later}; this rankscope knows up to {SCHEMA_VERSION}: upgrade"):
         migrate(store, store.database, None)
 
 
 def test_a_store_written_by_a_newer_rankscope_is_refused_untouched(store: Store) -> None:
     migrate(store, store.database, None)
-    newer = sample_rows("schema_version", 1).set_column(0, "version", pa.array([3], pa.uint32()))
+    newer = sample_rows("schema_version", 1).set_column(0, "version", pa.array([SCHEMA_VERSION + 2], pa.uint32()))
     store.insert_arrow("schema_version", newer)
     with pytest.raises(StoreVersionError) as refused:
         migrate(store, store.database, 5)
     assert str(refused.value) == (
-        f"store at {store.describe()} was written by schema version 3; this rankscope knows up to 1: upgrade rankscope"
+        f"store at {store.describe()} was written by schema version {SCHEMA_VERSION + 2}; "
+        f"this rankscope knows up to {SCHEMA_VERSION}: upgrade rankscope"
     )
     assert retention(store, store.database)["spans"] == 0  # nothing changed
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rankscope.trainer import faults
+from rankscope.trainer.checkpoint import SavedLayout
 from rankscope.trainer.config import LAUNCHER_ONLY, ConfigError, TrainConfig, build_parser, flag, parse_args, rank_argv
-from rankscope.trainer.launch import torchrun_command
+from rankscope.trainer.launch import planned, torchrun_command
 from rankscope.trainer.data import MicroBatches, TokenSource
 from rankscope.trainer.flops import flops_per_token, mfu, peak_flops
 from rankscope.trainer.layers import TPContext, vocab_parallel_cross_entropy
@@ -60,6 +62,80 @@ def test_default_config_is_the_8_rank_job() -> None:
     cfg = TrainConfig().validate()
     assert (cfg.tp, cfg.pp, cfg.dp, cfg.world_size) == (2, 2, 2, 8)
     assert cfg.num_microbatches * cfg.micro_batch * cfg.dp == cfg.global_batch
+
+
+def test_dp_0_takes_dp_from_the_world_size() -> None:
+    cfg = TrainConfig(tp=1, pp=2, dp=0, micro_batch=2, global_batch=12, inject="hang:rank=1,step=2").validate()
+    assert cfg.resolved(6).dp == 3 and cfg.resolved(2).dp == 1
+    assert parse_args(rank_argv(cfg)) == cfg  # the ranks get --dp=0 and resolve it themselves
+    assert TrainConfig().resolved(8) == TrainConfig()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        ({"dp": 0}, 6, "the job's 6 ranks are not a multiple of tp*pp = 2*2 = 4, so --dp 0 cannot choose"),
+        ({"dp": 0}, 12, "ranks give dp 3: --global-batch 32 is not divisible by --micro-batch 4 x --dp 3 = 12"),
+        ({"dp": 0, "inject": "crash:rank=5,step=2"}, 4, "rank=5 is not a rank of this 4-rank job"),
+        ({"dp": 0, "nproc": 8}, 4, "--nproc 8 does not equal tp*pp*dp = 2*2*1 = 4"),
+        ({}, 4, "tp*pp*dp = 2*2*2 = 8 ranks are needed but the job has 4; launch 8 or use --dp 0"),
+    ],
+)
+def test_resolved_refuses_a_world_that_does_not_fit(overrides: dict, world: int, message: str) -> None:
+    cfg = TrainConfig(**overrides).validate()  # what does not depend on dp was fine
+    with pytest.raises(ConfigError, match=re.escape(message)) as exc:
+        cfg.resolved(world)
+    assert "\n" not in str(exc.value)
+
+
+def test_dp_0_still_validates_what_does_not_depend_on_dp() -> None:
+    with pytest.raises(ConfigError, match="--heads 6 is not divisible by --tp 4"):
+        TrainConfig(dp=0, heads=6, tp=4).validate()
+    with pytest.raises(ConfigError, match=r"--dp must be 0 \(auto"):
+        TrainConfig(dp=-1).validate()
+    with pytest.raises(ConfigError, match="hang: missing step"):
+        TrainConfig(dp=0, inject="hang:rank=1").validate()
+
+
+def test_rankscope_train_with_dp_0_needs_nproc() -> None:
+    with pytest.raises(ConfigError, match=re.escape("--dp 0 (auto) needs --nproc")):
+        planned(TrainConfig(dp=0))
+    with pytest.raises(ConfigError, match="the job's 6 ranks are not a multiple of tp\\*pp"):
+        planned(TrainConfig(dp=0, nproc=6))
+    assert planned(TrainConfig(dp=0, nproc=4)).world_size == 4
+
+
+def test_check_elastic_names_the_dp_values_that_cannot_run() -> None:
+    cfg = TrainConfig(dp=0, micro_batch=2, global_batch=12).validate()
+    assert cfg.check_elastic(1, 3) is cfg and cfg.check_elastic(6, 6) is cfg
+    with pytest.raises(ConfigError, match=r"--global-batch 12 does not split into micro-batches of 2 at dp 4, 5$"):
+        cfg.check_elastic(1, 6)
+    with pytest.raises(ConfigError, match=r"--distributed-optimizer cannot run at dp 1\.\.2: .* cannot be re-sharded"):
+        dataclasses.replace(cfg, distributed_optimizer=True).check_elastic(1, 2)
+    assert dataclasses.replace(cfg, distributed_optimizer=True).check_elastic(2, 2)
+    with pytest.raises(ConfigError, match=r"--dp 2 is fixed but the job may run at dp 1\.\.2; use --dp 0"):
+        TrainConfig().check_elastic(1, 2)
+    with pytest.raises(ConfigError, match="must be non-empty"):
+        cfg.check_elastic(3, 2)
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "message"),
+    [
+        (SavedLayout(1, 2, 2, False), SavedLayout(1, 2, 1, False), None),  # plain AdamW state loads at any dp
+        (SavedLayout(1, 2, 2, True), SavedLayout(1, 2, 2, True), None),
+        (SavedLayout(1, 2, 3, True), SavedLayout(1, 2, 2, True),
+         "step-00000006 was saved with --distributed-optimizer at dp 3: its optimizer shards are keyed by dp rank"),
+        (SavedLayout(1, 2, 2, False), SavedLayout(1, 2, 2, True), "was saved without --distributed-optimizer; resume without it"),
+        (SavedLayout(2, 2, 1, False), SavedLayout(1, 2, 2, False), "saved at tp 2 x pp 2, not tp 1 x pp 2; only dp may change"),
+    ],
+)  # fmt: skip
+def test_a_checkpoint_loads_at_another_dp_only_without_zero1_shards(saved: SavedLayout, now: SavedLayout, message: str | None) -> None:
+    if message is None:
+        saved.check_loadable_at(now, "step-00000006")
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        saved.check_loadable_at(now, "step-00000006")
 
 
 def test_parse_args_maps_every_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,10 +34,10 @@ def _opt(default: object, help: str, *, launcher_only: bool = False, **extra: ob
 class TrainConfig:
     """Everything one training run needs. Defaults give an 8-rank TP2xPP2xDP2 CPU job."""
 
-    nproc: int | None = _opt(None, "processes to launch on this machine (default: tp*pp*dp); launcher only", launcher_only=True)
+    nproc: int | None = _opt(None, "processes to launch on this machine (default: tp*pp*dp; needed with --dp 0); launcher only", launcher_only=True)
     tp: int = _opt(2, "tensor-parallel size: attention heads, MLP and vocabulary split across this many ranks")
     pp: int = _opt(2, "pipeline-parallel size: layers split into this many stages, run with the 1F1B schedule")
-    dp: int = _opt(2, "data-parallel size: replicas whose gradients are averaged")
+    dp: int = _opt(2, "data-parallel size: replicas whose gradients are averaged (0: WORLD_SIZE // (tp*pp), for elastic jobs)")
     layers: int = _opt(4, "transformer blocks (divisible by --pp)")
     hidden: int = _opt(256, "model width (divisible by --heads)")
     heads: int = _opt(8, "attention heads (divisible by --tp)")
@@ -82,14 +82,20 @@ class TrainConfig:
         return self.global_batch * self.seq
 
     def validate(self) -> TrainConfig:
-        """Refuse sizes that do not divide and options that contradict each other; returns self."""
+        """Refuse sizes that do not divide and options that contradict each other; returns self.
+
+        With ``--dp 0`` the checks that need dp (batch split, ranks named by faults, --nproc) wait
+        for ``resolved``: an elastic job learns its size only when torchrun starts the ranks.
+        """
         problems: list[str] = []
-        for name in ("tp", "pp", "dp", "layers", "hidden", "heads", "seq", "vocab", "micro_batch", "global_batch", "steps"):
+        if self.dp < 0:
+            problems.append(f"--dp must be 0 (auto: WORLD_SIZE // (tp*pp)) or more (got {self.dp})")
+        for name in ("tp", "pp", "layers", "hidden", "heads", "seq", "vocab", "micro_batch", "global_batch", "steps"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         if problems:
             raise ConfigError("; ".join(problems))
-        if self.nproc is not None and self.nproc != self.world_size:
+        if self.dp and self.nproc is not None and self.nproc != self.world_size:
             problems.append(f"--nproc {self.nproc} does not equal tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size}")
         if self.heads % self.tp:
             problems.append(f"--heads {self.heads} is not divisible by --tp {self.tp}")
@@ -101,7 +107,7 @@ class TrainConfig:
             problems.append(f"--vocab {self.vocab} is not divisible by --tp {self.tp}")
         if self.ffn_hidden % self.tp:
             problems.append(f"--ffn {self.ffn_hidden} is not divisible by --tp {self.tp}")
-        if self.global_batch % (self.micro_batch * self.dp):
+        if self.dp and self.global_batch % (self.micro_batch * self.dp):
             problems.append(
                 f"--global-batch {self.global_batch} is not divisible by --micro-batch {self.micro_batch} "
                 f"x --dp {self.dp} = {self.micro_batch * self.dp}"
@@ -124,11 +130,59 @@ class TrainConfig:
             problems.append(f"--data {self.data}: no such file")
         try:
             for fault in faults.parse(self.inject):
-                fault.check_ranks(self.world_size, self.steps)
+                if self.dp:
+                    fault.check_ranks(self.world_size, self.steps)
         except faults.FaultSpecError as exc:
             problems.append(str(exc))
         if problems:
             raise ConfigError("; ".join(problems))
+        return self
+
+    def resolved(self, world_size: int) -> TrainConfig:
+        """This configuration for a job of ``world_size`` ranks, validated, with ``--dp 0`` replaced by the dp they give.
+
+        Each rank calls it with torchrun's WORLD_SIZE, so a job that torchrun's elastic agent
+        restarts on fewer hosts re-plans its data parallelism while tp x pp stays.
+        """
+        model = self.tp * self.pp
+        if self.dp:
+            if world_size != self.world_size:
+                raise ConfigError(
+                    f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} ranks are needed but the job has "
+                    f"{world_size}; launch {self.world_size} or use --dp 0"
+                )
+            return self.validate()
+        if world_size < 1 or world_size % model:
+            raise ConfigError(
+                f"the job's {world_size} ranks are not a multiple of tp*pp = {self.tp}*{self.pp} = {model}, "
+                "so --dp 0 cannot choose a data-parallel size"
+            )
+        dp = world_size // model
+        try:
+            return dataclasses.replace(self, dp=dp).validate()
+        except ConfigError as exc:
+            raise ConfigError(f"with --dp 0 the job's {world_size} ranks give dp {dp}: {exc}") from None
+
+    def check_elastic(self, min_dp: int, max_dp: int) -> TrainConfig:
+        """Refuse, before launching, a job that could not run or resume at some dp in ``min_dp..max_dp``; returns self.
+
+        For a launcher whose job may lose or gain hosts: finding out at a restart is too late.
+        """
+        if not 1 <= min_dp <= max_dp:
+            raise ConfigError(f"the dp range {min_dp}..{max_dp} must be non-empty and start at 1 or more")
+        if self.dp and not min_dp == max_dp == self.dp:
+            raise ConfigError(f"--dp {self.dp} is fixed but the job may run at dp {min_dp}..{max_dp}; use --dp 0")
+        if self.distributed_optimizer and min_dp != max_dp:
+            raise ConfigError(
+                f"--distributed-optimizer cannot run at dp {min_dp}..{max_dp}: its optimizer shards are keyed by dp rank "
+                "and a checkpoint cannot be re-sharded to another dp"
+            )
+        bad = [dp for dp in range(min_dp, max_dp + 1) if self.global_batch % (self.micro_batch * dp)]
+        if bad:
+            raise ConfigError(
+                f"--global-batch {self.global_batch} does not split into micro-batches of {self.micro_batch} "
+                f"at dp {', '.join(map(str, bad))}"
+            )
         return self
 
 

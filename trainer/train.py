@@ -20,7 +20,7 @@ import torch.distributed as dist
 from rankscope import agent
 from rankscope.trainer import comm, faults, flops, parallel_state
 from rankscope.trainer.checkpoint import Checkpointer
-from rankscope.trainer.config import TrainConfig, parse_args
+from rankscope.trainer.config import ConfigError, TrainConfig, parse_args
 from rankscope.trainer.data import MicroBatches, TokenSource
 from rankscope.trainer.data_parallel import GradSync
 from rankscope.trainer.layers import TPContext
@@ -131,10 +131,11 @@ def _train(cfg: TrainConfig, device: torch.device) -> None:
     resumed_at = 0
     if checkpointer is not None and cfg.resume:
         resumed_at = checkpointer.latest_step() or 0
+        where = "scratch (no complete checkpoint found)"
         if resumed_at:
-            checkpointer.load(resumed_at, model, optimizer)
+            saved_dp = checkpointer.load(resumed_at, model, optimizer).dp
+            where = f"step {resumed_at} at dp {cfg.dp}" + (f" (was dp {saved_dp})" if saved_dp != cfg.dp else "")
         if ps.rank == 0:
-            where = f"step {resumed_at}" if resumed_at else "scratch (no complete checkpoint found)"
             print(f"[rankscope] resuming from {where} in {cfg.ckpt_dir}", flush=True)
 
     data = MicroBatches(TokenSource(cfg.vocab, cfg.seq, cfg.seed, cfg.data), cfg.global_batch, cfg.micro_batch, ps.coords.dp, cfg.dp)
@@ -200,13 +201,12 @@ def _step(
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m rankscope.trainer`` (one process per rank)."""
     cfg = parse_args(sys.argv[1:] if argv is None else argv, prog="python -m rankscope.trainer")
-    world = int(os.environ.get("WORLD_SIZE", "0"))
-    if world != cfg.world_size:
-        print(
-            f"rankscope trainer: needs {cfg.world_size} ranks (tp*pp*dp) launched by torchrun, "
-            f"but WORLD_SIZE is {world or 'unset'}; use `rankscope train` or torchrun --nproc-per-node {cfg.world_size}",
-            file=sys.stderr,
-        )
+    try:
+        if "WORLD_SIZE" not in os.environ:
+            raise ConfigError("WORLD_SIZE is unset: start the ranks with torchrun or `rankscope train`")
+        run(cfg.resolved(int(os.environ["WORLD_SIZE"])))
+    except ConfigError as exc:  # the same on every rank (a checkpoint this layout cannot load, too): say it once
+        if os.environ.get("RANK", "0") == "0":
+            print(f"rankscope trainer: error: {exc}", file=sys.stderr)
         return 2
-    run(cfg)
     return 0

@@ -15,7 +15,7 @@ Query = Callable[[str, Mapping[str, object]], pa.Table]
 
 
 STEP_TIME_SQL = (
-    "SELECT median(value) AS step_s FROM step_metrics WHERE run_id = {run:String} AND name = 'step_time_s' "
+    "SELECT median(value) AS step_s FROM step_metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND name = 'step_time_s' "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
 )
 
@@ -52,13 +52,23 @@ class Settings:
     loss_spike_ratio: float = 2.0
 
 
+ATTEMPT_SQL = "SELECT max(attempt) AS attempt FROM ranks WHERE run_id = {run:String}"
+
+
 @dataclass
 class RunContext:
-    """One run's topology plus the query function; detectors read everything else through SQL."""
+    """One run's topology plus the query function; detectors read everything else through SQL.
+
+    A restarted run (torchrun's elastic agent, ``rankscope launch``) keeps its id, and the same rank
+    may then be another process on another host, with steps run again from a checkpoint: detectors
+    look at the run's latest attempt only (``attempt``, bound to ``{attempt:UInt16}`` in every query
+    made through ``query``). What earlier attempts showed stays in their incidents.
+    """
 
     run_id: str
     query: Query
     settings: Settings
+    attempt: int = 0
     host: dict[int, str] = field(default_factory=dict)
     stage: dict[int, int] = field(default_factory=dict)  # rank -> pp_rank (0 when unknown)
     ranks_of_host: dict[str, list[int]] = field(default_factory=dict)  # host -> its ranks, sorted
@@ -66,10 +76,11 @@ class RunContext:
 
     @classmethod
     def load(cls, run_id: str, query: Query, settings: Settings) -> RunContext:
-        ctx = cls(run_id, query, settings)
-        for r in query(
+        attempt = int(query(ATTEMPT_SQL, {"run": run_id}).to_pylist()[0]["attempt"] or 0)
+        ctx = cls(run_id, lambda sql, params: query(sql, {"attempt": attempt, **params}), settings, attempt)
+        for r in ctx.query(
             "SELECT rank, argMax(host, registered) AS host, argMax(pp_rank, registered) AS pp "
-            "FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank",
+            "FROM ranks WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank ORDER BY rank",
             {"run": run_id},
         ).to_pylist():
             ctx.host[r["rank"]] = r["host"]
@@ -99,7 +110,7 @@ class RunContext:
 
     def literal_sql(self, sql: str, **params: Any) -> str:
         """A copyable statement: ``{name:Type}`` placeholders written out as literals (for people; never run here)."""
-        values = {"run": self.run_id, **params}
+        values = {"run": self.run_id, "attempt": self.attempt, **params}
         return _PLACEHOLDER.sub(lambda m: format_bind_value(values[m.group(1)], top_level=False), sql)
 
 

@@ -21,16 +21,16 @@ from rankscope.collector.diagnosis.incidents import Finding
 EXITS_SQL = (
     "SELECT rank, argMin(reason, time) AS reason, argMin(exit_code, time) AS exit_code, argMin(signal, time) AS signal, "
     "argMin(message, time) AS message, toUnixTimestamp64Nano(min(time)) AS time_ns "
-    "FROM exits WHERE run_id = {run:String} GROUP BY rank"
+    "FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 )
 HEARTBEATS_SQL = (
-    "SELECT rank, toUnixTimestamp64Nano(max(time)) AS last_ns FROM heartbeats WHERE run_id = {run:String} GROUP BY rank"
+    "SELECT rank, toUnixTimestamp64Nano(max(time)) AS last_ns FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 )
 EXITS_EVIDENCE_SQL = (
-    "SELECT rank, host, time, reason, exit_code, signal, message FROM exits WHERE run_id = {run:String} ORDER BY time"
+    "SELECT rank, host, time, reason, exit_code, signal, message FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16} ORDER BY time"
 )
 SILENCE_EVIDENCE_SQL = (
-    "SELECT rank, any(host) AS host, max(time) AS last_heartbeat FROM heartbeats WHERE run_id = {run:String} "
+    "SELECT rank, any(host) AS host, max(time) AS last_heartbeat FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
     "GROUP BY rank ORDER BY last_heartbeat"
 )
 

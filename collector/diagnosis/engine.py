@@ -28,11 +28,11 @@ DIAGNOSE_EVERY_S = 5.0
 CONCLUDE_AFTER_S = 10.0
 
 LAST_DATA_SQL = (
-    "SELECT greatest((SELECT toUnixTimestamp64Nano(max(time)) FROM heartbeats WHERE run_id = {run:String}), "
-    "(SELECT toUnixTimestamp64Nano(max(time)) FROM exits WHERE run_id = {run:String})) AS ns"
+    "SELECT greatest((SELECT toUnixTimestamp64Nano(max(time)) FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16}), "
+    "(SELECT toUnixTimestamp64Nano(max(time)) FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16})) AS ns"
 )
 STACK_SQL = (
-    "SELECT rank, text, method, toUnixTimestamp64Nano(time) AS time_ns FROM stacks WHERE run_id = {run:String} "
+    "SELECT rank, text, method, toUnixTimestamp64Nano(time) AS time_ns FROM stacks WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
     "AND rank IN {ranks:Array(UInt32)} AND time >= fromUnixTimestamp64Nano({since:Int64}) ORDER BY time DESC LIMIT 1 BY rank"
 )
 ACTIVE_RUNS_SQL = (
@@ -49,7 +49,7 @@ def diagnose(
     ``ctx`` to the run's topology read now."""
     ctx = ctx or RunContext.load(run_id, query, settings)
     if now_ns is None:
-        now_ns = int(query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
+        now_ns = int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
     hangs = _with_stacks(ctx, hang.detect(ctx))
     findings = list(hangs)
     findings += crash.detect(ctx, now_ns=now_ns, hang=hangs[0] if hangs else None)

@@ -17,11 +17,11 @@ SIGNALS_SQL = (
     "SELECT rank, any(host) AS host, any(device) AS device, name, "
     "countIf(value > 0) AS samples_on, max(value) - min(value) AS increase, max(value) AS peak, "
     "toUnixTimestamp64Nano(minIf(time, value > 0)) AS first_ns, toUnixTimestamp64Nano(max(time)) AS last_ns "
-    "FROM metrics WHERE run_id = {run:String} AND (name IN {throttle:Array(String)} "
+    "FROM metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND (name IN {throttle:Array(String)} "
     "OR name = 'hw.errors.ecc_uncorrected' OR startsWith(name, 'hw.gpu.xid.')) GROUP BY rank, name"
 )
 EVIDENCE_SQL = (
-    "SELECT time, rank, host, device, name, value FROM metrics WHERE run_id = {run:String} AND rank = {rank:Int32} "
+    "SELECT time, rank, host, device, name, value FROM metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND rank = {rank:Int32} "
     "AND (startsWith(name, 'hw.gpu.') OR startsWith(name, 'hw.errors') OR name IN ('hw.temperature', 'hw.power')) "
     "ORDER BY time DESC LIMIT 200"
 )

@@ -17,30 +17,30 @@ from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.incidents import Finding
 
 PROGRESS_SQL = (
-    "SELECT max(step) AS step, toUnixTimestamp64Nano(max(time)) AS last_heartbeat_ns FROM heartbeats WHERE run_id = {run:String}"
+    "SELECT max(step) AS step, toUnixTimestamp64Nano(max(time)) AS last_heartbeat_ns FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
 )
 ADVANCED_SQL = (
-    "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM heartbeats WHERE run_id = {run:String} AND step = {step:UInt32}"
+    "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step = {step:UInt32}"
 )
 STATE_SQL = (
     "SELECT rank, toUnixTimestamp64Nano(max(time)) AS time_ns, toUnixTimestamp64Nano(argMax(last_progress, time)) AS progress_ns, "
     "argMax(step, time) AS step, argMax(phase, time) AS phase, "
     "argMax(inflight_group, time) AS groups, argMax(inflight_seq, time) AS seqs, argMax(inflight_op, time) AS ops, "
     "argMax(inflight_peer, time) AS peers, argMax(inflight_waiting, time) AS waiting "
-    "FROM heartbeats WHERE run_id = {run:String} GROUP BY rank"
+    "FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 )
 # Only the groups somebody waits in (all others are never looked at), and the direction of a
 # point-to-point operation worked out by the store (``_direction``'s rule): a run's collectives
 # are millions of rows at scale.
 ENTERED_SQL = (
     "SELECT rank, group_name, peer, position(splitByChar(':', op)[-1], 'send') > 0 AS sends, max(seq) AS seq "
-    "FROM collectives WHERE run_id = {run:String} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
+    "FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
 )
-EXITS_SQL = "SELECT rank, toUnixTimestamp64Nano(min(time)) AS time_ns FROM exits WHERE run_id = {run:String} GROUP BY rank"
+EXITS_SQL = "SELECT rank, toUnixTimestamp64Nano(min(time)) AS time_ns FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 EVIDENCE_SQL = (
     "SELECT rank, max(time) AS last_heartbeat, argMax(step, time) AS step, argMax(phase, time) AS phase, "
     "argMax(arrayZip(inflight_group, inflight_seq, inflight_op, inflight_peer, inflight_waiting), time) AS in_flight "
-    "FROM heartbeats WHERE run_id = {run:String} GROUP BY rank ORDER BY rank"
+    "FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank ORDER BY rank"
 )
 
 #: roots named one by one in a summary; the evidence lists all of them

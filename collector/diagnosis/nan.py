@@ -17,16 +17,16 @@ from rankscope.collector.diagnosis.incidents import Finding
 
 FIRST_SQL = (
     "SELECT step, rank, name, value, toUnixTimestamp64Nano(time) AS time_ns FROM step_metrics "
-    "WHERE run_id = {run:String} AND ((name = 'loss' AND NOT isFinite(value)) OR (name = 'nonfinite_outputs' AND value > 0)) "
-    "AND step = (SELECT min(step) FROM step_metrics WHERE run_id = {run:String} AND "
+    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND ((name = 'loss' AND NOT isFinite(value)) OR (name = 'nonfinite_outputs' AND value > 0)) "
+    "AND step = (SELECT min(step) FROM step_metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND "
     "((name = 'loss' AND NOT isFinite(value)) OR (name = 'nonfinite_outputs' AND value > 0))) ORDER BY rank"
 )
 LOSS_SQL = (
     "SELECT step, median(value) AS loss, groupArray(rank) AS ranks, toUnixTimestamp64Nano(min(time)) AS time_ns "
-    "FROM step_metrics WHERE run_id = {run:String} AND name = 'loss' GROUP BY step ORDER BY step"
+    "FROM step_metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND name = 'loss' GROUP BY step ORDER BY step"
 )
 EVIDENCE_SQL = (
-    "SELECT step, rank, name, value FROM step_metrics WHERE run_id = {run:String} "
+    "SELECT step, rank, name, value FROM step_metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
     "AND name IN ('loss', 'nonfinite_outputs', 'grad_norm') AND step BETWEEN {from:UInt32} AND {to:UInt32} ORDER BY step, rank, name"
 )
 

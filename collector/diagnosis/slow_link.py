@@ -24,7 +24,7 @@ TRANSFERS_SQL = """
 WITH p2p AS (
     SELECT rank, group_name, seq, op, peer, nbytes, step, issue_time, end_time
     FROM collectives
-    WHERE run_id = {run:String} AND peer >= 0 AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}
+    WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0 AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}
       AND end_time > toDateTime64(0, 9)
 ),
 arrived AS (
@@ -34,7 +34,7 @@ arrived AS (
     FROM p2p AS c
     ASOF LEFT JOIN (
         SELECT rank, start_time, end_time FROM spans
-        WHERE run_id = {run:String} AND kind = 'comm' AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}
+        WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND kind = 'comm' AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}
     ) AS s ON c.rank = s.rank AND c.issue_time >= s.start_time
 )
 SELECT snd.rank AS src, rcv.rank AS dst, snd.nbytes AS nbytes, snd.step AS step,
@@ -58,14 +58,14 @@ MIN_STEPS = 3
 EVIDENCE_SQL = (
     "SELECT rank, peer, op, group_name, seq, step, issue_time, end_time, "
     "toUnixTimestamp64Nano(end_time) - toUnixTimestamp64Nano(issue_time) AS ns FROM collectives "
-    "WHERE run_id = {run:String} AND peer >= 0 AND ((rank = {src:UInt32} AND peer = {dst:UInt32}) OR "
+    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0 AND ((rank = {src:UInt32} AND peer = {dst:UInt32}) OR "
     "(rank = {dst:UInt32} AND peer = {src:UInt32})) ORDER BY issue_time DESC LIMIT 50"
 )
 
 
 def detect(ctx: RunContext) -> list[Finding]:
     s = ctx.settings
-    last = ctx.query("SELECT max(step) AS step FROM collectives WHERE run_id = {run:String} AND peer >= 0", {"run": ctx.run_id})
+    last = ctx.query("SELECT max(step) AS step FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0", {"run": ctx.run_id})
     last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
     if last_step == 0:
         return []

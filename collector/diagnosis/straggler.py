@@ -29,7 +29,7 @@ from rankscope.collector.diagnosis.incidents import Finding
 SEGMENTS_SQL = (
     "SELECT name, step, rank, sum(total_ns) AS wall, sum(total_cpu_ns) AS cpu, sum(pieces) = sum(cpu_pieces) AS has_cpu, "
     "toUnixTimestamp64Nano(min(first_start)) AS started "
-    "FROM step_segments WHERE run_id = {run:String} AND kind IN ('compute', 'data', 'optimizer') "
+    "FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND kind IN ('compute', 'data', 'optimizer') "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} GROUP BY name, step, rank"
 )
 
@@ -84,7 +84,7 @@ SELECT name, step, rank, ns, median, ratio, started, wall_only, threshold FROM (
                        if(wall_only, wall, cpu) AS ns
                 FROM ({SEGMENTS_SQL})
               ) AS s
-              LEFT JOIN (SELECT rank, argMax(pp_rank, registered) AS pp FROM ranks WHERE run_id = {{run:String}} GROUP BY rank) AS r
+              LEFT JOIN (SELECT rank, argMax(pp_rank, registered) AS pp FROM ranks WHERE run_id = {{run:String}} AND attempt = {{attempt:UInt16}} GROUP BY rank) AS r
               USING (rank)
             )
             WINDOW cell AS (PARTITION BY name, step, stage)
@@ -103,12 +103,12 @@ WHERE slow_steps >= {{min_steps:UInt32}}
 """
 
 CPU_MEASURED_SQL = (
-    "SELECT countIf(cpu_pieces > 0) > 0 AS cpu FROM step_segments WHERE run_id = {run:String} "
+    "SELECT countIf(cpu_pieces > 0) > 0 AS cpu FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
 )
 EVIDENCE_SQL = (
     "SELECT step, rank, round(sum(total_ns) / 1e6, 2) AS wall_ms, round(sum(total_cpu_ns) / 1e6, 2) AS cpu_ms FROM step_segments "
-    "WHERE run_id = {run:String} AND name = {segment:String} AND rank IN {ranks:Array(UInt32)} "
+    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND name = {segment:String} AND rank IN {ranks:Array(UInt32)} "
     "GROUP BY step, rank ORDER BY step, rank"
 )
 
@@ -117,8 +117,8 @@ ARRIVALS_SQL = (
     "SELECT rank, count() AS collectives, countIf(is_last) AS last FROM ("
     "  SELECT rank, issue_time = max(issue_time) OVER (PARTITION BY group_name, seq) AS is_last,"
     "         count() OVER (PARTITION BY group_name, seq) AS members"
-    "  FROM collectives WHERE run_id = {run:String} AND peer = -1 AND step >= {first_step:UInt32}"
-    "  AND group_name IN (SELECT DISTINCT group_name FROM collectives WHERE run_id = {run:String} AND peer = -1"
+    "  FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1 AND step >= {first_step:UInt32}"
+    "  AND group_name IN (SELECT DISTINCT group_name FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1"
     "                     AND step >= {first_step:UInt32} AND rank IN {ranks:Array(UInt32)})"
     ") WHERE members > 1 AND rank IN {ranks:Array(UInt32)} GROUP BY rank"
 )
@@ -127,7 +127,7 @@ ARRIVALS_SQL = (
 def detect(ctx: RunContext) -> list[Finding]:
     """Stragglers over the last steps of the run (``straggler_window`` of them and a margin)."""
     s = ctx.settings
-    last = ctx.query("SELECT max(step) AS step FROM step_segments WHERE run_id = {run:String}", {"run": ctx.run_id})
+    last = ctx.query("SELECT max(step) AS step FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16}", {"run": ctx.run_id})
     last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
     if last_step == 0:
         return []

@@ -9,17 +9,21 @@ per-rank scans local to a shard.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .schema import BY_NAME, TABLES, Column, Table
 
 #: where each replicated table keeps its state in ClickHouse Keeper (macros filled in per node)
 REPLICA_PATH = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"
 
 
-def create_statements(database: str = "rankscope", *, retention_days: int | None = None, cluster: str | None = None) -> list[str]:
-    """CREATE DATABASE and every CREATE TABLE, all IF NOT EXISTS (safe to run again)."""
+def create_statements(
+    database: str = "rankscope", *, retention_days: int | None = None, cluster: str | None = None, tables: Sequence[Table] = TABLES
+) -> list[str]:
+    """CREATE DATABASE and the CREATE TABLE of each of ``tables`` (default: all), all IF NOT EXISTS (safe to run again)."""
     on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
     statements = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
-    for table in TABLES:
+    for table in tables:
         if cluster:
             statements += [
                 _create_table(table, database, retention_days, cluster),
@@ -81,6 +85,28 @@ def _create_table(table: Table, database: str, retention_days: int | None, clust
         lines.append("SETTINGS ttl_only_drop_parts = 1")
     lines.append(f"COMMENT {_quote(table.doc)}")
     return "\n".join(lines)
+
+
+def add_column_statements(table: Table, column: Column, database: str, cluster: str | None) -> list[str]:
+    """ALTER TABLE ... ADD COLUMN IF NOT EXISTS for ``column`` of ``table`` (on a cluster: the local
+    table on every node, then the Distributed table over them)."""
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    names = [storage_table(table, cluster), table.name] if cluster else [table.name]
+    return [f"ALTER TABLE {database}.{name}{on_cluster} ADD COLUMN IF NOT EXISTS {_column(column)}" for name in names]
+
+
+def drop_rollup_statements(table: Table, database: str, cluster: str | None) -> list[str]:
+    """DROP the rollup ``table`` and the view that fills it (to create it again with a new shape)."""
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    names = [f"{table.name}_mv", storage_table(table, cluster), *([table.name] if cluster else [])]
+    return [f"DROP TABLE IF EXISTS {database}.{name}{on_cluster}" for name in names]
+
+
+def backfill_rollup_statement(table: Table, database: str) -> str:
+    """Fill the rollup ``table`` from every row its source holds now (through the Distributed tables
+    on a cluster, which shard the rollup's rows as the view would)."""
+    columns = ", ".join(c.name for c in table.columns)
+    return f"INSERT INTO {database}.{table.name} ({columns}) {table.view.format(source=f'{database}.{table.source}')}"
 
 
 def _create_view(table: Table, database: str, cluster: str | None) -> str:

@@ -22,8 +22,8 @@ import pyarrow as pa
 from rankscope import __version__
 
 from .base import Store, StoreVersionError, arrow_schema
-from .ddl import create_statements, storage_table, ttl_clause
-from .schema import BY_NAME, TABLES
+from .ddl import add_column_statements, backfill_rollup_statement, create_statements, drop_rollup_statements, storage_table, ttl_clause
+from .schema import ATTEMPT, BY_NAME, TABLES
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,26 @@ class Migration:
     statements: Callable[[str, int | None, str | None], list[str]]
 
 
+def _attempts(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
+    """Version 2: restarts of a run are attempts of it. Every per-rank table gets ``attempt`` (0 for
+    the rows already there); ``step_segments`` is keyed by it, so its rollup is made again and refilled
+    from ``spans``; the self-healing tables ``actions`` and ``selfchecks`` are new."""
+    statements = [
+        sql
+        for table in TABLES
+        if not table.source and ATTEMPT in table.columns and table.name != "actions"
+        for sql in add_column_statements(table, ATTEMPT, database, cluster)
+    ]
+    rollup = BY_NAME["step_segments"]
+    statements += drop_rollup_statements(rollup, database, cluster)
+    new = [rollup, BY_NAME["actions"], BY_NAME["selfchecks"]]
+    statements += create_statements(database, retention_days=retention_days, cluster=cluster, tables=new)[1:]
+    return [*statements, backfill_rollup_statement(rollup, database)]
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create the tables", lambda db, days, cluster: create_statements(db, retention_days=days, cluster=cluster)),
+    Migration(2, "attempts of a run, self-healing actions and self-checks", _attempts),
 )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 TIME = "DateTime64(9)"
 TIME_CODEC = "CODEC(Delta, ZSTD(1))"
@@ -67,6 +67,11 @@ def _run_rank() -> tuple[Column, Column]:
     return Column("run_id", NAME), Column("rank", "UInt32")
 
 
+#: which attempt (restart) of the run a rank's row comes from: the same rank number may be another
+#: process on another host after a restart, and a step after the last checkpoint is run again
+ATTEMPT = Column("attempt", "UInt16", comment="restart of the run that wrote the row; 0 for the first")
+
+
 TABLES: tuple[Table, ...] = (
     Table(
         "schema_version",
@@ -108,6 +113,7 @@ TABLES: tuple[Table, ...] = (
             Column("clock_offset_ns", "Int64"),
             Column("agent_version", NAME),
             Column("registered", TIME),
+            ATTEMPT,
         ),
         order_by=("run_id", "rank"),
         version_column="registered",
@@ -139,6 +145,7 @@ TABLES: tuple[Table, ...] = (
             Column("attributes", "String", "CODEC(ZSTD(1))", comment="JSON object, '' when none"),
             Column("cpu_ns", "Int64", comment="CPU time of the thread in the span (host-only runs); -1 when not measured"),
             Column("duration_ns", "Int64", materialized="toUnixTimestamp64Nano(end_time) - toUnixTimestamp64Nano(start_time)"),
+            ATTEMPT,
         ),
         order_by=("run_id", "rank", "start_time"),
         time_column="start_time",
@@ -147,9 +154,11 @@ TABLES: tuple[Table, ...] = (
         "step_segments",
         "Each rank's total time per named segment and step (the split pieces of a span summed), "
         "kept up to date by ClickHouse as spans arrive: what heat maps and the straggler detector read. "
-        "Rows of one key may not be merged yet: read with sum/min/max ... GROUP BY.",
+        "Rows of one key may not be merged yet: read with sum/min/max ... GROUP BY. A step run again after a "
+        "restart has a row per attempt.",
         (
             Column("run_id", NAME),
+            Column("attempt", "UInt16"),
             Column("step", "UInt32"),
             Column("name", NAME),
             Column("kind", NAME),
@@ -161,13 +170,13 @@ TABLES: tuple[Table, ...] = (
             Column("first_start", f"SimpleAggregateFunction(min, {TIME})"),
             Column("last_end", f"SimpleAggregateFunction(max, {TIME})"),
         ),
-        order_by=("run_id", "name", "step", "rank", "kind"),
+        order_by=("run_id", "attempt", "name", "step", "rank", "kind"),
         source="spans",
         view=(
-            "SELECT run_id, step, name, kind, rank, sum(duration_ns) AS total_ns, count() AS pieces, "
+            "SELECT run_id, attempt, step, name, kind, rank, sum(duration_ns) AS total_ns, count() AS pieces, "
             "sumIf(cpu_ns, cpu_ns >= 0) AS total_cpu_ns, countIf(cpu_ns >= 0) AS cpu_pieces, "
             "min(start_time) AS first_start, max(end_time) AS last_end FROM {source} WHERE step > 0 "
-            "GROUP BY run_id, step, name, kind, rank"
+            "GROUP BY run_id, attempt, step, name, kind, rank"
         ),
     ),
     Table(
@@ -186,6 +195,7 @@ TABLES: tuple[Table, ...] = (
             Column("end_time", TIME, TIME_CODEC, comment="1970-01-01 when it never completed"),
             Column("state", NAME),
             Column("step", "UInt32"),
+            ATTEMPT,
         ),
         order_by=("run_id", "rank", "issue_time"),
         time_column="issue_time",
@@ -210,6 +220,7 @@ TABLES: tuple[Table, ...] = (
             Column("inflight_issue", f"Array({TIME})"),
             Column("inflight_waiting", "Array(UInt8)"),
             Column("events_dropped", "UInt64"),
+            ATTEMPT,
         ),
         order_by=("run_id", "rank", "time"),
         time_column="time",
@@ -225,6 +236,7 @@ TABLES: tuple[Table, ...] = (
             Column("time", TIME, TIME_CODEC),
             Column("name", NAME),
             Column("value", "Float64", "CODEC(Gorilla, ZSTD(1))"),
+            ATTEMPT,
         ),
         order_by=("run_id", "host", "name", "device", "time"),
         time_column="time",
@@ -238,6 +250,7 @@ TABLES: tuple[Table, ...] = (
             Column("name", NAME),
             Column("value", "Float64"),
             Column("time", TIME, TIME_CODEC),
+            ATTEMPT,
         ),
         order_by=("run_id", "rank", "step", "name"),
         time_column="time",
@@ -252,6 +265,7 @@ TABLES: tuple[Table, ...] = (
             Column("reason", NAME),
             Column("method", NAME),
             Column("text", "String", "CODEC(ZSTD(3))"),
+            ATTEMPT,
         ),
         order_by=("run_id", "rank", "time"),
         time_column="time",
@@ -267,6 +281,7 @@ TABLES: tuple[Table, ...] = (
             Column("exit_code", "Int32"),
             Column("signal", "Int32"),
             Column("message", "String"),
+            ATTEMPT,
         ),
         order_by=("run_id", "rank", "time"),
         time_column="time",
@@ -292,6 +307,42 @@ TABLES: tuple[Table, ...] = (
         order_by=("run_id", "incident_id"),
         time_column="first_seen",
         version_column="version",
+    ),
+    Table(
+        "actions",
+        "What a self-healing driver (rankscope launch) decided and did: the incident it acted on, self-checks, "
+        "evictions, restarts, the first step after a restart, the job's end; with why and the evidence.",
+        (
+            Column("run_id", NAME),
+            Column("time", TIME),
+            ATTEMPT,
+            Column("action", NAME),
+            Column("hosts", f"Array({NAME})"),
+            Column("incident_id", "String"),
+            Column("reason", "String"),
+            Column("evidence", "String", comment="JSON"),
+        ),
+        order_by=("run_id", "time"),
+        time_column="time",
+    ),
+    Table(
+        "selfchecks",
+        "Host self-checks (rankscope selfcheck): each figure beside its peers' median, and whether it passed.",
+        (
+            Column("run_id", NAME, comment="'' for a self-check outside any run"),
+            Column("host", NAME),
+            Column("time", TIME),
+            Column("check", NAME),
+            Column("value", "Float64"),
+            Column("unit", NAME),
+            Column("reference", "Float64", comment="the peers' median of the same figure; nan when none"),
+            Column("passed", "UInt8"),
+            Column("host_passed", "UInt8", comment="the host's verdict over all its figures"),
+            Column("summary", "String"),
+            Column("detail", "String"),
+        ),
+        order_by=("run_id", "host", "time"),
+        time_column="time",
     ),
     Table(
         "batches",

@@ -8,13 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Batch(_message.Message):
-    __slots__ = ("schema_version", "run_id", "rank", "batch_id", "clock_offset_ns", "sent_ns", "register", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stack", "end")
+    __slots__ = ("schema_version", "run_id", "rank", "batch_id", "clock_offset_ns", "sent_ns", "attempt", "register", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stack", "end", "action", "selfcheck")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_OFFSET_NS_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
@@ -23,12 +24,15 @@ class Batch(_message.Message):
     STEP_METRICS_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    SELFCHECK_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     rank: int
     batch_id: bytes
     clock_offset_ns: int
     sent_ns: int
+    attempt: int
     register: _telemetry_pb2.Register
     spans: _telemetry_pb2.SpanBatch
     collectives: _telemetry_pb2.CollectiveBatch
@@ -37,7 +41,9 @@ class Batch(_message.Message):
     step_metrics: _telemetry_pb2.StepMetricBatch
     stack: _telemetry_pb2.StackDump
     end: _telemetry_pb2.EndOfRank
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., clock_offset_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., register: _Optional[_Union[_telemetry_pb2.Register, _Mapping]] = ..., spans: _Optional[_Union[_telemetry_pb2.SpanBatch, _Mapping]] = ..., collectives: _Optional[_Union[_telemetry_pb2.CollectiveBatch, _Mapping]] = ..., heartbeats: _Optional[_Union[_telemetry_pb2.HeartbeatBatch, _Mapping]] = ..., metrics: _Optional[_Union[_telemetry_pb2.MetricBatch, _Mapping]] = ..., step_metrics: _Optional[_Union[_telemetry_pb2.StepMetricBatch, _Mapping]] = ..., stack: _Optional[_Union[_telemetry_pb2.StackDump, _Mapping]] = ..., end: _Optional[_Union[_telemetry_pb2.EndOfRank, _Mapping]] = ...) -> None: ...
+    action: _telemetry_pb2.Action
+    selfcheck: _telemetry_pb2.SelfCheck
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., clock_offset_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., register: _Optional[_Union[_telemetry_pb2.Register, _Mapping]] = ..., spans: _Optional[_Union[_telemetry_pb2.SpanBatch, _Mapping]] = ..., collectives: _Optional[_Union[_telemetry_pb2.CollectiveBatch, _Mapping]] = ..., heartbeats: _Optional[_Union[_telemetry_pb2.HeartbeatBatch, _Mapping]] = ..., metrics: _Optional[_Union[_telemetry_pb2.MetricBatch, _Mapping]] = ..., step_metrics: _Optional[_Union[_telemetry_pb2.StepMetricBatch, _Mapping]] = ..., stack: _Optional[_Union[_telemetry_pb2.StackDump, _Mapping]] = ..., end: _Optional[_Union[_telemetry_pb2.EndOfRank, _Mapping]] = ..., action: _Optional[_Union[_telemetry_pb2.Action, _Mapping]] = ..., selfcheck: _Optional[_Union[_telemetry_pb2.SelfCheck, _Mapping]] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("stack_dump",)

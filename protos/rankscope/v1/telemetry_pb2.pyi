@@ -238,3 +238,49 @@ class EndOfRank(_message.Message):
     signal: int
     message: str
     def __init__(self, time_ns: _Optional[int] = ..., reason: _Optional[_Union[EndOfRank.Reason, str]] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Action(_message.Message):
+    __slots__ = ("time_ns", "action", "hosts", "incident_id", "reason", "evidence_json")
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_JSON_FIELD_NUMBER: _ClassVar[int]
+    time_ns: int
+    action: str
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    incident_id: str
+    reason: str
+    evidence_json: str
+    def __init__(self, time_ns: _Optional[int] = ..., action: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., evidence_json: _Optional[str] = ...) -> None: ...
+
+class SelfCheck(_message.Message):
+    __slots__ = ("time_ns", "host", "passed", "summary", "figures")
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    time_ns: int
+    host: str
+    passed: bool
+    summary: str
+    figures: _containers.RepeatedCompositeFieldContainer[SelfCheckFigure]
+    def __init__(self, time_ns: _Optional[int] = ..., host: _Optional[str] = ..., passed: _Optional[bool] = ..., summary: _Optional[str] = ..., figures: _Optional[_Iterable[_Union[SelfCheckFigure, _Mapping]]] = ...) -> None: ...
+
+class SelfCheckFigure(_message.Message):
+    __slots__ = ("check", "value", "unit", "reference", "passed", "detail")
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    check: str
+    value: float
+    unit: str
+    reference: float
+    passed: bool
+    detail: str
+    def __init__(self, check: _Optional[str] = ..., value: _Optional[float] = ..., unit: _Optional[str] = ..., reference: _Optional[float] = ..., passed: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,6 @@
+"""Self-healing runs: from an incident to a restarted job without the faulty host.
+
+``selfcheck`` tests a host against its peers; ``record`` stores what was checked, decided and
+done; ``policy`` says which incidents evict a host; ``driver`` watches a running job's incidents
+and acts (``rankscope launch``).
+"""
