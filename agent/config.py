@@ -12,9 +12,6 @@ RANKSCOPE_COLLECTOR        the collector, ``host:port``, ``[v6 address]:port`` o
                            ``unix:/path/of/its.sock`` (127.0.0.1:7777)
 RANKSCOPE_RUN_ID           the run's id (torchrun's TORCHELASTIC_RUN_ID, else SLURM_JOB_ID,
                            else agreed between the ranks at start-up)
-RANKSCOPE_ATTEMPT          which attempt of the run this process belongs to (torchrun's
-                           TORCHELASTIC_RESTART_COUNT, else 0): a restarted job keeps its run
-                           id and its rows are told apart by attempt
 RANKSCOPE_HOST             the host name to report, a template over ``{rank}``,
                            ``{local_rank}`` and ``{node_rank}`` with integer arithmetic, e.g.
                            ``node-{rank//8}`` (the machine's host name)
@@ -64,7 +61,6 @@ AGENT_VARIABLES = (
     "RANKSCOPE_ENABLE",
     "RANKSCOPE_COLLECTOR",
     "RANKSCOPE_RUN_ID",
-    "RANKSCOPE_ATTEMPT",
     "RANKSCOPE_HOST",
     "RANKSCOPE_TOKEN",
     "RANKSCOPE_TLS_CA",
@@ -112,8 +108,6 @@ class AgentConfig:
     collector: str
     #: None when nothing names the run: the ranks then agree one at start-up
     run_id: str | None
-    #: which attempt of the run (restart) this process belongs to; 0 for the first
-    attempt: int
     #: RANKSCOPE_HOST, validated; "" reports the machine's host name
     host_template: str
     token: str | None
@@ -162,9 +156,6 @@ def load_config(environ: Mapping[str, str]) -> AgentConfig | None:
     config = AgentConfig(
         collector=read.value("RANKSCOPE_COLLECTOR", _address, DEFAULT_COLLECTOR, "host:port, [v6 address]:port or unix:/absolute/path"),
         run_id=_run_id(environ),
-        attempt=read.value("RANKSCOPE_ATTEMPT", _non_negative_int, None, "a whole number >= 0")
-        if "RANKSCOPE_ATTEMPT" in environ
-        else read.value("TORCHELASTIC_RESTART_COUNT", _non_negative_int, 0, "a whole number >= 0"),
         host_template=read.value("RANKSCOPE_HOST", _template, "", _TEMPLATE_FORM),
         token=read.value("RANKSCOPE_TOKEN", _token, None, "printable ASCII without spaces"),
         tls_ca=read.value("RANKSCOPE_TLS_CA", _readable_file, None, "the path of a readable CA bundle (PEM)"),

@@ -216,6 +216,7 @@ class Agent:
                 local_rank=local_rank, device=device, tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank,
                 dp_rank=dp_rank, groups=self.groups.protos(), config_json=json.dumps({"argv": sys.argv}),
                 start_time_ns=self.start_ns, agent_version=rankscope.__version__, time_ns=time.time_ns(),
+                world=_world(world_size),
             )
         )  # fmt: skip
 
@@ -422,3 +423,12 @@ def _die_of_sigterm() -> None:
         time.sleep(5.0)  # the signal ends the process long before this
     finally:
         os._exit(128 + int(signal.SIGTERM))
+
+
+def _world(world_size: int) -> str:
+    """What every rank of one torchrun round shares and the next round does not: its store's address
+    (a fresh port each round where torchrun does not share its rendezvous store) and its size.
+    torchrun's restart count is no such thing: each host's agent counts only the restarts its own
+    workers' failures caused."""
+    master = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return f"{master}/{world_size}" if master != ":" else ""

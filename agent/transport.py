@@ -326,7 +326,6 @@ class Transport:
             schema_version=SCHEMA_VERSION,
             run_id=self.run_id,
             rank=rank,
-            attempt=self.config.attempt,
             batch_id=self._instance + self._seq.to_bytes(8, "big"),
             **{kind: payload},
         )

@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "spool": "rankscope.cli.spool",
     "simulate": "rankscope.cli.simulate",
     "testbed": "rankscope.cli.testbed",
+    "selfcheck": "rankscope.cli.selfcheck",
     "dashboard": "rankscope.cli.dashboard",
     "demo": "rankscope.cli.demo",
 }

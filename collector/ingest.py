@@ -146,6 +146,10 @@ class RunInfo:
     registered: dict[int, Registration] = field(default_factory=dict)
     #: rank -> (exit reason, exit time ns)
     exits: dict[int, tuple[str, int]] = field(default_factory=dict)
+    #: world (torchrun round, ``Register.world``) -> its attempt, numbered in the order worlds registered
+    worlds: dict[str, int] = field(default_factory=dict)
+    #: (rank, agent instance) -> the attempt of the world that process registered in
+    processes: dict[tuple[int, bytes], int] = field(default_factory=dict)
 
     def merge(self, other: RunInfo) -> None:
         """Fill what this record lacks from ``other`` (an older record read back from the store)."""
@@ -156,6 +160,7 @@ class RunInfo:
         if other.start_ns and (not self.start_ns or other.start_ns < self.start_ns):
             self.start_ns = other.start_ns
         self.hosts = {**other.hosts, **self.hosts}
+        self.worlds = {**other.worlds, **self.worlds}
         self.registered = {**other.registered, **self.registered}
         self.exits = {**other.exits, **self.exits}
 
@@ -168,6 +173,20 @@ class RunInfo:
         """The attempt of ``rank``'s newest registration (0 before any)."""
         held = self.registered.get(rank)
         return held.attempt if held is not None else 0
+
+    def attempt_of(self, batch: ingest_pb2.Batch) -> int:
+        """The attempt of the process that sent ``batch``: the number of the world it registered in
+        (a new world gets the next number), else its rank's newest registration's (a collector that
+        restarted since), else what the envelope says (an agent that sends no world)."""
+        process = (batch.rank, bytes(batch.batch_id[:8]))
+        world = batch.register.world if batch.WhichOneof("payload") == "register" else ""
+        if world:
+            if world not in self.worlds:
+                self.worlds[world] = max(self.worlds.values(), default=-1) + 1
+            self.processes[process] = self.worlds[world]
+        if process in self.processes:
+            return self.processes[process]
+        return self.attempt(batch.rank) if batch.rank in self.registered else batch.attempt
 
     def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> int | None:
         """Note a registration of ``rank`` (its process's start and its time on the rank's clock,
@@ -257,6 +276,8 @@ def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str
     info.registered = {r["rank"]: Registration(0, 0, r["newest"], r["attempt"]) for r in ranks}
     info.placed = any(r["placed"] for r in ranks)
     info.exits = {r["rank"]: (r["reason"], r["t"]) for r in query(exits_q, params).to_pylist()}
+    worlds_q = "SELECT world, min(attempt) AS attempt FROM ranks WHERE run_id = {run_id:String} AND world != '' GROUP BY world"
+    info.worlds = {r["world"]: r["attempt"] for r in query(worlds_q, params).to_pylist()}
     return info
 
 
@@ -408,7 +429,7 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
                 "run_id": [ctx.run_id], "rank": [ctx.rank], "host": [reg.host], "pid": [max(reg.pid, 0)],
                 "local_rank": [reg.local_rank], "device": [reg.device], "tp_rank": [reg.tp_rank],
                 "pp_rank": [reg.pp_rank], "dp_rank": [reg.dp_rank], "clock_offset_ns": [ctx.offset],
-                "agent_version": [reg.agent_version], "registered": pa.array([at]),
+                "agent_version": [reg.agent_version], "registered": pa.array([at]), "world": [reg.world],
             },
             ctx.attempt,
         ),
@@ -577,8 +598,10 @@ def _end(ctx: _Context, msg: telemetry_pb2.EndOfRank, registry: RunRegistry) -> 
     }
     # Re-emitted when a retried last exit is decoded again: runs is a ReplacingMergeTree.
     if current and run.world_size and all(r in run.exits for r in range(run.world_size)):
-        failed = any(why != EXIT_REASONS[0] for why, _ in run.exits.values())
-        end_ns = max(t for _, t in run.exits.values())
+        # Ranks past the world's end ran in an earlier, larger attempt: how they ended is history.
+        ends = [run.exits[r] for r in range(run.world_size)]
+        failed = any(why != EXIT_REASONS[0] for why, _ in ends)
+        end_ns = max(t for _, t in ends)
         parts["runs"] = _runs_row(ctx, run, "failed" if failed else "finished", end_ns)
     return parts
 
@@ -662,4 +685,6 @@ def decode(batch: ingest_pb2.Batch, registry: RunRegistry, now_ns: int, window: 
     """
     kind = check_envelope(batch)
     ctx = _Context(batch, now_ns, window, kind)
+    if kind not in RUN_LEVEL:
+        ctx.attempt = registry.run(batch.run_id).attempt_of(batch)
     return Decoded(kind, _PAYLOADS[kind](ctx, getattr(batch, kind), registry))

@@ -33,14 +33,19 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Host", "Testbed", "TestbedError", "create", "destroy", "leftovers", "load", "pin_rank", "running", "set_cpu_quota"]
+__all__ = [
+    "Host", "Testbed", "TestbedError", "command_on", "create", "destroy", "leftovers", "load", "pin_rank", "running", "set_cpu_quota",
+]  # fmt: skip
 
 PREFIX = "rs"
 SUBNET = "10.200.0"
+#: the switch's own address: a control host outside every training host (a job's rendezvous store
+#: lives here, so that no training host's fault takes the rendezvous down with it)
+CONTROL_ADDRESS = f"{SUBNET}.254"
 HOST_IF = "eth0"
 BRIDGE = "br0"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -52,6 +57,9 @@ STATE_DIR = Path("/run/rankscope-testbed")
 CFS_PERIOD_US = 10_000
 #: the share of the machine's cores the hosts get between them by default (the rest: collector, tests)
 MACHINE_SHARE = 0.7
+#: enter the host's cgroups (before ``ip netns exec`` remounts /sys), its namespace, then its host name
+_ENTER = 'for g in "$1" "$2"; do echo $$ > "$g/cgroup.procs" || exit 97; done; shift 2; exec "$@"'
+_NAME = 'hostname "$1" || exit 98; shift; exec "$@"'
 
 
 class TestbedError(RuntimeError):
@@ -108,6 +116,17 @@ class Testbed:
         return path
 
 
+def command_on(host: Host, argv: Sequence[str]) -> list[str]:
+    """The command line that runs ``argv`` inside ``host``, as its own processes run: in its cgroups
+    (so its CPU quota and freezer apply), on its CPUs, in its namespace, under its host name (a UTS
+    namespace of its own). Each step execs the next: the process started is the one that runs ``argv``.
+    """
+    return [
+        "sh", "-c", _ENTER, "enter", str(host.cgroup("cpu")), str(host.cgroup("freezer")),
+        "taskset", "-c", ",".join(map(str, host.cpus)), "ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", _NAME, "name", host.name, *argv,
+    ]  # fmt: skip
+
+
 def create(hosts: int, *, ranks_per_host: int = 1, cores: float | None = None, name: str | None = None) -> Testbed:
     """Make a test bed of ``hosts`` hosts (``node0``, ``node1``, ...) with ``cores`` CPUs each; removes
     what it made if a step fails."""
@@ -126,7 +145,9 @@ def create(hosts: int, *, ranks_per_host: int = 1, cores: float | None = None, n
         _ip("netns", "add", bed.switch)
         _ip("-n", bed.switch, "link", "add", BRIDGE, "type", "bridge")
         _ip("-n", bed.switch, "link", "set", BRIDGE, "up")
-        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in bed.hosts)
+        _ip("-n", bed.switch, "addr", "add", f"{CONTROL_ADDRESS}/24", "dev", BRIDGE)
+        _ip("-n", bed.switch, "link", "set", "lo", "up")  # the control host reaches its own address
+        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in bed.hosts) + f"{CONTROL_ADDRESS} control\n"
         for h in bed.hosts:
             _ip("netns", "add", h.namespace)
             _ip("-n", h.namespace, "link", "add", HOST_IF, "type", "veth", "peer", "name", f"h{h.index}", "netns", bed.switch)

@@ -19,14 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.processes import terminate_tree
-from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, pin_rank
+from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, command_on, pin_rank
 
 __all__ = ["Job", "Rank", "find_ranks", "launch", "trainer"]
 
 RDZV_PORT = 29400
-#: enter the host's cgroups (before ``ip netns exec`` remounts /sys), its namespace, then its host name
-_ENTER = 'for g in "$1" "$2"; do echo $$ > "$g/cgroup.procs" || exit 97; done; shift 2; exec "$@"'
-_NAME = 'hostname "$1" || exit 98; shift; exec "$@"'
 
 
 def trainer(*flags: str) -> list[str]:
@@ -104,29 +101,33 @@ class Job:
 
 def launch(
     bed: Testbed, program: Sequence[str], *, run_id: str, workdir: Path, ranks_per_host: int | None = None,
-    env: Mapping[str, str] | None = None, max_restarts: int = 0,
+    env: Mapping[str, str] | None = None, max_restarts: int = 0, min_hosts: int | None = None,
+    rendezvous: str | None = None, rdzv_conf: Mapping[str, object] | None = None,
 ) -> Job:  # fmt: skip
     """Start ``program`` (a script and its arguments, or ``-m module ...``) on every host of ``bed``.
 
     ``env`` is added to this process's environment (the agent's variables, say). The rendezvous id
     is ``run_id``, which the agent also takes as the run's id. ``ranks_per_host`` defaults to the test bed's.
+    An elastic job (``min_hosts`` below the number of hosts) goes on with that many hosts after
+    torchrun's agents restart it (``max_restarts``). ``rendezvous``: a c10d store already served at
+    that ``address:port`` (``rankscope.healing.rendezvous``); by default host 0's agent serves it,
+    and the job dies with host 0. ``rdzv_conf``: more of torchrun's ``--rdzv-conf`` keys.
     """
     ranks_per_host = ranks_per_host or bed.ranks_per_host
     workdir.mkdir(parents=True, exist_ok=True)
     head = bed.hosts[0]
     base = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": HOST_IF, "PYTHONUNBUFFERED": "1", **(env or {})}
     launchers, logs = {}, {}
+    nnodes = f"{min_hosts}:{len(bed.hosts)}" if min_hosts is not None else str(len(bed.hosts))
     for host in bed.hosts:
+        conf = {"is_host": str(rendezvous is None and host is head).lower(), **(rdzv_conf or {})}
         torchrun = [
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(bed.hosts)}", f"--nproc-per-node={ranks_per_host}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={head.address}:{RDZV_PORT}", f"--rdzv-id={run_id}",
-            f"--rdzv-conf=is_host={str(host is head).lower()}", f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
-            *program,
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={ranks_per_host}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous or f'{head.address}:{RDZV_PORT}'}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5", *program,
         ]  # fmt: skip
-        command = [
-            "sh", "-c", _ENTER, "enter", str(host.cgroup("cpu")), str(host.cgroup("freezer")),
-            "taskset", "-c", ",".join(map(str, host.cpus)), "ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", _NAME, "name", host.name, *torchrun,
-        ]  # fmt: skip
+        command = command_on(host, torchrun)
         logs[host.name] = workdir / f"{host.name}.log"
         with open(logs[host.name], "wb") as out:
             launchers[host.name] = subprocess.Popen(

@@ -26,7 +26,7 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_defaults(caplog: pytest.LogCaptureFixture) -> None:
     config = load_config(ON)
     assert config == AgentConfig(
-        collector="127.0.0.1:7777", run_id=None, attempt=0, host_template="", token=None, tls_ca=None,
+        collector="127.0.0.1:7777", run_id=None, host_template="", token=None, tls_ca=None,
         spool_dir=Path(tempfile.gettempdir()) / f"rankscope-spool-{os.getuid()}",
         spool_max_bytes=256 << 20, heartbeat_s=2.0, flush_s=2.0, stall_s=20.0, debug=False,
         rank=None, world_size=None, local_rank=None, node_rank=None,
@@ -56,7 +56,7 @@ def test_every_variable(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
         "RANKSCOPE_INJECT": "straggler:rank=1,factor=2,from_step=3",  # the trainer's: no warning
     })  # fmt: skip
     assert config == AgentConfig(
-        collector="collector.example:9000", run_id="run-42", attempt=0, host_template="node-{node_rank}-gpu{local_rank}",
+        collector="collector.example:9000", run_id="run-42", host_template="node-{node_rank}-gpu{local_rank}",
         token="t0k3n", tls_ca=ca, spool_dir=tmp_path / "spool", spool_max_bytes=8 << 20, heartbeat_s=0.5,
         flush_s=0.25, stall_s=7.5, debug=True, rank=13, world_size=16, local_rank=5, node_rank=1,
     )  # fmt: skip

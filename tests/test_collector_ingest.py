@@ -35,7 +35,8 @@ def envelope(run_id: str, rank: int, *, offset_ns: int = 0, **payload: object) -
 
 
 def register(
-    run_id: str, rank: int, world_size: int, *, host: str = "node-0", start_ns: int | None = None, time_ns: int = 0, placed: bool = True
+    run_id: str, rank: int, world_size: int, *, host: str = "node-0", start_ns: int | None = None, time_ns: int = 0, placed: bool = True,
+    world: str = "",
 ) -> ingest_pb2.Batch:
     """A data-parallel rank's registration; ``placed=False``: one sent before the script set the
     topology (sizes 1, coordinates -1)."""
@@ -45,6 +46,7 @@ def register(
         world_size=world_size, host=host, pid=1000 + rank, local_rank=rank, device="cpu", tp=1, pp=1, dp=dp,
         tp_rank=coords[0], pp_rank=coords[1], dp_rank=coords[2], groups=groups, run_name=f"job {run_id}",
         config_json='{"lr": 0.1}', start_time_ns=start_ns or time.time_ns(), agent_version="test", time_ns=time_ns,
+        world=world,
     )
     return envelope(run_id, rank, register=reg)
 
@@ -194,28 +196,34 @@ def test_the_last_rank_to_end_closes_the_run() -> None:
 
 
 def test_a_restarted_job_is_one_run_whose_rows_carry_their_attempt() -> None:
-    """torchrun restarts every worker with fewer hosts: the same run id, a smaller world, the same
-    ranks on other hosts (whose clocks may be behind), and the old processes' ends arriving late."""
+    """torchrun restarts every worker with fewer hosts: the same run id, a new world (store address
+    and size) numbered by the collector, the same ranks on other hosts (whose clocks may be behind),
+    and the old processes' rows and ends arriving late."""
     registry = RunRegistry()
-    for rank in range(3):
-        _decode(register("r", rank, 3, host=f"node-{rank}"), registry)
+    first = [register("r", rank, 3, host=f"node-{rank}", world="10.0.0.1:5000/3") for rank in range(3)]
+    for batch in first:
+        _decode(batch, registry)
     again = []
-    for rank in range(2):  # attempt 1 on two hosts, registered with a clock a minute behind
-        batch = register("r", rank, 2, host=f"node-{rank + 1}", start_ns=time.time_ns() - 60 * 10**9)
-        batch.attempt = 1
-        again.append(_decode(batch, registry).parts)
-    assert [p["ranks"].to_pylist()[0]["attempt"] for p in again] == [1, 1]
-    assert again[1]["runs"].to_pylist()[0]["world_size"] == 2 and registry.host("r", 1) == "node-2"
-    late = _decode(end("r", 0, reason=3), registry).parts  # attempt 0's rank 0, stopped by torchrun
-    assert late["exits"].to_pylist()[0]["attempt"] == 0 and "runs" not in late and not registry.has_ended("r", 0)
+    for rank in range(2):  # the next round on two hosts, registered with a clock a minute behind
+        batch = register("r", rank, 2, host=f"node-{rank + 1}", start_ns=time.time_ns() - 60 * 10**9, world="10.0.0.2:6000/2")
+        again.append((batch, _decode(batch, registry).parts))
+    assert [p["ranks"].to_pylist()[0]["attempt"] for _, p in again] == [1, 1]
+    assert again[1][1]["runs"].to_pylist()[0]["world_size"] == 2 and registry.host("r", 1) == "node-2"
+    late = end("r", 0, reason=3)  # the first round's rank 0, stopped by torchrun, from its own process
+    late.batch_id = first[0].batch_id[:8] + bytes(8)
+    parts = _decode(late, registry).parts
+    assert parts["exits"].to_pylist()[0]["attempt"] == 0 and "runs" not in parts and not registry.has_ended("r", 0)
     beat = heartbeats("r", 1)
-    beat.attempt = 1
+    beat.batch_id = again[1][0].batch_id[:8] + bytes(8)
     assert _decode(beat, registry).parts["heartbeats"].to_pylist()[0]["attempt"] == 1
-    for rank in range(2):
-        done = end("r", rank)
-        done.attempt = 1
+    for batch, _ in again:
+        done = end("r", batch.rank)
+        done.batch_id = batch.batch_id[:8] + bytes(8)
         parts = _decode(done, registry).parts
     assert parts["runs"].to_pylist()[0]["status"] == "finished"
+    restarted = RunRegistry()  # a collector that restarted knows the worlds from the store
+    restarted.merge_loaded("r", registry.run("r"), 0.0)
+    assert _decode(register("r", 0, 2, world="10.0.0.3:7000/2"), restarted).parts["ranks"].to_pylist()[0]["attempt"] == 2
 
 
 def test_run_level_records_store_a_drivers_actions_and_a_hosts_self_check() -> None:

@@ -23,7 +23,7 @@ from rankscope import __version__
 
 from .base import Store, StoreVersionError, arrow_schema
 from .ddl import add_column_statements, backfill_rollup_statement, create_statements, drop_rollup_statements, storage_table, ttl_clause
-from .schema import ATTEMPT, BY_NAME, TABLES
+from .schema import ATTEMPT, BY_NAME, TABLES, WORLD
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ def _attempts(database: str, retention_days: int | None, cluster: str | None) ->
         if not table.source and ATTEMPT in table.columns and table.name != "actions"
         for sql in add_column_statements(table, ATTEMPT, database, cluster)
     ]
+    statements += add_column_statements(BY_NAME["ranks"], WORLD, database, cluster)
     rollup = BY_NAME["step_segments"]
     statements += drop_rollup_statements(rollup, database, cluster)
     new = [rollup, BY_NAME["actions"], BY_NAME["selfchecks"]]

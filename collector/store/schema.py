@@ -70,6 +70,9 @@ def _run_rank() -> tuple[Column, Column]:
 #: which attempt (restart) of the run a rank's row comes from: the same rank number may be another
 #: process on another host after a restart, and a step after the last checkpoint is run again
 ATTEMPT = Column("attempt", "UInt16", comment="restart of the run that wrote the row; 0 for the first")
+#: the torchrun round a rank's process belongs to, as its agent reported it; the collector numbers a
+#: run's worlds in the order they first registered: that number is the attempt
+WORLD = Column("world", "String", comment="the round's store address and size, '' when unknown")
 
 
 TABLES: tuple[Table, ...] = (
@@ -114,6 +117,7 @@ TABLES: tuple[Table, ...] = (
             Column("agent_version", NAME),
             Column("registered", TIME),
             ATTEMPT,
+            WORLD,
         ),
         order_by=("run_id", "rank"),
         version_column="registered",

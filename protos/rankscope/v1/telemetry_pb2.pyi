@@ -40,7 +40,7 @@ class Group(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("world_size", "host", "pid", "local_rank", "device", "tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank", "groups", "run_name", "config_json", "start_time_ns", "agent_version", "time_ns")
+    __slots__ = ("world_size", "host", "pid", "local_rank", "device", "tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank", "groups", "run_name", "config_json", "start_time_ns", "agent_version", "time_ns", "world")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class Register(_message.Message):
     START_TIME_NS_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     host: str
     pid: int
@@ -75,7 +76,8 @@ class Register(_message.Message):
     start_time_ns: int
     agent_version: str
     time_ns: int
-    def __init__(self, world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., run_name: _Optional[str] = ..., config_json: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., agent_version: _Optional[str] = ..., time_ns: _Optional[int] = ...) -> None: ...
+    world: str
+    def __init__(self, world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., run_name: _Optional[str] = ..., config_json: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., agent_version: _Optional[str] = ..., time_ns: _Optional[int] = ..., world: _Optional[str] = ...) -> None: ...
 
 class SpanBatch(_message.Message):
     __slots__ = ("count", "strings", "name", "kind", "step", "microbatch", "start_ns", "end_ns", "attributes", "cpu_ns")

@@ -1,0 +1,236 @@
+"""The self-healing loop: watch a running job's incidents and act on them, with no person involved.
+
+Every poll the driver reads the run's incidents through the collector and asks the policy about
+each new one: evict its hosts at once (a lost host), self-check them against the other hosts
+first (crash, hang root, straggler; the workers are paused while a straggler's hosts are
+measured, so that training does not share the CPU with the check), or leave it. A host that fails
+is fenced (``Fleet.fence``); the survivors' connections to it break, their workers fail, and
+torchrun's elastic agents restart them without it, from the last complete checkpoint (the
+trainer re-plans its data-parallel size). The driver then watches the run's attempts: a new
+attempt is a restart, its first step is the resumption, and the steps the previous attempt ran
+past its checkpoint are lost work. Everything decided and done is a row of ``actions``, with the
+self-check figures in ``selfchecks``: the run's history stays one run, its restarts attempts of it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rankscope.collector.client import Client, QueryFailed
+from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
+from rankscope.healing import record
+from rankscope.healing.fleet import Fleet
+from rankscope.healing.policy import Policy, Verdict
+from rankscope.healing.selfcheck import check_hosts
+
+CURRENT_STEP_SQL = (
+    "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String} "
+    "AND attempt = (SELECT max(attempt) FROM ranks WHERE run_id = {run:String})"
+)
+ATTEMPTS_SQL = (
+    "SELECT attempt, groupUniqArray(host) AS hosts, count() AS ranks, toUnixTimestamp64Nano(min(newest)) AS registered_ns "
+    "FROM (SELECT rank, attempt, argMax(host, registered) AS host, max(registered) AS newest FROM ranks "
+    "WHERE run_id = {run:String} GROUP BY rank, attempt) GROUP BY attempt ORDER BY attempt"
+)
+#: each attempt's completed steps (step_time_s is reported when a step ends)
+STEPS_SQL = (
+    "SELECT attempt, min(step) AS first_step, max(step) AS last_step, toUnixTimestamp64Nano(argMin(time, step)) AS first_step_ns "
+    "FROM (SELECT attempt, step, min(time) AS time FROM step_metrics WHERE run_id = {run:String} AND name = 'step_time_s' "
+    "GROUP BY attempt, step) GROUP BY attempt ORDER BY attempt"
+)
+#: every step once (the last attempt that completed it), with the median step time of its ranks
+PRODUCTIVE_SQL = (
+    "SELECT count() AS steps, sum(seconds) AS seconds FROM (SELECT step, argMax(seconds, attempt) AS seconds FROM "
+    "(SELECT attempt, step, median(value) AS seconds FROM step_metrics WHERE run_id = {run:String} AND name = 'step_time_s' "
+    "GROUP BY attempt, step) GROUP BY step)"
+)
+
+
+class Job(Protocol):
+    """The running job: whether its launchers have all ended, and how."""
+
+    def finished(self) -> bool: ...
+
+    def wait(self, timeout_s: float) -> dict[str, int]: ...
+
+
+@dataclass
+class Driver:
+    """Acts on the incidents of run ``run_id`` until ``job`` ends; ``run`` returns the hosts' exit codes."""
+
+    run_id: str
+    client: Client
+    fleet: Fleet
+    policy: Policy
+    job: Job
+    ranks_per_host: int = 1
+    poll_s: float = 1.0
+    #: the most a self-check's test may take on one host (a frozen host answers never)
+    check_timeout_s: float = 20.0
+    #: how long the survivors may take to restart by themselves after a fence before their workers are killed
+    restart_grace_s: float = 10.0
+    log: Callable[[str], None] = print
+    evicted: list[str] = field(default_factory=list)
+    _decided: dict[str, Verdict] = field(default_factory=dict)
+    _opened_at_step: dict[str, int] = field(default_factory=dict)
+    _attempts: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _resumed: set[int] = field(default_factory=set)
+    #: when the last fence was, and the survivors' workers then
+    _fenced: tuple[float, set[int]] | None = None
+    _started_ns: int = field(default_factory=time.time_ns)
+    _warned: set[type] = field(default_factory=set)
+
+    def run(self) -> dict[str, int]:
+        self._act("launched", reason=f"{len(self.fleet.hosts())} hosts", evidence={"hosts": self.fleet.hosts(), "policy": vars(self.policy)})
+        while not self.job.finished():
+            self._safely(self.poll)
+            time.sleep(self.poll_s)
+        exits = self.job.wait(0)
+        self._safely(self.poll)
+        self._safely(lambda: self._conclude(exits))
+        return exits
+
+    def _safely(self, work: Callable[[], None]) -> None:
+        """Run one poll; a collector that does not answer for a while stops nothing (said once per kind)."""
+        try:
+            work()
+        except QueryFailed as e:
+            if type(e) not in self._warned:
+                self._warned.add(type(e))
+                self.log(f"[rankscope launch] the collector did not answer ({e}); still watching")
+
+    @property
+    def remaining(self) -> list[str]:
+        return [h for h in self.fleet.hosts() if h not in self.evicted]
+
+    def poll(self) -> None:
+        """One look at the run: its attempts, then every incident not yet decided."""
+        self._watch_attempts()
+        for incident in self._query(INCIDENTS_SQL):
+            if self._decided.get(incident["incident_id"]) in (None, Verdict.WAIT):
+                self._consider(incident)
+        if self._fenced is not None and time.monotonic() - self._fenced[0] > self.restart_grace_s:
+            stale, self._fenced = self._fenced[1] & self.fleet.workers(self.remaining), None
+            if stale:  # the survivors' workers of before the fence have not failed by themselves: make them
+                killed = self.fleet.signal(stale, signal.SIGKILL)
+                self._act("restart", self.remaining, reason=f"{killed} workers of the survivors still ran {self.restart_grace_s:.0f} s "
+                          "after the fence: killed, so that torchrun restarts them")  # fmt: skip
+
+    # --- incidents ---------------------------------------------------------------------------
+
+    def _consider(self, incident: dict[str, Any]) -> None:
+        key = incident["incident_id"]
+        step = self._current_step()
+        opened = self._opened_at_step.setdefault(key, step)
+        verdict, suspects, why = self.policy.verdict(incident["kind"], list(incident["hosts"]), step - opened, self.remaining)
+        first = key not in self._decided
+        self._decided[key] = verdict
+        if verdict is Verdict.WAIT and not first:
+            return
+        self._act("incident", suspects or list(incident["hosts"]), key, f"{verdict.value}: {why}",
+                  {"kind": incident["kind"], "summary": incident["summary"], "verdict": verdict.value})  # fmt: skip
+        self.log(f"[rankscope launch] {incident['kind']}: {incident['summary']} -> {verdict.value} ({why})")
+        if verdict is Verdict.EVICT:
+            self._evict(suspects, key, why)
+        elif verdict is Verdict.CHECK:
+            self._check(incident, suspects)
+
+    def _check(self, incident: dict[str, Any], suspects: list[str]) -> None:
+        """Self-check every remaining host (the suspects judged against the others); evict the suspects that fail."""
+        key = incident["incident_id"]
+        # A straggler's hosts compute slowly: measure them without the job's load.
+        paused = self.fleet.workers(self.remaining) if incident["kind"] == "straggler" else set()
+        self.fleet.signal(paused, signal.SIGSTOP)
+        try:
+            report = check_hosts(self.remaining, self.fleet.runner, ranks=self.ranks_per_host, timeout_s=self.check_timeout_s)
+        except Exception as e:  # a check that cannot run at all decides nothing
+            self._act("selfcheck", suspects, key, f"the self-check could not run: {e}")
+            report = None
+        if report is not None:
+            for result in report.hosts:
+                self.client.send(result.batch(self.run_id))
+            self._act("selfcheck", suspects, key, "; ".join(f"{h.host}: {h.summary}" for h in report.hosts),
+                      {"passed": {h.host: h.passed for h in report.hosts}})  # fmt: skip
+        failed = [h for h in suspects if report is not None and h in report.failed]
+        if failed:
+            self._evict(failed, key, "; ".join(report.host(h).summary for h in failed) if report else "")
+        else:
+            self._act("kept", suspects, key, "the suspects passed their self-check: they stay in the job")
+        self.fleet.signal(paused, signal.SIGCONT)
+
+    def _evict(self, hosts: list[str], incident_id: str, why: str) -> None:
+        for host in hosts:
+            done = self.fleet.fence(host)
+            self.evicted.append(host)
+            self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining})
+            self.log(f"[rankscope launch] evicted {host} ({why}); the job goes on with {', '.join(self.remaining)}")
+        self._fenced = (time.monotonic(), self.fleet.workers(self.remaining))
+
+    # --- attempts ----------------------------------------------------------------------------
+
+    def _watch_attempts(self) -> None:
+        steps = {r["attempt"]: r for r in self._query(STEPS_SQL)}
+        for row in self._query(ATTEMPTS_SQL):
+            attempt = row["attempt"]
+            if attempt not in self._attempts:
+                self._attempts[attempt] = row
+                if attempt > 0:
+                    self._fenced = None
+                    self._act("restart", sorted(row["hosts"]), reason=f"attempt {attempt}: {row['ranks']} ranks on {', '.join(sorted(row['hosts']))}",
+                              evidence={"world_size": row["ranks"]}, attempt=attempt)  # fmt: skip
+            if attempt > 0 and attempt in steps and attempt not in self._resumed:
+                self._resumed.add(attempt)
+                self._resume(attempt, steps)
+
+    def _resume(self, attempt: int, steps: dict[int, dict[str, Any]]) -> None:
+        first = steps[attempt]["first_step"]
+        before = [s["last_step"] for a, s in steps.items() if a < attempt]
+        lost = max(0, max(before, default=0) - (first - 1))
+        at_ns = steps[attempt]["first_step_ns"]
+        evidence = {"resumed_step": first, "checkpoint_step": first - 1, "steps_lost": lost, "seconds_since_launch": (at_ns - self._started_ns) / 1e9}
+        self._act("resumed", sorted(self._attempts[attempt]["hosts"]), reason=f"attempt {attempt} completed step {first}: "
+                  f"resumed from the checkpoint of step {first - 1}, {lost} steps lost", evidence=evidence, attempt=attempt, time_ns=at_ns)  # fmt: skip
+        self.log(f"[rankscope launch] attempt {attempt} resumed at step {first} ({lost} steps lost)")
+
+    def _conclude(self, exits: dict[str, int]) -> None:
+        wall_s = (time.time_ns() - self._started_ns) / 1e9
+        rows = self._query(PRODUCTIVE_SQL)
+        productive_s = float(rows[0]["seconds"] or 0.0) if rows else 0.0
+        steps = self._query(STEPS_SQL)
+        lost = sum(
+            max(0, prev["last_step"] - (nxt["first_step"] - 1)) for prev, nxt in zip(steps, steps[1:])
+        )  # fmt: skip
+        survivors = {h: c for h, c in exits.items() if h not in self.evicted}
+        ok = bool(survivors) and all(c == 0 for c in survivors.values())
+        evidence = {
+            "exits": exits, "evicted": self.evicted, "attempts": len(self._attempts), "steps_lost": lost,
+            "productive_s": round(productive_s, 3), "wall_s": round(wall_s, 3),
+            "effective_ratio": round(productive_s / wall_s, 4) if wall_s > 0 else 0.0,
+        }  # fmt: skip
+        what = "finished" if ok else "gave_up"
+        self._act(what, sorted(survivors), reason=f"{'finished' if ok else 'failed'} on {', '.join(sorted(survivors)) or 'no host'}"
+                  f" after {len(self._attempts)} attempts; evicted: {', '.join(self.evicted) or 'none'}", evidence=evidence)  # fmt: skip
+        self.log(f"[rankscope launch] {what}: {json.dumps(evidence)}")
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _current_step(self) -> int:
+        rows = self._query(CURRENT_STEP_SQL)
+        return int(rows[0]["step"] or 0) if rows else 0
+
+    def _query(self, sql: str) -> list[dict[str, Any]]:
+        return self.client.query(sql, {"run": self.run_id}).to_pylist()
+
+    def _act(
+        self, action: str, hosts: list[str] | None = None, incident_id: str = "", reason: str = "",
+        evidence: dict[str, Any] | None = None, *, attempt: int | None = None, time_ns: int | None = None,
+    ) -> None:  # fmt: skip
+        attempt = max(self._attempts, default=0) if attempt is None else attempt
+        batch = record.action_batch(self.run_id, action, attempt=attempt, hosts=hosts or [], incident_id=incident_id,
+                                    reason=reason, evidence=evidence, time_ns=time_ns)  # fmt: skip
+        self.client.send(batch)

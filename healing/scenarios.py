@@ -1,0 +1,153 @@
+"""Self-healing drills on a test bed: a fault from outside, and the job must finish without the bad host.
+
+Each drill makes 3 namespace hosts of 2 ranks, starts a collector on a Unix socket and runs the
+bundled trainer (TP2 inside each host, data parallel over the hosts, dp re-planned on restart, DCP
+checkpoints every 2 steps) under ``healing.launch.run``. When the job reaches ``fault_step`` the
+fault hits one host from outside; nobody acts but the driver. ``Outcome`` holds what the test and
+the benchmark read back from the store: when the incident, the eviction and the first step after
+the restart came, the steps lost, the run's effective training time ratio, and who finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rankscope.collector.client import Client
+from rankscope.collector.orchestration import CLI, start, stop, wait_for_address
+from rankscope.healing import launch
+from rankscope.healing.policy import Policy
+from rankscope.testbed import faults, hosts
+from rankscope.testbed.job import Job, trainer
+
+HOSTS, RANKS_PER_HOST = 3, 2
+STEPS, CKPT_EVERY = 16, 2
+STEP_SQL = "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String}"
+ACTIONS_SQL = (
+    "SELECT toUnixTimestamp64Nano(time) AS time_ns, attempt, action, hosts, incident_id, reason, evidence "
+    "FROM actions WHERE run_id = {run:String} ORDER BY time"
+)
+FINAL_HOSTS_SQL = (
+    "SELECT groupUniqArray(host) AS hosts FROM ranks WHERE run_id = {run:String} "
+    "AND attempt = (SELECT max(attempt) FROM ranks WHERE run_id = {run:String})"
+)
+STATUS_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {run:String}"
+
+
+@dataclass(frozen=True)
+class Drill:
+    name: str
+    doc: str
+    apply: Callable[[hosts.Testbed, hosts.Host], faults.Applied]
+    fault_step: int = 5
+
+
+DRILLS: dict[str, Drill] = {
+    d.name: d
+    for d in (
+        Drill("kill-host", "every process of node1 killed (SIGKILL)", lambda bed, h: faults.kill_host(bed, h)),
+        Drill("freeze-host", "every process of node1 frozen (freezer cgroup)", lambda bed, h: faults.freeze_host(h)),
+        Drill("throttle-host", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: faults.throttle_cpu(bed, h, 0.2)),
+    )
+}
+
+
+@dataclass
+class Outcome:
+    drill: Drill
+    run_id: str
+    target: str = ""
+    fault_ns: int = 0
+    exits: dict[str, int] = field(default_factory=dict)
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    final_hosts: list[str] = field(default_factory=list)
+    status: str = ""
+
+    def first(self, action: str) -> dict[str, Any] | None:
+        return next((a for a in self.actions if a["action"] == action), None)
+
+    def seconds_to(self, action: str) -> float | None:
+        """Seconds from the fault to the driver's first ``action`` (``incident``: it saw the incident it acted on)."""
+        found = next((a for a in self.actions if a["action"] == action and (action != "incident" or "verdict" in a["evidence"]
+                      and json.loads(a["evidence"])["verdict"] in ("check", "evict"))), None)  # fmt: skip
+        return (found["time_ns"] - self.fault_ns) / 1e9 if found is not None and self.fault_ns else None
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        end = self.first("finished") or self.first("gave_up") or {"evidence": "{}"}
+        resumed = self.first("resumed")
+        return {
+            **json.loads(end["evidence"]),
+            "steps_lost": json.loads(resumed["evidence"])["steps_lost"] if resumed else None,
+        }
+
+    @property
+    def healed(self) -> bool:
+        """Finished, without the target host, having evicted it."""
+        evicted = [h for a in self.actions if a["action"] == "evict" for h in a["hosts"]]
+        return (
+            self.status == "finished" and self.first("finished") is not None and self.target in evicted
+            and bool(self.final_hosts) and self.target not in self.final_hosts
+        )  # fmt: skip
+
+
+def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None] = print) -> Outcome:
+    """Run one drill on a test bed of its own; every process and namespace is gone when it returns."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rankscope-heal-{drill.name}-"))
+    socket_path = workdir / "collector.sock"
+    flags = ["--hang-after", "10", "--silent-after", "8", "--diagnose-every", "1", "--flush-interval", "0.5"]
+    collector = start([*CLI, "collector", "--store", str(workdir / "store"), "--listen", f"unix:{socket_path}", *flags],
+                      workdir / "collector.log", os.environ)  # fmt: skip
+    bed = None
+    try:
+        address = wait_for_address(collector, workdir / "collector.log")
+        bed = hosts.create(HOSTS, ranks_per_host=RANKS_PER_HOST)
+        return _play(drill, bed, address, workdir, log)
+    finally:
+        if bed is not None:
+            hosts.destroy(bed.name)
+        stop(collector)
+
+
+def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Callable[[str], None]) -> Outcome:
+    run_id = f"heal-{drill.name}-{uuid.uuid4().hex[:8]}"
+    outcome = Outcome(drill, run_id, target=bed.hosts[1].name)
+    program = trainer("--tp", "2", "--pp", "1", "--dp", "0", "--layers", "2", "--micro-batch", "2", "--global-batch", "12",
+                      "--steps", str(STEPS), "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(CKPT_EVERY), "--resume",
+                      "--timeout", "120")  # fmt: skip
+    applied: list[faults.Applied] = []
+
+    def fault_later(job: Job) -> None:
+        def apply() -> None:
+            with Client(address) as client:
+                while not job.finished():
+                    rows = client.query(STEP_SQL, {"run": run_id}).to_pylist()
+                    if rows and (rows[0]["step"] or 0) >= drill.fault_step:
+                        applied.append(drill.apply(bed, bed.host(outcome.target)))
+                        outcome.fault_ns = applied[-1].at_ns
+                        log(f"{drill.name}: {applied[-1].what}")
+                        return
+                    time.sleep(0.25)
+
+        threading.Thread(target=apply, daemon=True, name="fault").start()
+
+    try:
+        outcome.exits, _ = launch.run(bed, program, collector=address, run_id=run_id, workdir=workdir / "job", policy=Policy(min_hosts=2),
+                                      log=log, on_start=fault_later)  # fmt: skip
+    finally:
+        for fault in applied:
+            fault.undo()
+    with Client(address) as client:
+        time.sleep(1.5)  # the collector writes every 0.5 s: the driver's last rows are in
+        outcome.actions = client.query(ACTIONS_SQL, {"run": run_id}).to_pylist()
+        outcome.final_hosts = sorted(client.query(FINAL_HOSTS_SQL, {"run": run_id}).to_pylist()[0]["hosts"])
+        outcome.status = client.query(STATUS_SQL, {"run": run_id}).to_pylist()[0]["status"]
+    return outcome
