@@ -7,6 +7,13 @@ Caching: each function is cached twice by Streamlit (``per_run``): briefly (``LI
 run that is still going, and for ``SETTLED_TTL_S`` once it is over. The ``Run`` passed in is part
 of the cache key, and a live run's ``Run`` changes with every new heartbeat (``last_ns``,
 ``steps``), so cached answers for a live run also go stale as soon as the run moves on.
+
+Attempts: a run restarted by torchrun's elastic agent (``rankscope launch``) keeps its id, every
+per-rank row carries its ``attempt``, and the steps after the last checkpoint are run again, maybe
+by fewer ranks numbered anew. What a page shows per step comes from the latest attempt that ran
+that step (``_latest``): a step run twice is counted once, as it was last run. Who a rank is comes
+from its newest registration (the latest attempt's); a rank only an earlier, larger world had
+keeps its last one.
 """
 
 from __future__ import annotations
@@ -36,6 +43,12 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def _latest(table: str, where: str, key: str = "step") -> str:
+    """A condition keeping, of each ``key`` (a step; or "name, step"), only the rows of the latest
+    attempt that ran it: ``where`` filters the rows of ``table`` the same way as the outer query."""
+    return f"({key}, attempt) IN (SELECT {key}, max(attempt) FROM {table} WHERE {where} GROUP BY {key})"
+
+
 @dataclass(frozen=True)
 class Run:
     """One run as the pages see it; ``status`` is ``hung`` while a hang incident is open, whatever
@@ -54,6 +67,8 @@ class Run:
     steps: int  # the highest step any rank reached
     open_incidents: int
     incidents: int
+    #: the run's latest attempt: how many times it was restarted (torchrun's elastic agent, ``rankscope launch``)
+    attempt: int = 0
 
     @property
     def live(self) -> bool:
@@ -94,7 +109,7 @@ SELECT r.run_id AS id, r.name AS name, r.status AS stored_status,
        toUnixTimestamp64Nano(r.start_time) AS start_ns, toUnixTimestamp64Nano(r.end_time) AS end_ns,
        r.world_size AS world_size, r.tp AS tp, r.pp AS pp, r.dp AS dp,
        h.steps AS steps, h.last_ns AS last_ns,
-       i.open_incidents AS open_incidents, i.open_hangs AS open_hangs, i.incidents AS incidents
+       i.open_incidents AS open_incidents, i.open_hangs AS open_hangs, i.incidents AS incidents, a.attempt AS attempt
 FROM (SELECT * FROM runs FINAL ORDER BY start_time DESC LIMIT {limit:UInt32}) AS r
 LEFT JOIN (
     SELECT run_id, max(step) AS steps, toUnixTimestamp64Nano(max(time)) AS last_ns FROM heartbeats
@@ -105,6 +120,10 @@ LEFT JOIN (
            count() AS incidents
     FROM incidents FINAL GROUP BY run_id
 ) AS i ON i.run_id = r.run_id
+LEFT JOIN (
+    SELECT run_id, max(attempt) AS attempt FROM ranks
+    WHERE run_id IN (SELECT run_id FROM runs FINAL ORDER BY start_time DESC LIMIT {limit:UInt32}) GROUP BY run_id
+) AS a ON a.run_id = r.run_id
 ORDER BY r.start_time DESC
 """
 
@@ -121,7 +140,7 @@ def _run(r: dict[str, Any]) -> Run:
     return Run(
         id=r["id"], name=r["name"], status=status, start_ns=int(r["start_ns"]), end_ns=max(int(r["end_ns"]), 0),
         last_ns=int(r["last_ns"]), world_size=int(r["world_size"]), tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]),
-        steps=int(r["steps"]), open_incidents=int(r["open_incidents"]), incidents=int(r["incidents"]),
+        steps=int(r["steps"]), open_incidents=int(r["open_incidents"]), incidents=int(r["incidents"]), attempt=int(r["attempt"]),
     )  # fmt: skip
 
 
@@ -162,16 +181,18 @@ def latest_collective(run: Run) -> tuple[str, int] | None:
 
 # --- topology ---------------------------------------------------------------------------------
 
+# The newest registration of each rank: after a restart, the latest attempt's (a later attempt
+# always registers with a higher version).
 RANKS_SQL = (
     "SELECT rank, argMax(host, registered) AS host, argMax(pid, registered) AS pid, argMax(device, registered) AS device, "
-    "argMax(tp_rank, registered) AS tp, argMax(pp_rank, registered) AS pp, argMax(dp_rank, registered) AS dp "
-    "FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank"
+    "argMax(tp_rank, registered) AS tp, argMax(pp_rank, registered) AS pp, argMax(dp_rank, registered) AS dp, "
+    "argMax(attempt, registered) AS attempt FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank"
 )
 
 
 @per_run
 def ranks(run: Run) -> pd.DataFrame:
-    """Who each rank is: rank, host, pid, device, tp, pp, dp."""
+    """Who each rank is: rank, host, pid, device, tp, pp, dp, attempt (of its newest registration)."""
     return query(RANKS_SQL, {"run": run.id})
 
 
@@ -183,6 +204,7 @@ SELECT intDiv(step - 1, {every:UInt32}) * {every:UInt32} + 1 AS first_step, name
        median(value) AS mid, min(value) AS low, max(value) AS high, uniqExact(rank) AS ranks
 FROM step_metrics
 WHERE run_id = {run:String} AND name IN {names:Array(String)} AND isFinite(value)
+  AND """ + _latest("step_metrics", "run_id = {run:String} AND name IN {names:Array(String)}", "name, step") + """
 GROUP BY first_step, name ORDER BY name, first_step
 """
 #: points per line on the overview: longer runs are averaged over buckets of steps
@@ -198,6 +220,7 @@ def step_metrics(run: Run) -> pd.DataFrame:
 
 # --- heat map ---------------------------------------------------------------------------------
 
+# (total_s orders the names only: time spent in a step run twice was spent twice)
 SEGMENTS_SQL = (
     "SELECT name, any(kind) AS kind, sum(total_ns) / 1e9 AS total_s, max(step) AS last_step FROM step_segments WHERE run_id = {run:String} "
     "GROUP BY name ORDER BY kind != 'compute', total_s DESC"
@@ -213,24 +236,35 @@ def segments(run: Run) -> pd.DataFrame:
 # Each rank's time in the segment per step, divided by the median of its pipeline stage in that
 # step: ranks of one stage do the same work, so 1.0 is normal and 1.3 is 30% slow. CPU time when
 # every piece of the segment had it measured (host-only runs on shared cores), else wall time.
-HEAT_CELLS_SQL = """
+# A step run again after a restart counts as the latest attempt ran it. A row (rank) is named by
+# the rank's newest registration; a cell is compared within the stage, and put on the host, that
+# the rank had in the cell's attempt while the store still holds that registration (the ranks table
+# keeps only the newest once merged).
+_SEGMENT_STEPS = "run_id = {run:String} AND name = {segment:String} AND step BETWEEN {first:UInt32} AND {last:UInt32}"
+HEAT_CELLS_SQL = f"""
 WITH cells AS (
-    SELECT step, rank, sum(total_ns) AS wall, sum(total_cpu_ns) AS cpu, sum(pieces) = sum(cpu_pieces) AS has_cpu
+    SELECT attempt, step, rank, sum(total_ns) AS wall, sum(total_cpu_ns) AS cpu, sum(pieces) = sum(cpu_pieces) AS has_cpu
     FROM step_segments
-    WHERE run_id = {run:String} AND name = {segment:String} AND step BETWEEN {first:UInt32} AND {last:UInt32}
-    GROUP BY step, rank
+    WHERE {_SEGMENT_STEPS} AND {_latest("step_segments", _SEGMENT_STEPS)}
+    GROUP BY attempt, step, rank
 ),
 who AS (
     SELECT rank, argMax(host, registered) AS host, argMax(pp_rank, registered) AS pp FROM ranks
-    WHERE run_id = {run:String} GROUP BY rank
+    WHERE run_id = {{run:String}} GROUP BY rank
+),
+was AS (
+    SELECT rank, attempt, argMax(host, registered) AS host, argMax(pp_rank, registered) AS pp, 1 AS known FROM ranks
+    WHERE run_id = {{run:String}} GROUP BY rank, attempt
 ),
 timed AS (
-    SELECT c.step AS step, c.rank AS rank, w.host AS host, w.pp AS pp, if(min(c.has_cpu) OVER () = 1, c.cpu, c.wall) AS ns,
+    SELECT c.step AS step, c.rank AS rank, w.host AS host, w.pp AS pp, if(v.known = 1, v.host, w.host) AS cell_host,
+           if(v.known = 1, v.pp, w.pp) AS cell_pp, if(min(c.has_cpu) OVER () = 1, c.cpu, c.wall) AS ns,
            min(c.has_cpu) OVER () = 1 AS cpu_time
-    FROM cells AS c LEFT JOIN who AS w ON w.rank = c.rank
+    FROM cells AS c LEFT JOIN who AS w ON w.rank = c.rank LEFT JOIN was AS v ON v.rank = c.rank AND v.attempt = c.attempt
 ),
 rated AS (
-    SELECT step, rank, host, pp AS stage, ns AS cell_ns, cpu_time, ns / nullIf(median(ns) OVER (PARTITION BY step, pp), 0) AS cell_ratio
+    SELECT step, rank, host, cell_host, pp AS stage, ns AS cell_ns, cpu_time,
+           ns / nullIf(median(ns) OVER (PARTITION BY step, cell_pp), 0) AS cell_ratio
     FROM timed
 )
 """
@@ -240,7 +274,7 @@ HEAT_BY = {
     # one row per host: its slowest rank (a straggler must not be averaged away); grouped by the
     # host as LowCardinality: a third faster than by the plain string (1,024 ranks x 500 steps)
     "host": "SELECT step, any(h) AS row, argMax(rank, cell_ratio) AS rank, any(h) AS host, min(stage) AS pp, max(cell_ns) AS ns, "
-    "max(cell_ratio) AS ratio, any(cpu_time) AS cpu_time FROM (SELECT *, host AS h FROM rated) GROUP BY step, toLowCardinality(h)",
+    "max(cell_ratio) AS ratio, any(cpu_time) AS cpu_time FROM (SELECT *, cell_host AS h FROM rated) GROUP BY step, toLowCardinality(h)",
 }
 
 
@@ -256,12 +290,16 @@ def heat_cells(run: Run, segment: str, first: int, last: int, by: str) -> pd.Dat
 
 # --- timeline ---------------------------------------------------------------------------------
 
+_STEPS = "run_id = {run:String} AND step BETWEEN {first:UInt32} AND {last:UInt32}"
+# (the steps as the latest attempt that ran them ran them: not from a first run to a rerun)
 WINDOW_SQL = (
     "SELECT toUnixTimestamp64Nano(min(first_start)) AS start_ns, toUnixTimestamp64Nano(max(last_end)) AS end_ns "
-    "FROM step_segments WHERE run_id = {run:String} AND step BETWEEN {first:UInt32} AND {last:UInt32}"
+    f"FROM step_segments WHERE {_STEPS} AND {_latest('step_segments', _STEPS)}"
 )
+# (the newest step of the newest attempt begun by then: an earlier attempt may have gone further)
 STEP_AT_SQL = (
-    "SELECT max(step) AS step FROM step_segments WHERE run_id = {run:String} AND first_start <= fromUnixTimestamp64Nano({at:Int64})"
+    "SELECT argMax(step, (attempt, step)) AS step FROM step_segments "
+    "WHERE run_id = {run:String} AND first_start <= fromUnixTimestamp64Nano({at:Int64})"
 )
 
 
@@ -290,15 +328,16 @@ WHERE run_id = {run:String} AND rank IN {ranks:Array(UInt32)}
 ORDER BY rank, start_time
 """
 OPS_SQL = """
-SELECT rank, group_name, seq, op, peer, nbytes, state, step, toUnixTimestamp64Nano(issue_time) AS issue_ns,
+SELECT rank, group_name, seq, op, peer, nbytes, state, step, attempt, toUnixTimestamp64Nano(issue_time) AS issue_ns,
        toUnixTimestamp64Nano(start_time) AS start_ns, toUnixTimestamp64Nano(end_time) AS end_ns
 FROM collectives
 WHERE run_id = {run:String} AND rank IN {ranks:Array(UInt32)}
   AND issue_time BETWEEN fromUnixTimestamp64Nano({start:Int64}) AND fromUnixTimestamp64Nano({end:Int64})
 ORDER BY rank, issue_time
 """
-# The matched collectives of the window (same group and sequence on every member), the spread
-# of the members' arrivals and who came last: the rank the others waited for.
+# The matched collectives of the window (same group and sequence on every member, in one attempt:
+# a restart numbers them anew), the spread of the members' arrivals and who came last: the rank the
+# others waited for.
 SKEW_SQL = """
 SELECT group_name, seq, any(op) AS op, count() AS members,
        (max(toUnixTimestamp64Nano(issue_time)) - min(toUnixTimestamp64Nano(issue_time))) / 1e6 AS skew_ms,
@@ -307,7 +346,7 @@ SELECT group_name, seq, any(op) AS op, count() AS members,
 FROM collectives
 WHERE run_id = {run:String} AND peer = -1
   AND issue_time BETWEEN fromUnixTimestamp64Nano({start:Int64}) AND fromUnixTimestamp64Nano({end:Int64})
-GROUP BY group_name, seq HAVING members > 1
+GROUP BY attempt, group_name, seq HAVING members > 1
 ORDER BY skew_ms DESC LIMIT {limit:UInt32}
 """
 
@@ -333,8 +372,12 @@ def arrival_skew(run: Run, start_ns: int, end_ns: int, limit: int = 12) -> pd.Da
 # --- 3D-parallel graph ------------------------------------------------------------------------
 
 # Every rank as it was at a moment: its coordinates, its last heartbeat by then (phase, status,
-# the first operation it was waiting in, everything in flight) and how it ended if it had.
+# the first operation it was waiting in, everything in flight) and how it ended if it had. After a
+# restart, the attempt running at that moment (the newest registered by then): its heartbeats and
+# ends only (the processes an earlier attempt left are not this attempt's ranks), and only ranks
+# that attempt or a later one has (a world that shrank drops its last ranks).
 RANK_STATE_SQL = """
+WITH (SELECT max(attempt) FROM ranks WHERE run_id = {run:String} AND registered <= fromUnixTimestamp64Nano({at:Int64})) AS shown
 SELECT who.rank AS rank, who.host AS host, who.pid AS pid, who.device AS device, who.tp AS tp, who.pp AS pp, who.dp AS dp,
        beat.beat_ns AS beat_ns, beat.step AS step, beat.phase AS phase, beat.status AS beat_status,
        beat.wait_group AS wait_group, beat.wait_seq AS wait_seq, beat.wait_op AS wait_op, beat.in_flight AS in_flight,
@@ -343,7 +386,7 @@ SELECT who.rank AS rank, who.host AS host, who.pid AS pid, who.device AS device,
 FROM (
     SELECT rank, argMax(host, registered) AS host, argMax(pid, registered) AS pid, argMax(device, registered) AS device,
            argMax(tp_rank, registered) AS tp, argMax(pp_rank, registered) AS pp, argMax(dp_rank, registered) AS dp
-    FROM ranks WHERE run_id = {run:String} GROUP BY rank
+    FROM ranks WHERE run_id = {run:String} GROUP BY rank HAVING max(attempt) >= shown
 ) AS who
 LEFT JOIN (
     SELECT rank, toUnixTimestamp64Nano(max(time)) AS beat_ns, argMax(step, time) AS step, argMax(phase, time) AS phase,
@@ -352,12 +395,12 @@ LEFT JOIN (
            if(first_wait > 0, groups[first_wait], '') AS wait_group, if(first_wait > 0, seqs[first_wait], 0) AS wait_seq,
            if(first_wait > 0, ops[first_wait], '') AS wait_op,
            arrayStringConcat(arrayMap((g, s, o) -> concat(o, ' ', g, ' #', toString(s)), groups, seqs, ops), ', ') AS in_flight
-    FROM heartbeats WHERE run_id = {run:String} AND time <= fromUnixTimestamp64Nano({at:Int64}) GROUP BY rank
+    FROM heartbeats WHERE run_id = {run:String} AND attempt = shown AND time <= fromUnixTimestamp64Nano({at:Int64}) GROUP BY rank
 ) AS beat ON beat.rank = who.rank
 LEFT JOIN (
     SELECT rank, toUnixTimestamp64Nano(min(time)) AS exit_ns, argMin(reason, time) AS reason, argMin(exit_code, time) AS exit_code,
            argMin(signal, time) AS signal, argMin(message, time) AS message
-    FROM exits WHERE run_id = {run:String} AND time <= fromUnixTimestamp64Nano({at:Int64}) GROUP BY rank
+    FROM exits WHERE run_id = {run:String} AND attempt = shown AND time <= fromUnixTimestamp64Nano({at:Int64}) GROUP BY rank
 ) AS ended ON ended.rank = who.rank
 ORDER BY rank
 """
@@ -369,12 +412,15 @@ def rank_states(run: Run, at_ns: int) -> pd.DataFrame:
     return query(RANK_STATE_SQL, {"run": run.id, "at": at_ns})
 
 
-FIRST_EXIT_SQL = "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM exits WHERE run_id = {run:String}"
+FIRST_EXIT_SQL = (
+    "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM exits WHERE run_id = {run:String} "
+    "AND attempt = (SELECT max(attempt) FROM ranks WHERE run_id = {run:String})"
+)
 
 
 @per_run
 def first_exit(run: Run) -> int:
-    """When the first rank of the run ended, in ns; 0 while none has."""
+    """When the first rank of the run's latest attempt ended, in ns; 0 while none has."""
     rows = query(FIRST_EXIT_SQL, {"run": run.id})
     ns = rows.iloc[0]["ns"] if len(rows) else None  # min over no rows: one row of 0 (or NULL)
     return int(ns) if pd.notna(ns) and ns > 0 else 0
@@ -382,13 +428,15 @@ def first_exit(run: Run) -> int:
 
 # --- hosts ------------------------------------------------------------------------------------
 
+# The hosts of the ranks' newest registrations, and any other host that sent metrics for the run
+# (one evicted by a restart: its ranks now run elsewhere), with no ranks.
 HOSTS_SQL = """
-SELECT who.host AS host, who.ranks AS ranks, m.samples AS samples, m.gpus AS gpus, m.max_temp_c AS max_temp_c,
+SELECT if(who.host != '', who.host, m.host) AS host, who.ranks AS ranks, m.samples AS samples, m.gpus AS gpus, m.max_temp_c AS max_temp_c,
        m.gpu_util AS gpu_util, m.throttled AS throttled, m.ecc_new AS ecc_new, m.xid_codes AS xid_codes
 FROM (SELECT host, groupArray(rank) AS ranks FROM (
         SELECT rank, argMax(host, registered) AS host FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank
      ) GROUP BY host) AS who
-LEFT JOIN (
+FULL OUTER JOIN (
     SELECT host, count() AS samples, uniqExactIf(device, startsWith(name, 'hw.')) AS gpus,
            maxIf(value, name = 'hw.temperature') AS max_temp_c, avgIf(value, name = 'hw.gpu.utilization') AS gpu_util,
            countIf(startsWith(name, 'hw.gpu.throttle.') AND value > 0) AS throttled,
@@ -396,7 +444,7 @@ LEFT JOIN (
            uniqExactIf(name, startsWith(name, 'hw.gpu.xid.') AND value > 0) AS xid_codes
     FROM metrics WHERE run_id = {run:String} GROUP BY host
 ) AS m ON m.host = who.host
-ORDER BY host
+ORDER BY empty(ranks), host
 """
 
 
@@ -471,3 +519,43 @@ def host_series(run: Run, host: str) -> pd.DataFrame:
 def host_events(run: Run, host: str) -> pd.DataFrame:
     """name, device, time_ns, peak: the throttle / ECC / Xid samples of ``host`` that say something happened."""
     return query(HOST_EVENTS_SQL, {"run": run.id, "host": host, "bucket_ns": _bucket_ns(run)})
+
+
+# --- restarts and self-healing ----------------------------------------------------------------
+
+# Where each attempt after the first began: its first step and first span. The rollup is sorted by
+# (run_id, attempt, ...), so a run never restarted reads nothing here.
+ATTEMPTS_SQL = (
+    "SELECT attempt, min(step) AS first_step, max(step) AS last_step, toUnixTimestamp64Nano(min(first_start)) AS start_ns "
+    "FROM step_segments WHERE run_id = {run:String} AND attempt > 0 GROUP BY attempt ORDER BY attempt"
+)
+ACTIONS_SQL = (
+    "SELECT toUnixTimestamp64Nano(time) AS time_ns, attempt, action, hosts, incident_id, reason, evidence FROM actions "
+    "WHERE run_id = {run:String} ORDER BY time, action LIMIT {limit:UInt32}"
+)
+SELFCHECKS_SQL = (
+    "SELECT host, toUnixTimestamp64Nano(time) AS time_ns, check, value, unit, reference, passed, host_passed, summary, detail "
+    "FROM selfchecks WHERE run_id = {run:String} ORDER BY time DESC, host, check LIMIT {limit:UInt32}"
+)
+#: the most actions and self-check figures a page reads (a run acts a handful of times)
+HEALING_ROWS = 500
+
+
+@per_run
+def attempts(run: Run) -> pd.DataFrame:
+    """attempt, first_step, last_step, start_ns of each attempt after the first (none: never restarted)."""
+    return query(ATTEMPTS_SQL, {"run": run.id})
+
+
+@per_run
+def actions(run: Run) -> pd.DataFrame:
+    """What the self-healing driver decided and did, oldest first: time_ns, attempt, action, hosts,
+    incident_id, reason, evidence (JSON text)."""
+    return query(ACTIONS_SQL, {"run": run.id, "limit": HEALING_ROWS})
+
+
+@per_run
+def selfchecks(run: Run) -> pd.DataFrame:
+    """The hosts' self-check figures, newest first: host, time_ns, check, value, unit, reference (the
+    peers' median), passed, host_passed, summary, detail."""
+    return query(SELFCHECKS_SQL, {"run": run.id, "limit": HEALING_ROWS})

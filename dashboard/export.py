@@ -44,7 +44,8 @@ def chrome_trace(spans: pd.DataFrame, ops: pd.DataFrame, who: pd.DataFrame, run_
         tid = tracks.place(int(row.rank), stream, start, end)
         events.append({"ph": "X", "name": row.name, "cat": row.kind, "pid": int(row.rank), "tid": tid, "ts": us(start),
                        "dur": round((end - start) / 1e3, 3), "args": {"step": int(row.step), "microbatch": int(row.microbatch)}})  # fmt: skip
-    placed: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    # one collective: its group and sequence number within one attempt (a restart numbers them anew)
+    placed: dict[tuple[int, str, int], list[dict[str, Any]]] = defaultdict(list)
     for row in ops.sort_values("issue_ns").itertuples(index=False):
         start = int(row.issue_ns)
         end = int(row.end_ns) if row.end_ns > 0 else max(end_ns, start + 1)
@@ -53,10 +54,10 @@ def chrome_trace(spans: pd.DataFrame, ops: pd.DataFrame, who: pd.DataFrame, run_
                        "tid": tid, "ts": us(start), "dur": round((end - start) / 1e3, 3),
                        "args": {"group": row.group_name, "seq": int(row.seq), "op": row.op, "peer": int(row.peer), "bytes": int(row.nbytes),
                                 "state": row.state, "step": int(row.step)}})  # fmt: skip
-        placed[(row.group_name, int(row.seq))].append({"rank": int(row.rank), "peer": int(row.peer), "op": row.op, "tid": tid,
-                                                        "start": start, "end": end})  # fmt: skip
+        placed[(int(getattr(row, "attempt", 0)), row.group_name, int(row.seq))].append(
+            {"rank": int(row.rank), "peer": int(row.peer), "op": row.op, "tid": tid, "start": start, "end": end})  # fmt: skip
     flow = 0
-    for (group, seq), members in placed.items():
+    for (_, group, seq), members in placed.items():
         for source, target in _arrows(members):
             flow += 1
             # A flow end binds to the slice around its timestamp on its track: put each end inside its slice.

@@ -10,7 +10,7 @@ sent as one PNG image (``binary_string``) of colours computed here.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -80,6 +80,29 @@ def _hover(text: pd.Series | np.ndarray) -> list:
     return out.tolist()
 
 
+# --- restarts ----------------------------------------------------------------------------------
+
+RESTART_COLOUR = "#6A3D9A"
+
+
+def _restart_marks(restarts: pd.DataFrame | None, x_of: Callable[[int], float | None]) -> tuple[list[dict], list[dict]]:
+    """Shapes and annotations marking where each attempt began: a dashed vertical line over the whole
+    figure at ``x_of(step)`` (None: not drawn there) and its label above it.
+
+    ``restarts``: step, label (``healing.restarts``); rows whose step is unknown (-1) are skipped."""
+    shapes: list[dict] = []
+    notes: list[dict] = []
+    for r in (restarts.itertuples() if restarts is not None and len(restarts) else ()):
+        x = x_of(int(r.step)) if int(r.step) > 0 else None
+        if x is None:
+            continue
+        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
+                       "line": {"color": RESTART_COLOUR, "width": 2, "dash": "dash"}, "name": f"attempt {r.attempt}"})  # fmt: skip
+        notes.append({"x": x, "y": 1, "xref": "x", "yref": "paper", "yanchor": "bottom", "xanchor": "left", "yshift": 2,
+                      "text": str(r.label), "showarrow": False, "font": {"size": 11, "color": RESTART_COLOUR}})  # fmt: skip
+    return shapes, notes
+
+
 # --- overview ----------------------------------------------------------------------------------
 
 OVERVIEW_PANELS = {
@@ -91,10 +114,12 @@ OVERVIEW_PANELS = {
 }
 
 
-def overview_figure(metrics: pd.DataFrame) -> go.Figure:
-    """One panel per training scalar present: the median over ranks, with the min-max band.
+def overview_figure(metrics: pd.DataFrame, restarts: pd.DataFrame | None = None) -> go.Figure:
+    """One panel per training scalar present: the median over ranks, with the min-max band; a
+    dashed line where each attempt after a restart began.
 
-    ``metrics``: first_step, name, mid, low, high (``data.step_metrics``).
+    ``metrics``: first_step, name, mid, low, high (``data.step_metrics``); ``restarts``: attempt,
+    step, label (``healing.restarts``).
     """
     names = [n for n in OVERVIEW_PANELS if n in set(metrics["name"])]
     fig = make_subplots(rows=max(len(names), 1), cols=1, shared_xaxes=True, vertical_spacing=0.04,
@@ -110,6 +135,9 @@ def overview_figure(metrics: pd.DataFrame) -> go.Figure:
                                  hovertemplate="step %{x}: %{y:.4g} (median over ranks)<extra></extra>"), row=row, col=1)  # fmt: skip
     fig.update_xaxes(title_text="step", row=max(len(names), 1), col=1)
     fig.update_layout(height=170 * max(len(names), 1) + 60, margin=MARGIN)
+    shapes, notes = _restart_marks(restarts, float)
+    if shapes:  # (one column of panels sharing the step axis: a line over the whole height crosses them all)
+        fig.update_layout(shapes=shapes, annotations=[*fig.layout.annotations, *notes], margin={**MARGIN, "t": 60})
     return fig
 
 
@@ -147,12 +175,13 @@ def slowest(cells: pd.DataFrame, top: int = 3, first_step: int = 2) -> pd.DataFr
     return summary.astype({"rank": int, "steps": int})
 
 
-def heatmap_figure(cells: pd.DataFrame, segment: str, highlight: Sequence[str] = ()) -> go.Figure:
+def heatmap_figure(cells: pd.DataFrame, segment: str, highlight: Sequence[str] = (), restarts: pd.DataFrame | None = None) -> go.Figure:
     """Rows (ranks or hosts, grouped by stage and host) x steps, coloured by the ratio to the stage median.
 
     ``cells``: step, row, rank, host, pp, ns, ratio (``data.heat_cells``). ``highlight``: rows
-    to outline (the slowest). Up to HEAT_IMAGE_CELLS cells a Heatmap trace with a hover per
-    cell, above that an image (which stays fast at 12,288 ranks x hundreds of steps).
+    to outline (the slowest). ``restarts``: attempt, step, label (``healing.restarts``): a dashed
+    line before the first step of each attempt shown. Up to HEAT_IMAGE_CELLS cells a Heatmap trace
+    with a hover per cell, above that an image (which stays fast at 12,288 ranks x hundreds of steps).
     """
     rows = heat_rows(cells)
     steps = np.sort(cells["step"].unique())
@@ -180,20 +209,24 @@ def heatmap_figure(cells: pd.DataFrame, segment: str, highlight: Sequence[str] =
         ))  # fmt: skip
         fig.update_yaxes(autorange="reversed", type="category")
         x0, x1 = steps.min() - 0.5, steps.max() + 0.5
+        column_of = lambda step: step - 0.5  # noqa: E731 - the x axis is the step
     else:
         fig = px.imshow(_heat_rgb(z), binary_string=True, aspect="auto", origin="upper")
         every = max(1, len(steps) // 10)
         fig.update_xaxes(tickvals=list(range(0, len(steps), every)), ticktext=[str(s) for s in steps[::every]])
         fig.update_yaxes(showticklabels=False)
         x0, x1 = -0.5, len(steps) - 0.5
+        column_of = lambda step: float(np.searchsorted(steps, step)) - 0.5  # noqa: E731 - the x axis is the column
+    restart_lines, restart_notes = _restart_marks(restarts, lambda step: column_of(step) if steps.min() <= step <= steps.max() else None)
     # Shapes address a category axis by position, like an image's rows: row i spans i +- 0.5.
     boxes = [{"type": "rect", "x0": x0, "x1": x1, "y0": y - 0.5, "y1": y + 0.5, "line": {"color": "black", "width": 2}}
              for y in np.flatnonzero(rows["row"].astype(str).isin([str(h) for h in highlight]))]  # fmt: skip
     stages = [{"type": "line", "x0": x0, "x1": x1, "y0": y, "y1": y, "line": {"color": "#444", "width": 1, "dash": "dot"}}
               for y in (np.flatnonzero(np.diff(rows["pp"].to_numpy())) + 0.5)[:64]]  # between pipeline stages  # fmt: skip
     fig.update_layout(
-        shapes=boxes + stages, title=f"{segment}: time per step relative to the stage median (red: slower)",
-        height=min(900, max(260, 22 * len(rows) + 120)), margin=MARGIN,
+        shapes=boxes + stages + restart_lines, title=f"{segment}: time per step relative to the stage median (red: slower)",
+        height=min(900, max(260, 22 * len(rows) + 120)), margin={**MARGIN, "t": 60} if restart_lines else MARGIN,
+        **({"annotations": restart_notes} if restart_notes else {}),
     )
     fig.update_xaxes(title_text="step")
     return fig
@@ -255,10 +288,11 @@ def timeline_figure(spans: pd.DataFrame, ops: pd.DataFrame, who: pd.DataFrame, s
 
 def _matched_links(fig: go.Figure, collectives: pd.DataFrame, lanes: dict[int, int], start_ns: int) -> None:
     """A grey line through the arrivals of the members of each collective (same group and sequence)."""
-    members = collectives.assign(lane=collectives["rank"].map(lanes)).sort_values(["group_name", "seq", "lane"])
+    key = ["attempt", "group_name", "seq"] if "attempt" in collectives else ["group_name", "seq"]  # a restart numbers them anew
+    members = collectives.assign(lane=collectives["rank"].map(lanes)).sort_values([*key, "lane"])
     xs: list = []
     ys: list = []
-    for _, one in members.groupby(["group_name", "seq"], sort=False):
+    for _, one in members.groupby(key, sort=False):
         if len(one) < 2:
             continue
         xs += [*_ms(one["issue_ns"], start_ns).tolist(), None]
@@ -280,9 +314,10 @@ def _transfers(fig: go.Figure, p2p: pd.DataFrame, lanes: dict[int, int], start_n
                 + ", " + part["nbytes"].astype(str) + " bytes")  # fmt: skip
         fig.add_trace(go.Scattergl(x=_ms(part["issue_ns"], start_ns), y=_down(part["rank"].map(lanes), OPS_Y), mode="markers", name=label,
                                    marker={"symbol": symbol, "size": 9, "color": "#E45756"}, hovertext=text, hoverinfo="text"))  # fmt: skip
-    sends = p2p[is_send][["rank", "peer", "group_name", "seq", "issue_ns"]]
-    recvs = p2p[~is_send][["rank", "peer", "group_name", "seq", "end_ns"]]
-    pairs = sends.merge(recvs, left_on=["peer", "rank", "group_name", "seq"], right_on=["rank", "peer", "group_name", "seq"],
+    same = ["attempt", "group_name", "seq"] if "attempt" in p2p else ["group_name", "seq"]
+    sends = p2p[is_send][["rank", "peer", *same, "issue_ns"]]
+    recvs = p2p[~is_send][["rank", "peer", *same, "end_ns"]]
+    pairs = sends.merge(recvs, left_on=["peer", "rank", *same], right_on=["rank", "peer", *same],
                         suffixes=("_src", "_dst"))  # fmt: skip
     if pairs.empty:
         return

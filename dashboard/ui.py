@@ -20,7 +20,7 @@ import streamlit as st
 from rankscope.collector.client import QueryFailed, ResultTooLarge, Unauthenticated, Unreachable
 from rankscope.collector.diagnosis.context import who  # noqa: F401 - the pages name ranks as the incidents do: ui.who
 from rankscope.collector.diagnosis.incidents import Incident
-from rankscope.dashboard import connection, data
+from rankscope.dashboard import connection, data, healing
 from rankscope.dashboard.data import Run
 
 log = logging.getLogger("rankscope.dashboard")
@@ -218,10 +218,64 @@ def run_header(run: Run, title: str) -> None:
     """The page title, and the run's id and status as text (so they can be read, searched and tested)."""
     st.header(title)
     live = " · refreshing live" if run.live else ""
+    restarted = f" · attempt {run.attempt} (restarted {_times(run.attempt)})" if run.attempt else ""
     st.markdown(
         f"Run **{escape(run.id)}** · {status_text(run.status)} · {run.world_size} ranks "
-        f"(TP {run.tp} × PP {run.pp} × DP {run.dp}) · step {run.steps} · {duration(run.duration_s)}{live}"
+        f"(TP {run.tp} × PP {run.pp} × DP {run.dp}) · step {run.steps} · {duration(run.duration_s)}{restarted}{live}"
     )
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
+
+
+# --- restarts and self-healing ----------------------------------------------------------------
+
+#: actions listed on a page (the newest; a run acts a handful of times)
+ACTIONS_LISTED = 50
+#: self-check figures listed on a page (failures first)
+CHECKS_LISTED = 60
+
+
+def restarts(run: Run) -> pd.DataFrame:
+    """Where each attempt after the first began, and why (``healing.restarts``); no query for a run
+    never restarted."""
+    if not run.attempt:
+        return healing.restarts(pd.DataFrame(), pd.DataFrame())
+    return healing.restarts(data.attempts(run), data.actions(run))
+
+
+def restart_notes(found: pd.DataFrame) -> None:
+    """Each restart in a sentence: which attempt, from which step, without which hosts, why."""
+    if len(found):
+        st.markdown("\n".join(f"- 🔄 {escape(healing.restart_sentence(r))}" for r in found.to_dict("records")))
+
+
+def healing_section(run: Run, found: pd.DataFrame | None = None) -> None:
+    """The run's restarts, what the self-healing driver decided and did (``actions``) and the hosts'
+    self-checks figure by figure, failures marked ❌; nothing at all for a run without any."""
+    actions, checks = data.actions(run), data.selfchecks(run)
+    found = restarts(run) if found is None else found
+    if actions.empty and checks.empty and found.empty:
+        return
+    st.subheader("Self-healing" if len(actions) or len(checks) else "Restarts")
+    restart_notes(found)
+    if len(actions):
+        rows = healing.actions_table(actions).tail(ACTIONS_LISTED)
+        rows.insert(0, "time", rows.pop("time_ns").map(clock))
+        more = f" (the {ACTIONS_LISTED} newest of {len(actions)})" if len(actions) > ACTIONS_LISTED else ""
+        table(rows, f"What the self-healing driver (rankscope launch) decided and did, oldest first{more}:")
+    if len(checks):
+        verdicts = healing.host_verdicts(checks)
+        st.markdown("\n".join(
+            f"- {'✅' if v.passed else '❌'} **{escape(v.host)}** {'passed' if v.passed else 'failed'} its self-check"
+            + (f" ({', '.join(v.failed)})" if v.failed else "") + (f": {escape(v.summary)}" if v.summary else "")
+            for v in verdicts.itertuples()
+        ))  # fmt: skip
+        rows = healing.selfcheck_table(checks).head(CHECKS_LISTED)
+        rows.insert(0, "time", rows.pop("time_ns").map(clock))
+        more = f" (the first {CHECKS_LISTED} of {len(checks)})" if len(checks) > CHECKS_LISTED else ""
+        table(rows, f"Self-check figures, each beside the same figure's median on the peer hosts; failures first{more}:")
 
 
 # --- links to the evidence --------------------------------------------------------------------

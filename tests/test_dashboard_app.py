@@ -1,5 +1,6 @@
 """The dashboard's pages in the states a recorded run never shows: no collector, an empty store, a
-run without spans, unreadable evidence; and the heat map of a 12,288-rank run, timed.
+run without spans, unreadable evidence, a run restarted by a self-healing driver; and the heat map
+of a 12,288-rank run, timed.
 
 These rows are written straight into an embedded store in this process (the pages read it with
 ``--store`` semantics): the point is the page's behaviour at the edges and at scale, not the
@@ -27,7 +28,7 @@ from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate
 from rankscope.collector.store.schema import BY_NAME
-from rankscope.dashboard import connection
+from rankscope.dashboard import connection, data
 from rankscope.dashboard.connection import Source
 
 NOW = time.time_ns()
@@ -51,9 +52,20 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
 
 
 def _insert(store: EmbeddedStore, table: str, columns: dict[str, object]) -> None:
+    """Rows of ``table`` from its columns; a column not given (``attempt``: 0, the first) holds its type's zero."""
     schema = arrow_schema(BY_NAME[table])
+    rows = len(next(iter(columns.values())))
+    columns = {f.name: columns[f.name] if f.name in columns else _zeros(f.type, rows) for f in schema}
     arrays = [pa.array(columns[f.name], pa.int64() if pa.types.is_timestamp(f.type) else f.type).cast(f.type) for f in schema]
     store.insert_arrow(table, pa.Table.from_arrays(arrays, schema=schema))
+
+
+def _zeros(kind: pa.DataType, rows: int) -> list:
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_dictionary(kind):
+        return [""] * rows
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return [[]] * rows
+    return [0] * rows
 
 
 def _run(store: EmbeddedStore, run_id: str, tp: int, pp: int, dp: int, status: str, start_ns: int, end_ns: int) -> None:
@@ -105,6 +117,153 @@ def test_a_run_without_spans_and_with_unreadable_evidence(store):
     assert "unreadable evidence" in incident.json[0].value
     assert "No stack dump stored for rank 1" in said(incident)
     assert "No metrics from node-0000" in said(open_page("hosts", run="bare"))
+    # a run never restarted, without a self-healing driver, shows nothing of them
+    assert [h.value for h in overview.subheader] == ["1 open incident"] and not overview.table and "restart" not in said(overview)
+
+
+S = 10**9
+MS = 10**6
+
+
+def _restarted_run(store: EmbeddedStore, start: int) -> None:
+    """Run "healed": attempt 0 on 4 ranks (node-a: 0, 1; node-b: 2, 3; PP 2 x DP 2) runs steps 1-6, rank 2
+    slow in steps 5-6; the driver checks both hosts, evicts node-b and restarts from the checkpoint of
+    step 4: attempt 1, on 2 ranks of node-a (PP 2, so rank 1 is now stage 1), runs steps 5-8 again."""
+    _insert(store, "runs", {
+        "run_id": ["healed"], "name": ["healed"], "start_time": [start], "end_time": [start + 120 * S], "world_size": [2], "tp": [1],
+        "pp": [2], "dp": [1], "config": ["{}"], "status": ["finished"], "updated": [NOW],
+    })  # fmt: skip
+    # (attempt, rank, host, pp, dp, registered)
+    who = [(0, 0, "node-a", 0, 0, 0), (0, 1, "node-a", 0, 1, 0), (0, 2, "node-b", 1, 0, 0), (0, 3, "node-b", 1, 1, 0),
+           (1, 0, "node-a", 0, 0, 99), (1, 1, "node-a", 1, 0, 99)]  # fmt: skip
+    _insert(store, "ranks", {
+        "run_id": ["healed"] * len(who), "rank": [w[1] for w in who], "host": [w[2] for w in who], "pid": [100 + i for i in range(len(who))],
+        "local_rank": [w[1] % 2 for w in who], "device": ["cpu"] * len(who), "tp_rank": [0] * len(who), "pp_rank": [w[3] for w in who],
+        "dp_rank": [w[4] for w in who], "clock_offset_ns": [0] * len(who), "agent_version": ["test"] * len(who),
+        "registered": [start + w[5] * S for w in who], "attempt": [w[0] for w in who],
+    })  # fmt: skip
+    # (attempt, rank, step, begins, forward ms, step time s)
+    cells = [(0, r, step, start + (step - 1) * S, 300 if (r == 2 and step >= 5) else 100, 3.0 if step >= 5 else 1.0)
+             for step in range(1, 7) for r in range(4)]  # fmt: skip
+    cells += [(1, r, step, start + (95 + step) * S, 150, 2.0) for step in range(5, 9) for r in range(2)]
+    n = len(cells)
+    column = lambda i: [c[i] for c in cells]  # noqa: E731
+    _insert(store, "spans", {
+        "run_id": ["healed"] * n, "rank": column(1), "step": column(2), "name": ["forward"] * n, "kind": ["compute"] * n,
+        "start_time": column(3), "end_time": [c[3] + c[4] * MS for c in cells], "microbatch": [0] * n, "attributes": [""] * n,
+        "cpu_ns": [-1] * n, "attempt": column(0),
+    })  # fmt: skip
+    _insert(store, "step_metrics", {
+        "run_id": ["healed"] * n, "rank": column(1), "step": column(2), "name": ["step_time_s"] * n, "value": column(5),
+        "time": [c[3] + S // 2 for c in cells], "attempt": column(0),
+    })  # fmt: skip
+    beats = [(0, r, 6, start + 6 * S) for r in range(4)] + [(1, r, 8, start + 110 * S) for r in range(2)]
+    _insert(store, "heartbeats", {
+        "run_id": ["healed"] * len(beats), "rank": [b[1] for b in beats], "host": ["node-a" if b[0] or b[1] < 2 else "node-b" for b in beats],
+        "time": [b[3] for b in beats], "step": [b[2] for b in beats], "phase": ["forward"] * len(beats), "status": ["running"] * len(beats),
+        "last_progress": [b[3] for b in beats], "inflight_group": [[]] * len(beats), "inflight_seq": [[]] * len(beats),
+        "inflight_op": [[]] * len(beats), "inflight_peer": [[]] * len(beats), "inflight_issue": [[]] * len(beats),
+        "inflight_waiting": [[]] * len(beats), "events_dropped": [0] * len(beats), "attempt": [b[0] for b in beats],
+    })  # fmt: skip
+    # attempt 0's processes were stopped by the restart; attempt 1's ended normally
+    ends = [(0, r, "node-a" if r < 2 else "node-b", 72, "signal", 15) for r in range(4)] + [(1, r, "node-a", 115, "normal", 0) for r in range(2)]
+    _insert(store, "exits", {
+        "run_id": ["healed"] * len(ends), "rank": [e[1] for e in ends], "host": [e[2] for e in ends], "time": [start + e[3] * S for e in ends],
+        "reason": [e[4] for e in ends], "exit_code": [0] * len(ends), "signal": [e[5] for e in ends], "message": [""] * len(ends),
+        "attempt": [e[0] for e in ends],
+    })  # fmt: skip
+    _insert(store, "incidents", {
+        "run_id": ["healed"], "incident_id": ["straggler-2"], "kind": ["straggler"], "severity": ["warning"], "status": ["closed"],
+        "ranks": [[2]], "hosts": [["node-b"]], "first_seen": [start + 5 * S], "last_seen": [start + 6 * S],
+        "summary": ["rank 2 (node-b): forward 3x its stage's median"], "evidence": ["{}"], "sql": ["SELECT 1"], "version": [1],
+    })  # fmt: skip
+    # GPU temperature from node-a, and from node-c, whose ranks' registrations were all replaced by later ones (merged)
+    _insert(store, "metrics", {
+        "run_id": ["healed"] * 2, "rank": [0, 4], "host": ["node-a", "node-c"], "device": ["cuda:0"] * 2, "time": [start + 3 * S] * 2,
+        "name": ["hw.temperature"] * 2, "value": [60.0, 91.0],
+    })  # fmt: skip
+    # (seconds, attempt, action, hosts, incident, reason, evidence)
+    acts = [
+        (60, 0, "incident", ["node-b"], "straggler-2", "a straggler on node-b for 3 steps", {}),
+        (61, 0, "selfcheck", ["node-a", "node-b"], "straggler-2", "self-check node-b against node-a", {}),
+        (70, 0, "evict", ["node-b"], "straggler-2", "node-b failed its self-check (matmul)", {}),
+        (71, 0, "restart", ["node-a"], "", "restart from the checkpoint of step 4 without node-b", {"checkpoint_step": 4}),
+        (101, 1, "resumed", [], "", "first step after the restart", {"steps_lost": 2, "resumed_step": 5, "seconds": 31.0}),
+        (116, 1, "finished", [], "", "the job ended normally", {}),
+    ]
+    _insert(store, "actions", {
+        "run_id": ["healed"] * len(acts), "time": [start + a[0] * S for a in acts], "attempt": [a[1] for a in acts],
+        "action": [a[2] for a in acts], "hosts": [a[3] for a in acts], "incident_id": [a[4] for a in acts],
+        "reason": [a[5] for a in acts], "evidence": [json.dumps(a[6]) for a in acts],
+    })  # fmt: skip
+    # (host, check, value, unit, peers' median, passed, host passed)
+    checks = [("node-a", "matmul", 40.0, "GFLOP/s", 5.0, 1, 1), ("node-a", "memory_bandwidth", 10.0, "GB/s", 9.5, 1, 1),
+              ("node-b", "matmul", 5.0, "GFLOP/s", 40.0, 0, 0), ("node-b", "memory_bandwidth", 9.5, "GB/s", 10.0, 1, 0)]  # fmt: skip
+    _insert(store, "selfchecks", {
+        "run_id": ["healed"] * len(checks), "host": [c[0] for c in checks], "time": [start + 65 * S] * len(checks),
+        "check": [c[1] for c in checks], "value": [c[2] for c in checks], "unit": [c[3] for c in checks],
+        "reference": [c[4] for c in checks], "passed": [c[5] for c in checks], "host_passed": [c[6] for c in checks],
+        "summary": ["matmul 0.12x its peers" if c[0] == "node-b" else "all figures within 2x of its peers" for c in checks],
+        "detail": [""] * len(checks),
+    })  # fmt: skip
+
+
+def test_a_restarted_run_counts_each_step_once_as_its_latest_attempt_ran_it(store):
+    start = NOW - 600 * S
+    _restarted_run(store, start)
+    st.cache_data.clear()
+    run = next(r for r in data.runs() if r.id == "healed")
+    assert run.attempt == 1
+    cells = data.heat_cells(run, "forward", 1, 8, "rank")
+    assert not cells.duplicated(["rank", "step"]).any()
+    ms = cells.set_index(["step", "rank"])["ns"] / MS
+    assert ms.loc[3].to_dict() == {0: 100, 1: 100, 2: 100, 3: 100}  # run once, by attempt 0's four ranks
+    assert ms.loc[5].to_dict() == {0: 150, 1: 150}  # run twice: attempt 1's, not attempt 0's (nor their sum)
+    assert sorted(cells["step"].unique()) == list(range(1, 9))
+    # rank 1 was stage 0 in attempt 0 and is stage 1 now: each cell against its stage as it was then
+    assert cells.set_index(["step", "rank"]).loc[(3, 1), "ratio"] == pytest.approx(1.0)
+    steps = data.step_metrics(run).set_index("first_step")
+    assert steps.loc[5, "mid"] == 2.0 and steps.loc[5, "ranks"] == 2 and steps.loc[3, "ranks"] == 4
+    assert data.window(run, 5, 5)[0] == start + 100 * S  # attempt 1's step 5, not attempt 0's
+    assert data.step_at(run, start + 100 * S + MS) == 5  # attempt 0 had gone further (step 6) earlier
+    hosts = data.hosts(run)
+    assert [(h, list(r)) for h, r in zip(hosts["host"], hosts["ranks"])] == [("node-a", [0, 1]), ("node-b", [2, 3]), ("node-c", [])]
+    assert hosts["max_temp_c"].tolist()[::2] == [60.0, 91.0]
+
+
+def test_a_restarted_run_shows_where_it_restarted_and_what_the_driver_did(store):
+    overview = open_page("overview", run="healed")
+    text = said(overview)
+    assert "attempt 1 (restarted once)" in text
+    assert "attempt 1: restarted without node-b, from step 5 (2 steps run again, resumed after 31 s)" in text
+    assert [h.value for h in overview.subheader] == ["Self-healing"]
+    actions = overview.table[0].value
+    assert list(actions["action"]) == ["incident", "selfcheck", "evict", "restart", "resumed", "finished"]
+    assert actions.set_index("action").loc["evict", "hosts"] == "node-b"
+    assert "at step 5, 2 steps lost" in actions.set_index("action").loc["resumed", "details"]
+    checks = overview.table[1].value
+    assert checks.iloc[0][["host", "check", "passed"]].tolist() == ["node-b", "matmul", "❌"]  # failures first
+    assert (checks["passed"] == "✅").sum() == 3
+    assert "❌ **node-b** failed its self-check (matmul): matmul 0.12x its peers" in text
+    spec = json.loads(overview.get("plotly_chart")[0].proto.spec)
+    lines = [s for s in spec["layout"]["shapes"] if s.get("name") == "attempt 1"]
+    assert [line["x0"] for line in lines] == [5]
+    assert any(a["text"] == "attempt 1: restarted without node-b" for a in spec["layout"]["annotations"])
+
+    heat = open_page("heatmap", run="healed")
+    assert "The run was restarted" in said(heat)
+    spec = json.loads(heat.get("plotly_chart")[0].proto.spec)
+    assert [s["x0"] for s in spec["layout"]["shapes"] if s.get("name") == "attempt 1"] == [4.5]  # before step 5's column
+
+    incidents = open_page("incidents", run="healed")
+    assert "What the self-healing driver did about it" in said(incidents)
+    assert "**evict** node-b: node-b failed its self-check (matmul)" in said(incidents)
+    assert "Self-healing" in [h.value for h in incidents.subheader]
+
+    listed = open_page("hosts", run="healed").table[0].value.set_index("host")
+    assert listed.loc["node-c", "ranks"] == "none now (left the run at a restart)" and listed.loc["node-c", "hottest GPU (°C)"] == "91"
+    graph = open_page("graph", run="healed")  # just before attempt 1 ended: its two ranks, not attempt 0's stopped four
+    assert "2 computing" in said(graph) and "crashed" not in said(graph)
 
 
 def test_evidence_that_is_not_a_json_object_is_read_back_as_unreadable_text():

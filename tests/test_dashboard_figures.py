@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from rankscope.collector.diagnosis.incidents import Finding, Incident
-from rankscope.dashboard import cookbook, export, figures, states
+from rankscope.dashboard import cookbook, export, figures, healing, states
 from rankscope.dashboard.connection import SOURCE_VARIABLE, Source
 
 T0 = 1_800_000_000_000_000_000
@@ -86,6 +86,87 @@ def test_a_heatmap_of_12288_ranks_is_one_image_built_in_well_under_three_seconds
     assert elapsed < 1.5, f"figure took {elapsed:.2f} s"
 
 
+# --- restarts and self-healing ----------------------------------------------------------------
+
+S = 10**9
+
+
+def _actions(*rows: tuple) -> pd.DataFrame:
+    """(seconds, attempt, action, hosts, reason, evidence) -> rows as ``data.actions`` returns them."""
+    return pd.DataFrame([{"time_ns": T0 + t * S, "attempt": a, "action": act, "hosts": hosts, "incident_id": "inc-1" if act == "evict" else "",
+                          "reason": why, "evidence": json.dumps(ev)} for t, a, act, hosts, why, ev in rows],
+                        columns=["time_ns", "attempt", "action", "hosts", "incident_id", "reason", "evidence"])  # fmt: skip
+
+
+HEALED = _actions(
+    (10, 0, "incident", ["node-2"], "a straggler on node-2", {}),
+    (20, 0, "evict", ["node-2"], "node-2 failed its self-check", {}),
+    (21, 0, "restart", ["node-1"], "restart from step 6's checkpoint", {}),
+    (60, 1, "resumed", [], "", {"steps_lost": 2, "resumed_step": 7, "seconds": 39.5}),
+    (90, 1, "evict", ["node-3"], "node-3 lost", {}),
+    (91, 1, "restart", [], "", {}),
+)
+
+
+def test_restarts_take_the_first_step_from_the_resumed_action_else_from_the_attempt_and_name_the_evicted_hosts():
+    attempts = pd.DataFrame({"attempt": [1, 2], "first_step": [8, 11], "last_step": [10, 12], "start_ns": [T0 + 50 * S, T0 + 95 * S]})
+    found = healing.restarts(attempts, HEALED)
+    assert found["attempt"].tolist() == [1, 2]
+    assert found["step"].tolist() == [7, 11]  # attempt 1 resumed at step 7 (its first span may have been lost); attempt 2 from its data
+    assert found["label"].tolist() == ["attempt 1: restarted without node-2", "attempt 2: restarted without node-3"]
+    assert found["reason"].tolist() == ["restart from step 6's checkpoint", "node-3 lost"]  # no reason given for the second restart
+    first = found.iloc[0].to_dict()
+    assert (first["steps_lost"], first["seconds"]) == (2.0, 39.5) and np.isnan(found.iloc[1]["seconds"])
+    assert healing.restart_sentence(first) == ("attempt 1: restarted without node-2, from step 7 (2 steps run again, resumed after 40 s): "
+                                               "restart from step 6's checkpoint")  # fmt: skip
+    # the driver may record the restart under the new attempt once it sees it, even after the first step
+    noticed = _actions((20, 0, "evict", ["node-2"], "node-2 failed", {}), (60, 1, "resumed", ["node-1"], "", {"resumed_step": 7}),
+                       (65, 1, "restart", ["node-1"], "attempt 1: 2 ranks on node-1", {}))  # fmt: skip
+    late = healing.restarts(attempts.head(1), noticed).iloc[0]
+    assert (late["step"], late["label"], late["reason"]) == (7, "attempt 1: restarted without node-2", "attempt 1: 2 ranks on node-1")
+    # a plain torchrun restart (no driver, no actions), and a run never restarted
+    plain = healing.restarts(attempts.head(1), _actions())
+    assert plain[["step", "label"]].values.tolist() == [[8, "attempt 1: restarted"]]
+    assert healing.restarts(pd.DataFrame(), pd.DataFrame()).empty
+
+
+def test_the_overview_and_the_heat_map_mark_where_each_attempt_began():
+    restarts = healing.restarts(pd.DataFrame(columns=["attempt", "first_step", "last_step", "start_ns"]), HEALED)
+    metrics = pd.DataFrame({"first_step": [5, 6, 7, 8], "name": ["step_time_s"] * 4, "mid": [1.0] * 4, "low": [1.0] * 4, "high": [1.0] * 4})
+    fig = figures.overview_figure(metrics, restarts)
+    assert [(s.x0, s.x1, s.yref) for s in fig.layout.shapes] == [(7, 7, "paper")]  # over every panel
+    assert [a.text for a in fig.layout.annotations] == ["step time (s)", "attempt 1: restarted without node-2"]
+    assert not figures.overview_figure(metrics).layout.shapes
+    cells = _cells(4, 10)
+    lines = lambda f: [s.x0 for s in f.layout.shapes if s.name == "attempt 1"]  # noqa: E731
+    assert lines(figures.heatmap_figure(cells, "forward", restarts=restarts)) == [6.5]  # between the columns of steps 6 and 7
+    assert lines(figures.heatmap_figure(cells[cells["step"] >= 8], "forward", restarts=restarts)) == []  # not among the steps shown
+    big = _cells(12_288, 10, pp=16)
+    assert lines(figures.heatmap_figure(big, "forward", restarts=restarts)) == [5.5]  # an image: x is the column (step 7 is the 7th)
+
+
+def test_the_actions_and_self_check_tables_put_failures_first():
+    table = healing.actions_table(HEALED)
+    assert table["action"].tolist() == ["incident", "evict", "restart", "resumed", "evict", "restart"]
+    assert table.loc[1, "hosts"] == "node-2" and table.loc[1, "details"] == "incident inc-1"
+    assert table.loc[3, "details"] == "at step 7, 2 steps lost, 40 s"
+    assert table.loc[3, "hosts"] == "-" and table.loc[5, "reason"] == "-"
+    checks = pd.DataFrame({
+        "host": ["node-1", "node-1", "node-2", "node-2"], "time_ns": [T0] * 4, "check": ["matmul", "link_rtt:node-2"] * 2,
+        "value": [41.5, 0.2, 3.25, float("nan")], "unit": ["GFLOP/s", "ms"] * 2, "reference": [3.25, float("nan"), 41.5, 0.2],
+        "passed": [1, 1, 0, 0], "host_passed": [1, 1, 0, 0], "summary": ["ok", "ok", "2 of 2 checks failed", "2 of 2 checks failed"],
+        "detail": ["", "", "", "no answer in 30 s"],
+    })  # fmt: skip
+    shown = healing.selfcheck_table(checks)
+    assert shown[["host", "check", "passed"]].values.tolist()[:2] == [["node-2", "link_rtt:node-2", "❌"], ["node-2", "matmul", "❌"]]
+    assert shown.loc[1, ["value", "peers' median"]].tolist() == ["3.25", "41.5"]
+    assert shown.loc[0, "value"] == "-" and shown.loc[2, "peers' median"] == "-"  # not measured; no peer
+    verdicts = healing.host_verdicts(checks)
+    assert verdicts[["host", "passed", "failed"]].values.tolist() == [["node-2", False, ["link_rtt:node-2", "matmul"]], ["node-1", True, []]]
+    assert healing.actions_table(_actions()).empty and healing.selfcheck_table(checks.head(0)).empty
+    assert healing.evidence("{broken") == {} and healing.evidence("[1]") == {} and healing.evidence('{"a": 1}') == {"a": 1}
+
+
 # --- timeline ---------------------------------------------------------------------------------
 
 
@@ -119,6 +200,17 @@ def test_timeline_draws_lanes_with_webgl_traces_and_links_matched_operations():
     # the send from rank 0 reaches rank 1's receive, which never completed: drawn to the window's end
     assert [x for x in by_name["send → receive"].x if x is not None] == [41.0, 50.0]
     assert list(fig.layout.yaxis.ticktext) == ["rank 0 (node-0)", "rank 1 (node-0)"]
+
+
+def test_timeline_links_only_operations_of_one_attempt():
+    """A restart numbers collectives anew: dp[0] #7 of attempt 0 and of attempt 1 are different operations."""
+    spans, ops, who = _window()
+    ops = ops.assign(attempt=[0, 1, 1, 1])
+    by_name = {t.name: t for t in figures.timeline_figure(spans, ops, who, T0, T0 + 50_000_000).data}
+    assert "matched collectives" not in by_name
+    assert [x for x in by_name["send → receive"].x if x is not None] == [41.0, 50.0]
+    events = json.loads(export.to_json(export.chrome_trace(spans, ops, who, "run-1", T0, T0 + 50_000_000)))["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "s"} == {"pp[0] #3"}
 
 
 # --- the 3D-parallel graph and rank states ----------------------------------------------------

@@ -1,5 +1,6 @@
 """Heat map: ranks (grouped by pipeline stage and host) x steps, coloured by a segment's time
-relative to the ranks of the same stage (MegaScale's straggler heat map). A click opens the timeline."""
+relative to the ranks of the same stage (MegaScale's straggler heat map). A click opens the timeline.
+A restarted run shows each step as the latest attempt that ran it, a dashed line where each attempt began."""
 
 import pandas as pd
 import streamlit as st
@@ -48,8 +49,13 @@ def body(run: Run) -> None:
         for _, other in slow.iloc[1:].iterrows():
             st.markdown(f"- also slow: {_name(other, by, hosts)}, {other['ratio']:.2f}× its stage's median")
     st.caption(f"Compared on {measure}. 1.0 is the stage's median rank; red is slower, blue faster.")
+    restarts = ui.restarts(run)
+    if len(restarts):
+        st.caption("The run was restarted: a step run again shows its latest run, and the dashed lines mark where each attempt "
+                   "began. A row is a rank as the latest attempt numbers it (after a restart, the same rank may be another "
+                   "process on another host); a rank only an earlier attempt had is blank after it.")  # fmt: skip
     highlight = [str(r) for r in slow["row"]] + [str(r) for r in ui.ints_param("ranks") if by == "rank"]
-    fig = figures.heatmap_figure(cells, segment, highlight)
+    fig = figures.heatmap_figure(cells, segment, highlight, restarts)
     event = st.plotly_chart(fig, on_select="rerun", selection_mode="points", key="heat")
     rows = figures.heat_rows(cells)
     picked = _picked(event, rows)

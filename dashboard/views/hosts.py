@@ -1,4 +1,5 @@
-"""Hosts: GPU and host metrics over time per host and device, with throttling, ECC and Xid events marked."""
+"""Hosts: GPU and host metrics over time per host and device, with throttling, ECC and Xid events marked.
+A host that left a restarted run (evicted) stays listed, with no ranks, for its metrics."""
 
 import streamlit as st
 
@@ -17,7 +18,7 @@ def body(run: Run) -> None:
         return
     gpus = hosts["gpus"] > 0
     summary = hosts.assign(
-        ranks=hosts["ranks"].map(lambda r: ", ".join(map(str, r))),
+        ranks=hosts["ranks"].map(lambda r: ", ".join(map(str, r)) or "none now (left the run at a restart)"),
         **{"GPUs": hosts["gpus"], "metric samples": hosts["samples"],
            "hottest GPU (°C)": hosts["max_temp_c"].map("{:.0f}".format).where(gpus, "none"),
            "mean GPU use": hosts["gpu_util"].map("{:.0%}".format).where(gpus, "none"),

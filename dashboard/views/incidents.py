@@ -1,15 +1,21 @@
 """Incidents: the list, and one incident in full: summary, evidence, stack dump, the SQL that
-reproduces it, and links to the heat map, timeline and graph at that moment."""
+reproduces it, what the self-healing driver did about it, and links to the heat map, timeline and
+graph at that moment; then the run's restarts, actions and self-checks."""
 
 import streamlit as st
 
 from rankscope.collector.diagnosis.incidents import Finding
-from rankscope.dashboard import data, ui
+from rankscope.dashboard import data, healing, ui
 from rankscope.dashboard.data import Run
 
 
 def body(run: Run) -> None:
     ui.run_header(run, "Incidents")
+    _incidents(run)
+    ui.healing_section(run)
+
+
+def _incidents(run: Run) -> None:
     incidents = data.incidents(run)
     if not incidents:
         st.success("No incidents for this run.")
@@ -32,6 +38,19 @@ def body(run: Run) -> None:
     st.markdown("**The SQL that shows it** (copy it into `rankscope sql` or the SQL page)")
     st.code(f.sql or "-- this incident carries no query", language="sql", wrap_lines=True)
     st.page_link(ui.PAGES["sql"], label="Open it in the SQL console", icon=":material/database:", query_params={"run": run.id, "incident": f.key})
+    _acted(run, incident.incident_id)
+
+
+def _acted(run: Run, incident_id: str) -> None:
+    """What the self-healing driver did about this incident (its actions that name it), if anything."""
+    actions = data.actions(run)
+    mine = actions[actions["incident_id"] == incident_id] if len(actions) else actions
+    if mine.empty:
+        return
+    st.markdown("**What the self-healing driver did about it**")
+    lines = [f"- {ui.clock(a.time_ns)} · attempt {a.attempt} · **{a.action}**" + (f" {ui.escape(a.hosts)}" if a.hosts != "-" else "")
+             + (f": {ui.escape(a.reason)}" if a.reason != "-" else "") for a in healing.actions_table(mine).itertuples()]  # fmt: skip
+    st.markdown("\n".join(lines))
 
 
 def _stacks(run: Run, finding: Finding) -> None:

@@ -1,7 +1,10 @@
-"""Overview: the open incidents on top, then step time, tokens/s, MFU and loss over the steps."""
+"""Overview: the open incidents on top, then step time, tokens/s, MFU and loss over the steps (a
+restarted run's steps as their latest attempt ran them, a dashed line where each attempt began),
+then the restarts and what the self-healing driver did."""
 
 import math
 
+import pandas as pd
 import streamlit as st
 
 from rankscope.dashboard import data, figures, ui
@@ -23,7 +26,12 @@ def body(run: Run) -> None:
         with st.expander(f"{len(closed)} closed incident{'s' if len(closed) != 1 else ''}", expanded=not run.live):
             for incident in closed:
                 ui.incident_box(run, incident)
+    restarts = ui.restarts(run)
+    _scalars(run, restarts)
+    ui.healing_section(run, restarts)
 
+
+def _scalars(run: Run, restarts: pd.DataFrame) -> None:
     metrics = data.step_metrics(run)
     if metrics.empty:
         st.info("No training scalars recorded for this run yet (loss, step time, tokens/s: `agent.record_scalars`).")
@@ -38,9 +46,10 @@ def body(run: Run) -> None:
             column.metric(label, "not reported")
     if "mfu" not in latest.index:
         st.caption("MFU is not reported: no peak FLOP/s is known for this device (CPU runs have none).")
+    rerun = " A step run again after a restart shows its latest run; the dashed lines mark where each attempt began." if len(restarts) else ""
     st.caption("Each line is the median over the ranks reporting it; the band spans the slowest and fastest rank. "
-               "The loss comes from the last pipeline stage.")  # fmt: skip
-    st.plotly_chart(figures.overview_figure(metrics))
+               f"The loss comes from the last pipeline stage.{rerun}")  # fmt: skip
+    st.plotly_chart(figures.overview_figure(metrics, restarts))
 
 
 ui.page(body)

@@ -20,7 +20,8 @@ def body(run: Run) -> None:
         return
     first, last = _steps(run)
     all_ranks = who["rank"].astype(int).tolist()
-    wanted = [r for r in ui.ints_param("ranks") if r in all_ranks] or all_ranks[:DEFAULT_LANES]
+    current = who[who["attempt"] == who["attempt"].max()]["rank"].astype(int).tolist()  # not the ranks only an earlier, larger world had
+    wanted = [r for r in ui.ints_param("ranks") if r in all_ranks] or current[:DEFAULT_LANES]
     hosts = ui.hosts_of(run)
     left, right = st.columns([1, 2])
     if run.steps > 1:
