@@ -39,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "rankscope.cli.simulate",
     "testbed": "rankscope.cli.testbed",
     "selfcheck": "rankscope.cli.selfcheck",
+    "launch": "rankscope.cli.launch",
     "dashboard": "rankscope.cli.dashboard",
     "demo": "rankscope.cli.demo",
 }

@@ -177,14 +177,13 @@ class Driver:
         steps = {r["attempt"]: r for r in self._query(STEPS_SQL)}
         for row in self._query(ATTEMPTS_SQL):
             attempt = row["attempt"]
-            if attempt not in self._attempts:
-                self._attempts[attempt] = row
-                if attempt > 0:
-                    self._fenced = None
-                    self._act("restart", sorted(row["hosts"]), reason=f"attempt {attempt}: {row['ranks']} ranks on {', '.join(sorted(row['hosts']))}",
-                              evidence={"world_size": row["ranks"]}, attempt=attempt)  # fmt: skip
+            self._attempts[attempt] = row
+            if attempt > 0:
+                self._fenced = None  # the survivors restarted
             if attempt > 0 and attempt in steps and attempt not in self._resumed:
-                self._resumed.add(attempt)
+                self._resumed.add(attempt)  # every rank of it registered before its first step ended
+                self._act("restart", sorted(row["hosts"]), reason=f"attempt {attempt}: {row['ranks']} ranks on {', '.join(sorted(row['hosts']))}",
+                          evidence={"world_size": row["ranks"]}, attempt=attempt, time_ns=row["registered_ns"])  # fmt: skip
                 self._resume(attempt, steps)
 
     def _resume(self, attempt: int, steps: dict[int, dict[str, Any]]) -> None:

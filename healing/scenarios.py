@@ -46,7 +46,8 @@ STATUS_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = 
 class Drill:
     name: str
     doc: str
-    apply: Callable[[hosts.Testbed, hosts.Host], faults.Applied]
+    #: the fault, or None for a clean run (the benchmark's baseline)
+    apply: Callable[[hosts.Testbed, hosts.Host], faults.Applied] | None
     fault_step: int = 5
 
 
@@ -58,6 +59,9 @@ DRILLS: dict[str, Drill] = {
         Drill("throttle-host", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: faults.throttle_cpu(bed, h, 0.2)),
     )
 }
+
+
+CLEAN = Drill("clean", "no fault", None)
 
 
 @dataclass
@@ -126,12 +130,15 @@ def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Ca
     applied: list[faults.Applied] = []
 
     def fault_later(job: Job) -> None:
+        if drill.apply is None:
+            return
+
         def apply() -> None:
             with Client(address) as client:
                 while not job.finished():
                     rows = client.query(STEP_SQL, {"run": run_id}).to_pylist()
                     if rows and (rows[0]["step"] or 0) >= drill.fault_step:
-                        applied.append(drill.apply(bed, bed.host(outcome.target)))
+                        applied.append(drill.apply(bed, bed.host(outcome.target)))  # type: ignore[misc]
                         outcome.fault_ns = applied[-1].at_ns
                         log(f"{drill.name}: {applied[-1].what}")
                         return

@@ -11,7 +11,8 @@ others:
 - ``loopback_allreduce``: ``ranks`` local processes all-reduce 1 MiB over 127.0.0.1 (gloo; NCCL on
   CUDA), ms per all-reduce;
 - ``link_throughput:PEER`` and ``link_rtt:PEER``: a TCP stream (Mbit/s) and a ping-pong (ms, median)
-  from the host to a small sink server started on each peer host.
+  from the host to a small sink server started on each peer host; ``link_server`` fails on a host
+  whose server did not start or that most of its peers could not reach.
 
 Each test is a child process on the host (``python -m rankscope.healing.selfcheck --probe ...``)
 that prints one JSON line per test; every test has a timeout, and a host that gives no line in
@@ -50,6 +51,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rankscope.healing.record import Figure, selfcheck_batch
+from rankscope.testbed.hosts import SUBNET
 
 if TYPE_CHECKING:
     from rankscope.protos.rankscope.v1 import ingest_pb2
@@ -67,7 +69,7 @@ TIMEOUT_S = 60.0
 #: the tests run on each host itself, in this order (``matmul`` last: nothing forks after it)
 LOCAL_CHECKS = ("memory_bandwidth", "loopback_allreduce", "matmul")
 #: the only networks a link test may contact: the test bed's namespaces and loopback
-ALLOWED_NETWORKS = (ipaddress.ip_network("10.200.0.0/24"), ipaddress.ip_network("127.0.0.0/8"))
+ALLOWED_NETWORKS = (ipaddress.ip_network(f"{SUBNET}.0/24"), ipaddress.ip_network("127.0.0.0/8"))
 #: what the probes print before each JSON line (anything else on their stdout is ignored)
 MARK = "@selfcheck "
 #: bytes and seconds of a link test: the stream stops at whichever comes first
@@ -315,11 +317,13 @@ def check_hosts(
     """Run every test on every host of ``hosts`` (one host at a time), then the link tests between
     the hosts that answered, and judge each host against the others (``judge``).
 
-    ``ranks``: processes of the loopback all-reduce (0: one per GPU, else 2); ``timeout_s``: the
-    most each test may take on a host; ``device``: auto (CUDA where there is one), cpu or cuda.
+    ``ranks``: processes of the loopback all-reduce (0: one per GPU, else 2; 1 counts as 2: an
+    all-reduce of one process tests nothing); ``timeout_s``: the most each test may take on a host;
+    ``device``: auto (CUDA where there is one), cpu or cuda.
     """
     if len(set(hosts)) != len(hosts) or not hosts:
         raise ValueError(f"name each host once, at least one: {list(hosts)}")
+    ranks = max(2, ranks) if ranks > 0 else 0
     raw: dict[str, list[Figure]] = {h: [] for h in hosts}
     elapsed = dict.fromkeys(hosts, 0.0)
     silent: dict[str, str] = {}  # host -> why it is not asked anything more
@@ -339,7 +343,7 @@ def check_hosts(
 def check_local(*, ranks: int = 0, timeout_s: float = TIMEOUT_S, device: str = "auto") -> Report:
     """The tests on this machine alone (no peer: the figures are measured, not judged)."""
     runner = LocalRunner()
-    return check_hosts(runner.hosts, runner, ranks=ranks or 0, timeout_s=timeout_s, links=False, device=device)
+    return check_hosts(runner.hosts, runner, ranks=ranks, timeout_s=timeout_s, links=False, device=device)
 
 
 def _probe(*args: str) -> list[str]:
@@ -377,37 +381,46 @@ def _links(
     runner: Runner, hosts: Sequence[str], raw: dict[str, list[Figure]], elapsed: dict[str, float], silent: dict[str, str], *,
     timeout_s: float, link_bytes: int, link_seconds: float,
 ) -> None:  # fmt: skip
-    """A sink server on every host that answers, then from each such host a link test to every other."""
+    """A sink server on every host that answered, then from each of them a link test to every other.
+
+    A link test that could not run is the peer's fault when most hosts could not reach that peer
+    (its server answers nobody): the peer fails (``link_server``) and the links to it are not held
+    against anybody. Links to a host that gave no answer before are not tested at all.
+    """
     servers: dict[str, tuple[_Child, int]] = {}
+    tested = [h for h in hosts if h not in silent]
     try:
-        for host in hosts:
-            if host in silent:
-                continue
+        for host in tested:
             began = time.monotonic()
-            child = _Child(runner, host, _probe("--serve-links", "--bind", runner.address(host), "--for", f"{len(hosts) * (len(hosts) * timeout_s + 10):g}"))
+            backstop = len(hosts) ** 2 * timeout_s + 30  # the server ends by itself even if nobody stops it
+            child = _Child(runner, host, _probe("--serve-links", "--bind", runner.address(host), "--for", f"{backstop:g}"))
             try:
                 message = child.message(timeout_s)
-                problem = "" if message and "port" in message else f"the link server ended ({child.why()})"
+                problem = "" if message and "port" in message else f"it ended ({child.why()})"
             except TimeoutError:
                 message, problem = None, f"no answer in {timeout_s:g} s"
-            if problem:
+            if message and not problem:
+                servers[host] = (child, int(message["port"]))
+            else:
                 child.stop()
                 raw[host].append(_not_run("link_server", "", f"the link server did not start: {problem}"))
-                silent[host] = f"{host} could not serve link tests"
-            else:
-                assert message is not None
-                servers[host] = (child, int(message["port"]))
+                silent[host] = f"{host}'s link server did not start"
             elapsed[host] += time.monotonic() - began
-        for host in hosts:
-            peers = [p for p in hosts if p != host]
-            if host in silent:
-                continue  # its local tests already failed
+        for host in tested:
+            if host not in servers:
+                continue  # it failed already
             began = time.monotonic()
-            raw[host] += _link_tests(runner, host, peers, servers, silent, timeout_s=timeout_s, link_bytes=link_bytes, link_seconds=link_seconds)
+            raw[host] += _link_tests(runner, host, [p for p in tested if p != host and p in servers], servers,
+                                     timeout_s=timeout_s, link_bytes=link_bytes, link_seconds=link_seconds)  # fmt: skip
             elapsed[host] += time.monotonic() - began
     finally:
         for child, _ in servers.values():
             child.stop()
+    for peer in [h for h in tested if h in servers]:
+        unreachable = {h: f for h in servers if h != peer for f in raw[h] if f.check == f"link_throughput:{peer}" and not f.passed}
+        if len(unreachable) > (len(servers) - 1) / 2:
+            raw[peer].append(_not_run("link_server", "", f"unreachable from {', '.join(unreachable)}: {next(iter(unreachable.values())).detail}"))
+            silent[peer] = f"{peer}'s link server answers none of its peers"
     for host in hosts:  # links to hosts that could not take part: not held against anybody
         if host in silent:
             for peer in hosts:
@@ -419,17 +432,17 @@ def _links(
 
 
 def _link_tests(
-    runner: Runner, host: str, peers: Sequence[str], servers: Mapping[str, tuple[_Child, int]], silent: Mapping[str, str], *,
+    runner: Runner, host: str, peers: Sequence[str], servers: Mapping[str, tuple[_Child, int]], *,
     timeout_s: float, link_bytes: int, link_seconds: float,
 ) -> list[Figure]:  # fmt: skip
-    targets = [p for p in peers if p in servers and p not in silent]
-    if not targets:
+    if not peers:
         return []
-    args = [a for p in targets for a in ("--peer", f"{p}={runner.address(p)}:{servers[p][1]}")]
-    child = _Child(runner, host, _probe("--probe", "links", "--bytes", str(link_bytes), "--seconds", f"{link_seconds:g}", *args))
+    args = [a for p in peers for a in ("--peer", f"{p}={runner.address(p)}:{servers[p][1]}")]
+    probe = _probe("--probe", "links", "--bytes", str(link_bytes), "--seconds", f"{link_seconds:g}", "--socket-timeout", f"{timeout_s / 3:g}", *args)
+    child = _Child(runner, host, probe)
     figures, why = [], ""
     try:
-        for peer in targets:
+        for peer in peers:
             if not why:
                 try:
                     message = child.message(timeout_s)
@@ -492,7 +505,7 @@ def judge(measured: Mapping[str, Sequence[Figure]], *, factor: float = FACTOR) -
                 bad = f.value < ref / factor and ref - f.value > spec.noise
             else:
                 bad = f.value > ref * factor and f.value - ref > spec.noise
-            judged_figures.append(replace(f, reference=ref, passed=not bad, detail=_join(f.detail, f"{ratio:.2f}x the peers' median")))
+            judged_figures.append(replace(f, reference=ref, passed=not bad, detail=_join(f.detail, f"{_times(ratio)} the peers' median")))
         judged_figures.sort(key=lambda f: (ORDER.index(_metric(f.check)) if _metric(f.check) in ORDER else len(ORDER), f.check))
         failed = [f for f in judged_figures if not f.passed]
         passed = not failed
@@ -521,7 +534,12 @@ def _reference(measured: Mapping[str, Sequence[Figure]], host: str, check: str) 
 def _describe(f: Figure) -> str:
     if math.isnan(f.value):
         return f"{f.check} {f.detail}"
-    return f"{f.check} {_fmt(f.value)} {f.unit} is {f.value / f.reference:.2f}x the peers' median {_fmt(f.reference)}"
+    ratio = f.value / f.reference if f.reference else math.inf
+    return f"{f.check} {_fmt(f.value)} {f.unit} is {_times(ratio)} the peers' median {_fmt(f.reference)}"
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
 
 
 def _fmt(value: float) -> str:
@@ -661,7 +679,8 @@ def _loopback_allreduce(device: str, ranks: int, size: int = 1 << 20, window_s: 
     errors = [a for a in answers if isinstance(a, str)]
     if errors:
         raise RuntimeError(errors[0])
-    return {"check": "loopback_allreduce", "value": max(answers), "unit": "ms", "detail": f"{ranks} ranks, {size >> 20} MiB, {'nccl' if device == 'cuda' else 'gloo'}"}
+    backend = "nccl" if device == "cuda" else "gloo"
+    return {"check": "loopback_allreduce", "value": max(answers), "unit": "ms", "detail": f"{ranks} ranks, {size >> 20} MiB, {backend}"}
 
 
 def _device(device: str) -> str:
@@ -694,15 +713,15 @@ def _allowed(address: str) -> None:
         raise ValueError(f"a link test contacts only {', '.join(map(str, ALLOWED_NETWORKS))}, not {address}")
 
 
-def _probe_links(peers: Sequence[str], total_bytes: int, seconds: float) -> None:
+def _probe_links(peers: Sequence[str], total_bytes: int, seconds: float, socket_timeout_s: float) -> None:
     for spec in peers:
         name, _, target = spec.partition("=")
         address, _, port = target.rpartition(":")
         checks = [f"link_throughput:{name}", f"link_rtt:{name}"]
         try:
             _allowed(address)
-            rtt = _ping(address, int(port), seconds)
-            mbit = _stream(address, int(port), total_bytes, seconds)
+            rtt = _ping(address, int(port), socket_timeout_s)
+            mbit = _stream(address, int(port), total_bytes, seconds, socket_timeout_s)
         except (OSError, ValueError) as e:
             _say({"checks": checks, "error": f"{address}:{port}: {type(e).__name__}: {e}"})
             continue
@@ -712,8 +731,8 @@ def _probe_links(peers: Sequence[str], total_bytes: int, seconds: float) -> None
         ]})  # fmt: skip
 
 
-def _ping(address: str, port: int, seconds: float) -> float:
-    with socket.create_connection((address, port), timeout=seconds + 10) as s:
+def _ping(address: str, port: int, timeout_s: float) -> float:
+    with socket.create_connection((address, port), timeout=timeout_s) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(b"E")
         times = []
@@ -725,9 +744,10 @@ def _ping(address: str, port: int, seconds: float) -> float:
         return statistics.median(times[3:]) * 1e3
 
 
-def _stream(address: str, port: int, total_bytes: int, seconds: float) -> float:
+def _stream(address: str, port: int, total_bytes: int, seconds: float, timeout_s: float) -> float:
     chunk = b"\0" * (256 << 10)
-    with socket.create_connection((address, port), timeout=seconds + 10) as s:
+    with socket.create_connection((address, port), timeout=timeout_s) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # what is left in it when time is up drains quickly on a slow link
         s.sendall(b"S")
         sent, began = 0, time.perf_counter()
         while sent < total_bytes and time.perf_counter() - began < seconds:
@@ -792,6 +812,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=ADDRESS:PORT")
     parser.add_argument("--bytes", type=int, default=LINK_BYTES)
     parser.add_argument("--seconds", type=float, default=LINK_SECONDS)
+    parser.add_argument("--socket-timeout", type=float, default=10.0)
     parser.add_argument("--bind", default="127.0.0.1")
     parser.add_argument("--for", dest="for_s", type=float, default=600.0)
     args = parser.parse_args(argv)
@@ -800,7 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.probe == "local":
         _probe_local(args.checks.split(","), args.ranks, args.device)
     else:
-        _probe_links(args.peer, args.bytes, args.seconds)
+        _probe_links(args.peer, args.bytes, args.seconds, args.socket_timeout)
     return 0
 
 

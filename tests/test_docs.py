@@ -91,6 +91,8 @@ NO_DOCKER = NotHere("needs a Docker engine: none runs on the development machine
 SIM_SHORT = ((r"--ranks 12288 --tp 8 --pp 16 --dp 96 --steps 120", "--ranks 256 --tp 4 --pp 4 --dp 16 --steps 24"),
              (r"rank=3000", "rank=100"), (r"hang:rank=7777,step=96\"$", 'hang:rank=200,step=18" --hold 10'))  # fmt: skip
 
+HEALING_DRILLS = ("not run as a page: with a fault from another shell it takes minutes; tests/test_healing.py runs the same job "
+                  "(rankscope.healing.launch.run, which `rankscope launch` calls) with kill, freeze and throttle faults")
 #: every shell command of README.md and docs/*.md -> how the suite treats it
 COMMANDS: dict[str, Run | NotHere] = {
     # README.md
@@ -138,6 +140,18 @@ COMMANDS: dict[str, Run | NotHere] = {
         Run("10 steps instead of 40", shorten=((r"--steps 40$", "--steps 10"),), expect="node3: exit 0", timeout_s=400),
     "rankscope diagnose --collector unix:/tmp/rankscope.sock": Run(expect=r"straggler: host node2: ranks 4, 5"),
     "rankscope testbed down": Run(expect="is down"),
+    # docs/selfcheck.md
+    "rankscope selfcheck": Run(expect="no peers to compare with"),
+    "rankscope testbed up --hosts 3 --ranks-per-host 2 --name rscheck": Run(expect="node2"),
+    "rankscope testbed fault throttle-cpu --testbed rscheck --host node2 --share 0.2 --for 300 &": Run(),
+    "rankscope selfcheck --testbed rscheck": Run("exits 1: node2 fails, as the page shows",
+                                                 shorten=((r"rscheck$", "rscheck || test $? = 1"),), expect=r"node2 FAIL: matmul"),
+    "rankscope testbed down rscheck": Run(expect="is down"),
+    # docs/healing.md
+    "rankscope testbed up --hosts 3 --ranks-per-host 2": NotHere(HEALING_DRILLS),
+    "rankscope collector --listen unix:/tmp/rankscope.sock --hang-after 10 --silent-after 8 &": NotHere(HEALING_DRILLS),
+    "rankscope launch --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 1 --dp 0 --global-batch 12 "
+    "--micro-batch 2 --steps 40 --ckpt-dir /tmp/ckpt --ckpt-every 2 --resume": NotHere(HEALING_DRILLS),
     "rankscope scenario run testbed-freeze-rank": NotHere("tests/test_testbed_scenarios.py runs every test-bed scenario"),
     # docs/trainer.md
     "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --layers 4 --hidden 64 --heads 4 --seq 64 --vocab 256 --micro-batch 2 --global-batch 16 --steps 20":
@@ -149,7 +163,7 @@ COMMANDS: dict[str, Run | NotHere] = {
 #: pages that read a recorded run through a collector at the default address (a copy of the README's store)
 NEEDS_A_COLLECTOR = {"docs/diagnosis.md", "docs/sql.md", "docs/dashboard.md"}
 #: pages whose commands make namespace hosts: root only
-NEEDS_ROOT = {"docs/testbed.md"}
+NEEDS_ROOT = {"docs/testbed.md", "docs/selfcheck.md"}
 #: a user's own training script, for the commands that run `train.py`
 USER_SCRIPT = ROOT / "tests" / "scripts" / "ddp_plain.py"
 

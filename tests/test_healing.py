@@ -57,3 +57,20 @@ def test_the_job_finishes_without_the_faulty_host(drill: scenarios.Drill, tmp_pa
     if drill.name != "kill-host":  # a host that is still there was self-checked and failed, with its figures
         check = json.loads(outcome.first("selfcheck")["evidence"])["passed"]
         assert check[outcome.target] is False and all(check[h] for h in check if h != outcome.target), story
+
+
+def test_rankscope_launch_refuses_what_cannot_run_with_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    def launch(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rankscope.cli.main", "launch", *args], capture_output=True, text=True, timeout=60)
+
+    refused = launch("--collector", "127.0.0.1:7777", "--", "-m", "rankscope.trainer")
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "rankscope launch: --collector must be unix:/PATH (the hosts' networks reach nothing else)"
+    )
+    missing = launch("--collector", f"unix:{tmp_path}/c.sock")
+    assert missing.returncode == 2 and missing.stderr.startswith("rankscope launch: name a program after --")
+    unknown = launch("--collector", f"unix:{tmp_path}/c.sock", "--testbed", "no-such-bed", "--", "-m", "rankscope.trainer")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("rankscope launch: no test bed 'no-such-bed'"), unknown.stderr
