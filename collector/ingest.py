@@ -281,6 +281,38 @@ def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str
     return info
 
 
+class LastHeard:
+    """When the collector last heard from each rank, by its own clock, whatever its writer has stored.
+
+    A collector that falls behind (short of CPU, replaying a spool, a slow store) stores heartbeats
+    late: judged by its newest stored heartbeat, every rank would look silent while it keeps
+    sending. A rank is heard when a heartbeat batch of it arrives, at the arrival time; a batch
+    whose newest heartbeat is older than ``stale_ns`` on arrival (a spool replayed after the rank's
+    end) says only that the rank lived until that heartbeat. Written on the event loop, read by the
+    diagnosis thread (``of`` copies).
+    """
+
+    def __init__(self, stale_ns: int) -> None:
+        self.stale_ns = stale_ns
+        self._heard: dict[tuple[str, int], dict[int, int]] = {}
+
+    def note(self, decoded: Decoded, rank: int, received_ns: int) -> None:
+        beats = decoded.parts.get("heartbeats")
+        if beats is None or beats.num_rows == 0:
+            return
+        newest = max(beats["time"].cast(pa.int64()).to_pylist())
+        heard = received_ns if received_ns - newest <= self.stale_ns else newest
+        ranks = self._heard.setdefault((beats["run_id"][0].as_py(), beats["attempt"][0].as_py()), {})
+        ranks[rank] = max(ranks.get(rank, 0), heard)
+
+    def of(self, run_id: str, attempt: int) -> dict[int, int]:
+        """rank -> when it was last heard (ns, collector clock), for one attempt of a run."""
+        return dict(self._heard.get((run_id, attempt), {}))
+
+    def forget(self, run_id: str) -> None:
+        self._heard = {key: ranks for key, ranks in self._heard.items() if key[0] != run_id}
+
+
 # --- decoding ---------------------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2
 from .control import PendingCommands
 from .diagnosis.context import Settings
 from .diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
-from .ingest import RUN_LEVEL, IngestError, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
+from .ingest import RUN_LEVEL, IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
 from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
 from .store.base import Store, StoreError, open_store
 from .store.migrations import migrate
@@ -96,6 +96,8 @@ class Collector:
         self.guard = guard
         self.options = options
         self.runs = RunRegistry()
+        silent_after_s = options.diagnosis.silent_after_s if options.diagnosis is not None else 15.0
+        self.heard = LastHeard(int(silent_after_s * 1e9))
         self.commands = PendingCommands()
         self.telemetry = Telemetry(writer)
 
@@ -157,6 +159,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         for table, rows in decoded.parts.items():
             c.telemetry.rows_received.labels(table).inc(rows.num_rows)
         key = BatchKey(batch.run_id, batch.rank, batch.batch_id, decoded.kind)
+        c.heard.note(decoded, batch.rank, received_ns)
         try:
             return await c.writer.write(decoded.parts, key)
         except StoreError as e:
@@ -346,7 +349,7 @@ async def _diagnose(collector: Collector, loop: asyncio.AbstractEventLoop, stop:
     live = LiveDiagnosis(
         store.query_arrow, write_to(store.insert_arrow), request_stack, options.diagnosis,
         interval_s=options.diagnose_interval_s, webhook=options.alert_webhook,
-        stored=lambda run_id: collector.writer.stored.get(run_id, (0, 0)),
+        stored=lambda run_id: collector.writer.stored.get(run_id, (0, 0)), heard=collector.heard,
     )  # fmt: skip
     await live.run(stop)
 

@@ -92,3 +92,36 @@ def test_a_host_finding_continues_the_incident_of_its_first_straggler_rank() -> 
     assert [i.incident_id for i in ledger.incidents.values()] == ["straggler:rank=5"]
     _, new = Ledger("run").update([host])  # nothing to continue: the host's own id
     assert [i.incident_id for i in new] == ["straggler:host=node2"]
+
+
+def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_stored(migrated: Store) -> None:  # noqa: F811
+    """A collector that lags stores heartbeats late: by its store, every rank is a minute silent."""
+    from rankscope.collector.ingest import Decoded, LastHeard
+
+    now = time.time_ns()
+    old = now - 60 * 10**9
+    migrated.insert_arrow(f"{migrated.database}.runs", sample_rows("runs", 1, run_id="job", start_ns=now))
+    def first_attempt(rows: pa.Table) -> pa.Table:
+        return rows.set_column(rows.schema.get_field_index("attempt"), "attempt", pa.array([0] * rows.num_rows, pa.uint16()))
+
+    migrated.insert_arrow(f"{migrated.database}.ranks", first_attempt(sample_rows("ranks", 2, run_id="job-0", start_ns=old)))
+    beats = first_attempt(sample_rows("heartbeats", 2, run_id="job-0", start_ns=old))
+    migrated.insert_arrow(f"{migrated.database}.heartbeats", beats)
+    settings = Settings(silent_after_s=5.0, hang_after_s=60.0)
+
+    def lost(heard: LastHeard | None) -> list[str]:
+        written: list = []
+        live = LiveDiagnosis(migrated.query_arrow, written.extend, lambda run, rank, reason: None, settings, heard=heard)
+        live.pass_once()
+        return [i.finding.kind for i in written]
+
+    assert lost(None) == ["lost_host"]  # the store alone: a minute of silence
+    heard = LastHeard(stale_ns=5 * 10**9)
+    for rank in range(2):  # a heartbeat of each rank arrived just now, carrying a time of a moment ago
+        fresh = beats.slice(rank, 1).set_column(beats.schema.get_field_index("time"), "time", pa.array([now - 10**9], pa.timestamp("ns")))
+        heard.note(Decoded("heartbeats", {"heartbeats": fresh}), rank, now)
+    assert lost(heard) == []
+    replayed = LastHeard(stale_ns=5 * 10**9)  # a spool replayed now, its heartbeats a minute old: no news
+    for rank in range(2):
+        replayed.note(Decoded("heartbeats", {"heartbeats": beats.slice(rank, 1)}), rank, now)
+    assert lost(replayed) == ["lost_host"]

@@ -14,6 +14,7 @@ consequences, so no crash incident is opened for them.
 from __future__ import annotations
 
 import signal
+from collections.abc import Mapping
 
 from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.incidents import Finding
@@ -38,15 +39,19 @@ LAUNCHER_SIGNALS = (int(signal.SIGTERM), int(signal.SIGINT))
 TIMEOUT_WORDS = ("timed out", "timeout", "watchdog", "connection reset", "connection closed", "aborted")
 
 
-def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None) -> list[Finding]:
+def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: Mapping[int, int] | None = None) -> list[Finding]:
     """``now_ns``: the collector's clock (live) or the run's last data time (offline).
 
     ``hang``: the hang found in this pass, if any: ends after it are its consequences, and its
-    roots that went silent are its own (frozen, not lost).
+    roots that went silent are its own (frozen, not lost). ``heard``: rank -> when the collector
+    last heard from it (live): a rank is silent by that, not by its newest stored heartbeat, which
+    a collector that lags stores late.
     """
     after_hang_ns = hang.first_seen_ns if hang is not None else None
     exits = {r["rank"]: r for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
     last_beat = {r["rank"]: r["last_ns"] for r in ctx.query(HEARTBEATS_SQL, {"run": ctx.run_id}).to_pylist()}
+    for rank, heard_ns in (heard or {}).items():
+        last_beat[rank] = max(last_beat.get(rank, 0), heard_ns)
     abnormal = sorted((r for r in exits.values() if r["reason"] != "normal"), key=lambda r: r["time_ns"])
     culprits = [r for r in abnormal if _on_its_own(r)]
     if after_hang_ns is not None:

@@ -13,11 +13,12 @@ import json
 import logging
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from rankscope.collector.diagnosis import crash, gpu, hang, nan, slow_link, straggler
 from rankscope.collector.diagnosis.context import Query, RunContext, Settings
+from rankscope.collector.ingest import LastHeard
 from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, Finding, Incident, Ledger, from_rows, to_arrow
 
 log = logging.getLogger("rankscope.diagnosis")
@@ -43,16 +44,18 @@ ACTIVE_RUNS_SQL = (
 
 
 def diagnose(
-    run_id: str, query: Query, settings: Settings, *, now_ns: int | None = None, ctx: RunContext | None = None
-) -> list[Finding]:
+    run_id: str, query: Query, settings: Settings, *, now_ns: int | None = None, ctx: RunContext | None = None,
+    heard: Mapping[int, int] | None = None,
+) -> list[Finding]:  # fmt: skip
     """Every detector's findings for ``run_id``; ``now_ns`` defaults to the run's last data (offline),
-    ``ctx`` to the run's topology read now."""
+    ``ctx`` to the run's topology read now; ``heard``: rank -> when the collector last heard from it
+    (live: its own clock, ahead of what it has stored when it lags)."""
     ctx = ctx or RunContext.load(run_id, query, settings)
     if now_ns is None:
         now_ns = int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
     hangs = _with_stacks(ctx, hang.detect(ctx))
     findings = list(hangs)
-    findings += crash.detect(ctx, now_ns=now_ns, hang=hangs[0] if hangs else None)
+    findings += crash.detect(ctx, now_ns=now_ns, hang=hangs[0] if hangs else None, heard=heard)
     for detector in (straggler.detect, nan.detect, slow_link.detect, gpu.detect):
         findings += detector(ctx)
     return findings
@@ -92,6 +95,7 @@ class LiveDiagnosis:
         interval_s: float = DIAGNOSE_EVERY_S,
         webhook: str | None = None,
         stored: Callable[[str], tuple[int, int]] | None = None,
+        heard: LastHeard | None = None,
     ) -> None:
         self.query = query
         self.write = write
@@ -100,6 +104,7 @@ class LiveDiagnosis:
         self.interval_s = interval_s
         self.webhook = webhook
         self.stored = stored
+        self.heard = heard
         self.recheck_s = max(interval_s, settings.silent_after_s / 3)
         self.ledgers: dict[str, Ledger] = {}
         self._passed: dict[str, tuple[tuple[int, int], float]] = {}  # run -> stored() and time.monotonic() at its last pass
@@ -166,7 +171,9 @@ class LiveDiagnosis:
         ledger = self.ledgers.get(run_id)
         if ledger is None:
             ledger = self.ledgers[run_id] = Ledger(run_id, from_rows(self.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()))
-        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=self._context(run_id, now))
+        ctx = self._context(run_id, now)
+        heard = self.heard.of(run_id, ctx.attempt) if self.heard is not None else None
+        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=ctx, heard=heard)
         for f in findings:
             if f.kind == "hang":
                 for rank in f.ranks:
@@ -181,6 +188,8 @@ class LiveDiagnosis:
             self._alert(incident)
         if final:
             self.ledgers.pop(run_id, None)
+            if self.heard is not None:
+                self.heard.forget(run_id)
             self._asked = {(run, rank) for run, rank in self._asked if run != run_id}
         return changed
 
