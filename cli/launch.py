@@ -28,6 +28,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--act-on", default="lost_host,crash,hang,straggler", metavar="KINDS",
                         help="incident kinds whose hosts are suspects (default: lost_host,crash,hang,straggler)")  # fmt: skip
     parser.add_argument("--straggler-steps", type=count(0), default=3, help="act on a straggler once it stayed slow this many steps (default: 3)")
+    parser.add_argument("--spares", type=count(0), default=0,
+                        help="the test bed's last N hosts wait outside the job; one joins it for each host evicted (default: 0)")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("launch-logs"), help="hosts' logs and the rendezvous log (default: ./launch-logs)")
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="PROGRAM",
                         help="after --: -m rankscope.trainer ... --dp 0 --ckpt-dir DIR --ckpt-every N --resume, or a script that resumes by itself")  # fmt: skip
@@ -48,15 +50,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         bed = hosts.load(args.testbed)
-        min_hosts = args.min_hosts or max(1, len(bed.hosts) - 1)
-        if min_hosts > len(bed.hosts):
-            print(f"rankscope launch: --min-hosts {min_hosts} is more than the test bed's {len(bed.hosts)} hosts", file=sys.stderr)
+        job_hosts = len(bed.hosts) - args.spares
+        if job_hosts < 1:
+            print(f"rankscope launch: --spares {args.spares} leaves none of the test bed's {len(bed.hosts)} hosts to run the job", file=sys.stderr)
+            return 2
+        min_hosts = args.min_hosts or max(1, job_hosts - 1)
+        if min_hosts > job_hosts:
+            print(f"rankscope launch: --min-hosts {min_hosts} is more than the job's {job_hosts} hosts", file=sys.stderr)
             return 2
         policy = Policy(act_on=tuple(k.strip() for k in args.act_on.split(",") if k.strip()), straggler_steps=args.straggler_steps,
                         min_hosts=min_hosts)  # fmt: skip
         run_id = args.run_id or f"launch-{uuid.uuid4().hex[:8]}"
         exits, driver = launch.run(bed, program, collector=args.collector, run_id=run_id, workdir=args.workdir, policy=policy,
-                                   max_restarts=args.max_restarts, log=lambda line: print(line, flush=True))  # fmt: skip
+                                   max_restarts=args.max_restarts, log=lambda line: print(line, flush=True), spares=args.spares)  # fmt: skip
     except (hosts.TestbedError, ValueError) as e:
         print(f"rankscope launch: {e}", file=sys.stderr)
         return 2

@@ -75,6 +75,9 @@ class Driver:
     #: how long the survivors may take to restart by themselves after a fence before their workers are killed
     restart_grace_s: float = 10.0
     log: Callable[[str], None] = print
+    #: hosts that wait outside the job; one joins it for each host evicted (``join`` starts it)
+    spares: list[str] = field(default_factory=list)
+    join: Callable[[str], None] | None = None
     evicted: list[str] = field(default_factory=list)
     _decided: dict[str, Verdict] = field(default_factory=dict)
     _opened_at_step: dict[str, int] = field(default_factory=dict)
@@ -83,10 +86,13 @@ class Driver:
     #: when the last fence was, and the survivors' workers then
     _fenced: tuple[float, set[int]] | None = None
     _started_ns: int = field(default_factory=time.time_ns)
+    _active: list[str] = field(default_factory=list)
     _warned: set[type] = field(default_factory=set)
 
     def run(self) -> dict[str, int]:
-        self._act("launched", reason=f"{len(self.fleet.hosts())} hosts", evidence={"hosts": self.fleet.hosts(), "policy": vars(self.policy)})
+        self._active = [h for h in self.fleet.hosts() if h not in self.spares]
+        self._act("launched", self._active, reason=f"{len(self._active)} hosts, {len(self.spares)} spares",
+                  evidence={"spares": self.spares, "policy": vars(self.policy)})  # fmt: skip
         while not self.job.finished():
             self._safely(self.poll)
             time.sleep(self.poll_s)
@@ -106,7 +112,8 @@ class Driver:
 
     @property
     def remaining(self) -> list[str]:
-        return [h for h in self.fleet.hosts() if h not in self.evicted]
+        """The hosts in the job now: those it started on, less the evicted, plus the spares that joined."""
+        return list(self._active)
 
     def poll(self) -> None:
         """One look at the run: its attempts, then every incident not yet decided."""
@@ -167,9 +174,17 @@ class Driver:
         for host in hosts:
             done = self.fleet.fence(host)
             self.evicted.append(host)
+            self._active.remove(host)
             self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining})
             self.log(f"[rankscope launch] evicted {host} ({why}); the job goes on with {', '.join(self.remaining)}")
         self._fenced = (time.monotonic(), self.fleet.workers(self.remaining))
+        for host in hosts:
+            if self.spares and self.join is not None:
+                spare = self.spares.pop(0)
+                self.join(spare)
+                self._active.append(spare)
+                self._act("spare", [spare], incident_id, f"{spare} joins the job in place of {host}")
+                self.log(f"[rankscope launch] {spare} joins the job in place of {host}")
 
     # --- attempts ----------------------------------------------------------------------------
 
@@ -204,7 +219,7 @@ class Driver:
         lost = sum(
             max(0, prev["last_step"] - (nxt["first_step"] - 1)) for prev, nxt in zip(steps, steps[1:])
         )  # fmt: skip
-        survivors = {h: c for h, c in exits.items() if h not in self.evicted}
+        survivors = {h: c for h, c in exits.items() if h in self._active}
         ok = bool(survivors) and all(c == 0 for c in survivors.values())
         evidence = {
             "exits": exits, "evicted": self.evicted, "attempts": len(self._attempts), "steps_lost": lost,

@@ -49,16 +49,21 @@ def start_rendezvous(bed: Testbed, workdir: Path, port: int = RDZV_PORT, timeout
 def run(
     bed: Testbed, program: Sequence[str], *, collector: str, run_id: str, workdir: Path, policy: Policy,
     max_restarts: int = 3, ranks_per_host: int | None = None, log: Callable[[str], None] = print,
-    on_start: Callable[[Job], None] | None = None, check_timeout_s: float = 20.0,
+    on_start: Callable[[Job], None] | None = None, check_timeout_s: float = 20.0, spares: int = 0,
 ) -> tuple[dict[str, int], Driver]:  # fmt: skip
     """Run ``program`` on every host of ``bed`` as one elastic job and heal it until it ends.
 
     ``collector``: the collector's ``unix:PATH`` (the hosts reach no other address of this machine).
     ``on_start`` gets the job once every rank has started (a test applies its fault from there).
+    ``spares``: the test bed's last hosts that wait outside the job, each joining it when a host is
+    evicted (the job runs on at most as many hosts as it started on).
     Returns each host's launcher exit code and the driver (what it evicted). Every process is gone
     when it returns.
     """
     ranks_per_host = ranks_per_host or bed.ranks_per_host
+    if not 0 <= spares < len(bed.hosts):
+        raise TestbedError(f"{spares} spares leave no host of the test bed's {len(bed.hosts)} to start the job")
+    starting, waiting = bed.hosts[: len(bed.hosts) - spares], bed.hosts[len(bed.hosts) - spares :]
     workdir.mkdir(parents=True, exist_ok=True)
     rendezvous = start_rendezvous(bed, workdir)
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector, "RANKSCOPE_RUN_ID": run_id, "RANKSCOPE_HEARTBEAT_S": "1",
@@ -68,11 +73,12 @@ def run(
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
     job = launch(
         bed, program, run_id=run_id, workdir=workdir / "hosts", ranks_per_host=ranks_per_host, env=env, max_restarts=max_restarts,
-        min_hosts=policy.min_hosts, rendezvous=f"{CONTROL_ADDRESS}:{RDZV_PORT}", rdzv_conf=RDZV_CONF,
+        min_hosts=policy.min_hosts, rendezvous=f"{CONTROL_ADDRESS}:{RDZV_PORT}", rdzv_conf=RDZV_CONF, hosts=starting,
     )  # fmt: skip
     try:
         with Client(collector) as client:
-            driver = Driver(run_id, client, TestbedFleet(bed), policy, job, ranks_per_host, check_timeout_s=check_timeout_s, log=log)
+            driver = Driver(run_id, client, TestbedFleet(bed), policy, job, ranks_per_host, check_timeout_s=check_timeout_s, log=log,
+                            spares=[h.name for h in waiting], join=lambda name: job.add(bed.host(name)))  # fmt: skip
             placement = job.placement()
             log(f"[rankscope launch] run {run_id}: {len(placement)} ranks on {len(bed.hosts)} hosts; logs in {workdir}")
             if on_start is not None:

@@ -49,14 +49,19 @@ class Drill:
     #: the fault, or None for a clean run (the benchmark's baseline)
     apply: Callable[[hosts.Testbed, hosts.Host], faults.Applied] | None
     fault_step: int = 5
+    #: hosts waiting outside the job, beside its ``HOSTS``; one joins for the evicted host
+    spares: int = 0
+    #: the host the fault hits (node0's first round also serves the workers' store)
+    target: int = 1
 
 
 DRILLS: dict[str, Drill] = {
     d.name: d
     for d in (
-        Drill("kill-host", "every process of node1 killed (SIGKILL)", lambda bed, h: faults.kill_host(bed, h)),
+        Drill("kill-host", "every process of node0 killed (SIGKILL)", lambda bed, h: faults.kill_host(bed, h), target=0),
         Drill("freeze-host", "every process of node1 frozen (freezer cgroup)", lambda bed, h: faults.freeze_host(h)),
         Drill("throttle-host", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: faults.throttle_cpu(bed, h, 0.2)),
+        Drill("kill-host-spare", "every process of node1 killed; node3 waits as a spare", lambda bed, h: faults.kill_host(bed, h), spares=1),
     )
 }
 
@@ -95,11 +100,13 @@ class Outcome:
 
     @property
     def healed(self) -> bool:
-        """Finished, without the target host, having evicted it."""
+        """Finished, without the target host, having evicted it (with the spares in its place)."""
         evicted = [h for a in self.actions if a["action"] == "evict" for h in a["hosts"]]
+        joined = [h for a in self.actions if a["action"] == "spare" for h in a["hosts"]]
         return (
             self.status == "finished" and self.first("finished") is not None and self.target in evicted
-            and bool(self.final_hosts) and self.target not in self.final_hosts
+            and bool(self.final_hosts) and self.target not in self.final_hosts and set(joined) <= set(self.final_hosts)
+            and len(joined) == self.drill.spares
         )  # fmt: skip
 
 
@@ -113,7 +120,7 @@ def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None]
     bed = None
     try:
         address = wait_for_address(collector, workdir / "collector.log")
-        bed = hosts.create(HOSTS, ranks_per_host=RANKS_PER_HOST)
+        bed = hosts.create(HOSTS + drill.spares, ranks_per_host=RANKS_PER_HOST)
         return _play(drill, bed, address, workdir, log)
     finally:
         if bed is not None:
@@ -123,7 +130,7 @@ def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None]
 
 def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Callable[[str], None]) -> Outcome:
     run_id = f"heal-{drill.name}-{uuid.uuid4().hex[:8]}"
-    outcome = Outcome(drill, run_id, target=bed.hosts[1].name)
+    outcome = Outcome(drill, run_id, target=bed.hosts[drill.target].name)
     program = trainer("--tp", "2", "--pp", "1", "--dp", "0", "--layers", "2", "--micro-batch", "2", "--global-batch", "12",
                       "--steps", str(STEPS), "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(CKPT_EVERY), "--resume",
                       "--timeout", "120")  # fmt: skip
@@ -148,7 +155,7 @@ def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Ca
 
     try:
         outcome.exits, _ = launch.run(bed, program, collector=address, run_id=run_id, workdir=workdir / "job", policy=Policy(min_hosts=2),
-                                      log=log, on_start=fault_later)  # fmt: skip
+                                      log=log, on_start=fault_later, spares=drill.spares)  # fmt: skip
     finally:
         for fault in applied:
             fault.undo()

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +50,15 @@ class Job:
     ranks_per_host: int
     launchers: dict[str, subprocess.Popen[bytes]]
     logs: dict[str, Path]
+    #: starts one more host's launcher (a spare joining an elastic job)
+    _start: Callable[[Host], tuple[subprocess.Popen[bytes], Path]] | None = field(default=None, repr=False)
     _placement: dict[int, Rank] = field(default_factory=dict)
+
+    def add(self, host: Host) -> None:
+        """Start the job's launcher on ``host`` too: it joins the elastic job's next rendezvous."""
+        if self._start is None or host.name in self.launchers:
+            raise TestbedError(f"{host.name} cannot join job {self.run_id}")
+        self.launchers[host.name], self.logs[host.name] = self._start(host)
 
     @property
     def world_size(self) -> int:
@@ -102,7 +110,7 @@ class Job:
 def launch(
     bed: Testbed, program: Sequence[str], *, run_id: str, workdir: Path, ranks_per_host: int | None = None,
     env: Mapping[str, str] | None = None, max_restarts: int = 0, min_hosts: int | None = None,
-    rendezvous: str | None = None, rdzv_conf: Mapping[str, object] | None = None,
+    rendezvous: str | None = None, rdzv_conf: Mapping[str, object] | None = None, hosts: Sequence[Host] | None = None,
 ) -> Job:  # fmt: skip
     """Start ``program`` (a script and its arguments, or ``-m module ...``) on every host of ``bed``.
 
@@ -111,15 +119,17 @@ def launch(
     An elastic job (``min_hosts`` below the number of hosts) goes on with that many hosts after
     torchrun's agents restart it (``max_restarts``). ``rendezvous``: a c10d store already served at
     that ``address:port`` (``rankscope.healing.rendezvous``); by default host 0's agent serves it,
-    and the job dies with host 0. ``rdzv_conf``: more of torchrun's ``--rdzv-conf`` keys.
+    and the job dies with host 0. ``rdzv_conf``: more of torchrun's ``--rdzv-conf`` keys. ``hosts``:
+    the hosts that start it (default: all; ``Job.add`` starts another later).
     """
     ranks_per_host = ranks_per_host or bed.ranks_per_host
     workdir.mkdir(parents=True, exist_ok=True)
-    head = bed.hosts[0]
+    starting = list(hosts or bed.hosts)
+    head = starting[0]
     base = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": HOST_IF, "PYTHONUNBUFFERED": "1", **(env or {})}
-    launchers, logs = {}, {}
-    nnodes = f"{min_hosts}:{len(bed.hosts)}" if min_hosts is not None else str(len(bed.hosts))
-    for host in bed.hosts:
+    nnodes = f"{min_hosts}:{len(starting)}" if min_hosts is not None else str(len(starting))
+
+    def start(host: Host) -> tuple[subprocess.Popen[bytes], Path]:
         conf = {"is_host": str(rendezvous is None and host is head).lower(), **(rdzv_conf or {})}
         torchrun = [
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={ranks_per_host}",
@@ -127,14 +137,18 @@ def launch(
             f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5", *program,
         ]  # fmt: skip
-        command = command_on(host, torchrun)
-        logs[host.name] = workdir / f"{host.name}.log"
-        with open(logs[host.name], "wb") as out:
-            launchers[host.name] = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=base, cwd=workdir,
+        log = workdir / f"{host.name}.log"
+        with open(log, "wb") as out:
+            launcher = subprocess.Popen(
+                command_on(host, torchrun), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=base, cwd=workdir,
                 start_new_session=True,
             )  # fmt: skip
-    return Job(bed, run_id, ranks_per_host, launchers, logs)
+        return launcher, log
+
+    launchers, logs = {}, {}
+    for host in starting:
+        launchers[host.name], logs[host.name] = start(host)
+    return Job(bed, run_id, ranks_per_host, launchers, logs, start)
 
 
 def find_ranks(bed: Testbed) -> dict[int, Rank]:
