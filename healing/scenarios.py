@@ -11,7 +11,6 @@ the restart came, the steps lost, the run's effective training time ratio, and w
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import threading
 import time
@@ -22,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.collector.client import Client
-from rankscope.collector.orchestration import CLI, start, stop, wait_for_address
 from rankscope.healing import launch
 from rankscope.healing.policy import Policy
 from rankscope.testbed import faults, hosts
 from rankscope.testbed.job import Job, trainer
+from rankscope.testbed.scenarios import staged
 
 HOSTS, RANKS_PER_HOST = 3, 2
 STEPS, CKPT_EVERY = 16, 2
@@ -113,19 +112,8 @@ class Outcome:
 def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None] = print) -> Outcome:
     """Run one drill on a test bed of its own; every process and namespace is gone when it returns."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rankscope-heal-{drill.name}-"))
-    socket_path = workdir / "collector.sock"
-    flags = ["--hang-after", "10", "--silent-after", "8", "--diagnose-every", "1", "--flush-interval", "0.5"]
-    collector = start([*CLI, "collector", "--store", str(workdir / "store"), "--listen", f"unix:{socket_path}", *flags],
-                      workdir / "collector.log", os.environ)  # fmt: skip
-    bed = None
-    try:
-        address = wait_for_address(collector, workdir / "collector.log")
-        bed = hosts.create(HOSTS + drill.spares, ranks_per_host=RANKS_PER_HOST)
+    with staged(workdir, HOSTS + drill.spares, RANKS_PER_HOST) as (bed, address):
         return _play(drill, bed, address, workdir, log)
-    finally:
-        if bed is not None:
-            hosts.destroy(bed.name)
-        stop(collector)
 
 
 def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Callable[[str], None]) -> Outcome:

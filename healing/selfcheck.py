@@ -32,7 +32,6 @@ host, through ``rankscope.testbed.hosts.command_on``) or ``LocalRunner`` (this m
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import math

@@ -10,11 +10,12 @@ it), and nothing else. ``Score.seconds_to_detect`` is the time from the fault to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,15 +119,22 @@ class Score:
 def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str], None] = print) -> Score:
     """Run one scenario on a test bed of its own; every process and namespace is gone when it returns."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rankscope-testbed-{scenario.name}-"))
-    socket_path = workdir / "collector.sock"
+    with staged(workdir, 4, 2) as (bed, address):
+        return _play(scenario, bed, address, workdir, log)
+
+
+@contextlib.contextmanager
+def staged(workdir: Path, host_count: int, ranks_per_host: int) -> Iterator[tuple[hosts.Testbed, str]]:
+    """A collector on a Unix socket in ``workdir`` (the scenarios' thresholds, diagnosing every second)
+    and a fresh test bed of ``host_count`` hosts: (bed, the collector's address). Both are gone afterwards."""
     flags = ["--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S), "--diagnose-every", "1", "--flush-interval", "0.5"]
-    collector = start([*CLI, "collector", "--store", str(workdir / "store"), "--listen", f"unix:{socket_path}", *flags],
+    collector = start([*CLI, "collector", "--store", str(workdir / "store"), "--listen", f"unix:{workdir / 'collector.sock'}", *flags],
                       workdir / "collector.log", os.environ)  # fmt: skip
     bed = None
     try:
         address = wait_for_address(collector, workdir / "collector.log")
-        bed = hosts.create(4, ranks_per_host=2)
-        return _play(scenario, bed, address, workdir, log)
+        bed = hosts.create(host_count, ranks_per_host=ranks_per_host)
+        yield bed, address
     finally:
         if bed is not None:
             hosts.destroy(bed.name)
