@@ -27,6 +27,7 @@ from rankscope.healing import record
 from rankscope.healing.fleet import Fleet
 from rankscope.healing.policy import Policy, Verdict
 from rankscope.healing.selfcheck import check_hosts
+from rankscope.protos.rankscope.v1 import ingest_pb2
 
 CURRENT_STEP_SQL = (
     "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String} "
@@ -87,6 +88,7 @@ class Driver:
     _fenced: tuple[float, set[int]] | None = None
     _started_ns: int = field(default_factory=time.time_ns)
     _active: list[str] = field(default_factory=list)
+    _outbox: list[ingest_pb2.Batch] = field(default_factory=list)
     _warned: set[type] = field(default_factory=set)
 
     def run(self) -> dict[str, int]:
@@ -99,6 +101,10 @@ class Driver:
         exits = self.job.wait(0)
         self._safely(self.poll)
         self._safely(lambda: self._conclude(exits))
+        deadline = time.monotonic() + 30
+        while self._outbox and time.monotonic() < deadline:  # the last records, while the collector comes back
+            time.sleep(1)
+            self._send()
         return exits
 
     def _safely(self, work: Callable[[], None]) -> None:
@@ -106,9 +112,12 @@ class Driver:
         try:
             work()
         except QueryFailed as e:
-            if type(e) not in self._warned:
-                self._warned.add(type(e))
-                self.log(f"[rankscope launch] the collector did not answer ({e}); still watching")
+            self._warn(e)
+
+    def _warn(self, e: QueryFailed) -> None:
+        if type(e) not in self._warned:
+            self._warned.add(type(e))
+            self.log(f"[rankscope launch] the collector did not answer ({e}); still watching, what it did not store is kept")
 
     @property
     def remaining(self) -> list[str]:
@@ -117,6 +126,7 @@ class Driver:
 
     def poll(self) -> None:
         """One look at the run: its attempts, then every incident not yet decided."""
+        self._send()
         self._watch_attempts()
         for incident in self._query(INCIDENTS_SQL):
             if self._decided.get(incident["incident_id"]) in (None, Verdict.WAIT):
@@ -159,8 +169,7 @@ class Driver:
             self._act("selfcheck", suspects, key, f"the self-check could not run: {e}")
             report = None
         if report is not None:
-            for result in report.hosts:
-                self.client.send(result.batch(self.run_id))
+            self._outbox += [result.batch(self.run_id) for result in report.hosts]
             self._act("selfcheck", suspects, key, "; ".join(f"{h.host}: {h.summary}" for h in report.hosts),
                       {"passed": {h.host: h.passed for h in report.hosts}})  # fmt: skip
         failed = [h for h in suspects if report is not None and h in report.failed]
@@ -245,6 +254,17 @@ class Driver:
         evidence: dict[str, Any] | None = None, *, attempt: int | None = None, time_ns: int | None = None,
     ) -> None:  # fmt: skip
         attempt = max(self._attempts, default=0) if attempt is None else attempt
-        batch = record.action_batch(self.run_id, action, attempt=attempt, hosts=hosts or [], incident_id=incident_id,
-                                    reason=reason, evidence=evidence, time_ns=time_ns)  # fmt: skip
-        self.client.send(batch)
+        self._outbox.append(record.action_batch(self.run_id, action, attempt=attempt, hosts=hosts or [], incident_id=incident_id,
+                                                reason=reason, evidence=evidence, time_ns=time_ns))  # fmt: skip
+        self._send()
+
+    def _send(self) -> None:
+        """Store the records not yet stored, in order; what the collector refuses now waits for the next
+        poll (a record sent twice is stored once: its batch id stays)."""
+        while self._outbox:
+            try:
+                self.client.send(self._outbox[0])
+            except QueryFailed as e:
+                self._warn(e)
+                return
+            self._outbox.pop(0)
