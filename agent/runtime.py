@@ -427,8 +427,14 @@ def _die_of_sigterm() -> None:
 
 def _world(world_size: int) -> str:
     """What every rank of one torchrun round shares and the next round does not: its store's address
-    (a fresh port each round where torchrun does not share its rendezvous store) and its size.
-    torchrun's restart count is no such thing: each host's agent counts only the restarts its own
-    workers' failures caused."""
+    and its size. Where torchrun does not share its rendezvous store with the workers
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as ``rankscope launch`` runs it) each round's store has a
+    port of its own. Where it does, the port stays, and the restart count tells the rounds apart: on
+    one host it is every rank's, while across hosts it is not (each host's agent counts only the
+    restarts its own workers' failures caused)."""
     master = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-    return f"{master}/{world_size}" if master != ":" else ""
+    if master == ":":
+        return ""
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return f"{master}/{world_size}"
+    return f"{master}/{world_size}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -223,3 +223,23 @@ def test_dtensor_tensor_parallel_inside_fsdp2_lines_up(
     assert tp_groups == [(0, 1), (2, 3)]  # DeviceMesh gives both the same description; the names differ
     steps = {r["step"] for r in rows if r["op"] == "reduce_scatter_tensor"}
     assert steps == {1, 2, 3}
+
+
+def test_a_job_torchrun_restarts_is_one_run_in_two_attempts(
+    torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
+) -> None:
+    """torchrun --max-restarts restarts every worker when rank 1 raises: the same run id, the steps
+    run again from the start, and each process's rows carry the attempt of the round it ran in."""
+    run = "restarted"
+    proc = torchrun(["--max-restarts", "1", str(SCRIPTS / "ddp_plain.py"), "--steps", "3", "--crash-first-attempt-step", "2"], 2,
+                    env=agent_env(collector, tmp_path, RANKSCOPE_RUN_ID=run))  # fmt: skip
+    assert proc.wait(240) == 0, proc.output()
+    ranks = query(client, "SELECT rank, attempt FROM ranks WHERE run_id = {run:String}", run)
+    assert {(r["rank"], r["attempt"]) for r in ranks} >= {(0, 1), (1, 1)}
+    spans = query(client, "SELECT DISTINCT attempt, rank, step FROM spans WHERE run_id = {run:String} AND name = 'forward'", run)
+    first = {(s["rank"], s["step"]) for s in spans if s["attempt"] == 0}
+    assert {(0, 1), (1, 1)} <= first and {(s["rank"], s["step"]) for s in spans if s["attempt"] == 1} == {
+        (rank, step) for rank in range(2) for step in range(1, 4)
+    }
+    status = query(client, "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {run:String}", run)
+    assert status == [{"status": "finished"}]

@@ -8,6 +8,7 @@ keeps rank R busy outside any collective for ``--stall-s`` seconds before step S
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -23,6 +24,7 @@ def main() -> None:
     parser.add_argument("--stall-rank", type=int, default=-1)
     parser.add_argument("--stall-step", type=int, default=-1)
     parser.add_argument("--stall-s", type=float, default=0.0)
+    parser.add_argument("--crash-first-attempt-step", type=int, default=-1, help="rank 1 raises at this step, on torchrun's first attempt only")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -37,6 +39,8 @@ def main() -> None:
     for step, (x, y) in enumerate(loader, start=1):
         if step == args.stall_step and dist.get_rank() == args.stall_rank:
             time.sleep(args.stall_s)
+        if step == args.crash_first_attempt_step and dist.get_rank() == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            raise RuntimeError(f"injected crash at step {step} of the first attempt")
         model.zero_grad()
         loss_fn(model(x), y).backward()
         if optimizer is not None:
