@@ -2,7 +2,8 @@
 #
 #   make test        install what is missing, then the whole test suite
 #   make test-fast   the same without the tests marked slow
-#   make bench       every benchmarks/*.py in turn
+#   make bench       every benchmarks/*.py in turn (but gpu_check.py)
+#   make gpu-check   the CUDA paths on this machine's GPU, in one table (refuses without a CUDA GPU)
 #   make demo        the demo (rankscope demo: collector, dashboard, 8-rank run; Ctrl-C stops it)
 #   make screenshot  the README's picture: the browser test's heat map, copied to docs/images/
 #   make protos      regenerate protos/rankscope/v1/*_pb2*.py from the .proto files
@@ -19,9 +20,10 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-BENCHMARKS := $(sort $(wildcard benchmarks/*.py))
+# gpu_check.py refuses without a CUDA GPU (exit 1): `make gpu-check` runs it, not `make bench`.
+BENCHMARKS := $(sort $(filter-out benchmarks/gpu_check.py,$(wildcard benchmarks/*.py)))
 
-.PHONY: venv install browser test test-fast bench demo screenshot protos clean distclean
+.PHONY: venv install browser test test-fast bench gpu-check demo screenshot protos clean distclean
 
 venv: $(PY)
 
@@ -60,6 +62,11 @@ test-fast: install
 
 bench: install
 	@for b in $(BENCHMARKS); do echo "== $$b"; $(PY) "$$b"; echo; done
+
+# The CUDA paths (CUDA-event timing, NCCL completion, the agent's cost on the trainer, MFU) in one
+# table; on a machine without a CUDA GPU it says so in one line and fails. docs/benchmarks.md.
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py
 
 demo: install
 	$(VENV)/bin/rankscope demo
