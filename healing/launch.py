@@ -73,7 +73,7 @@ def run(
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
     job = launch(
         bed, program, run_id=run_id, workdir=workdir / "hosts", ranks_per_host=ranks_per_host, env=env, max_restarts=max_restarts,
-        min_hosts=policy.min_hosts, rendezvous=f"{CONTROL_ADDRESS}:{RDZV_PORT}", rdzv_conf=RDZV_CONF, hosts=starting,
+        min_hosts=policy.min_hosts, rendezvous=f"{CONTROL_ADDRESS}:{RDZV_PORT}", rdzv_conf=RDZV_CONF, hosts=starting, cwd=Path.cwd(),
     )  # fmt: skip
     try:
         with Client(collector) as client:

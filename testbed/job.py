@@ -111,6 +111,7 @@ def launch(
     bed: Testbed, program: Sequence[str], *, run_id: str, workdir: Path, ranks_per_host: int | None = None,
     env: Mapping[str, str] | None = None, max_restarts: int = 0, min_hosts: int | None = None,
     rendezvous: str | None = None, rdzv_conf: Mapping[str, object] | None = None, hosts: Sequence[Host] | None = None,
+    cwd: Path | None = None,
 ) -> Job:  # fmt: skip
     """Start ``program`` (a script and its arguments, or ``-m module ...``) on every host of ``bed``.
 
@@ -120,7 +121,8 @@ def launch(
     torchrun's agents restart it (``max_restarts``). ``rendezvous``: a c10d store already served at
     that ``address:port`` (``rankscope.healing.rendezvous``); by default host 0's agent serves it,
     and the job dies with host 0. ``rdzv_conf``: more of torchrun's ``--rdzv-conf`` keys. ``hosts``:
-    the hosts that start it (default: all; ``Job.add`` starts another later).
+    the hosts that start it (default: all; ``Job.add`` starts another later). ``cwd``: where the
+    program runs (default: ``workdir``), so that its relative paths mean what its user meant.
     """
     ranks_per_host = ranks_per_host or bed.ranks_per_host
     workdir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +142,7 @@ def launch(
         log = workdir / f"{host.name}.log"
         with open(log, "wb") as out:
             launcher = subprocess.Popen(
-                command_on(host, torchrun), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=base, cwd=workdir,
+                command_on(host, torchrun), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=base, cwd=cwd or workdir,
                 start_new_session=True,
             )  # fmt: skip
         return launcher, log

@@ -91,8 +91,6 @@ NO_DOCKER = NotHere("needs a Docker engine: none runs on the development machine
 SIM_SHORT = ((r"--ranks 12288 --tp 8 --pp 16 --dp 96 --steps 120", "--ranks 256 --tp 4 --pp 4 --dp 16 --steps 24"),
              (r"rank=3000", "rank=100"), (r"hang:rank=7777,step=96\"$", 'hang:rank=200,step=18" --hold 10'))  # fmt: skip
 
-HEALING_DRILLS = ("not run as a page: with a fault from another shell it takes minutes; tests/test_healing.py runs the same job "
-                  "(rankscope.healing.launch.run, which `rankscope launch` calls) with kill, freeze and throttle faults")
 #: every shell command of README.md and docs/*.md -> how the suite treats it
 COMMANDS: dict[str, Run | NotHere] = {
     # README.md
@@ -107,6 +105,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     'rankscope sql "SELECT run_id, world_size, status FROM runs FINAL ORDER BY start_time DESC LIMIT 5"': Run(expect="finished"),
     'rankscope sql --param run=RUN "SELECT kind, ranks, hosts, summary FROM incidents FINAL WHERE run_id = {run:String}"':
         Run(expect="straggler"),
+    # docs/benchmarks.md
+    "make gpu-check": NotHere("needs a CUDA GPU: none on the development machine or in CI"),
     # docs/collector.md
     "rankscope collector": Serve(),
     "rankscope collector --listen 0.0.0.0:7777 --metrics-port 9464 --retention-days 30": Serve(ready="metrics on"),
@@ -148,10 +148,15 @@ COMMANDS: dict[str, Run | NotHere] = {
                                                  shorten=((r"rscheck$", "rscheck || test $? = 1"),), expect=r"node2 FAIL: matmul"),
     "rankscope testbed down rscheck": Run(expect="is down"),
     # docs/healing.md
-    "rankscope testbed up --hosts 3 --ranks-per-host 2": NotHere(HEALING_DRILLS),
-    "rankscope collector --listen unix:/tmp/rankscope.sock --hang-after 10 --silent-after 8 &": NotHere(HEALING_DRILLS),
-    "rankscope launch --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 1 --dp 0 --global-batch 12 "
-    "--micro-batch 2 --steps 40 --ckpt-dir /tmp/ckpt --ckpt-every 2 --resume": NotHere(HEALING_DRILLS),
+    "rankscope testbed up --hosts 3 --ranks-per-host 2 --name rsheal": Run(expect="node2"),
+    "rankscope collector --listen unix:/tmp/rankscope.sock --hang-after 10 --silent-after 8 &": Run(),
+    "(sleep 45; rankscope testbed fault kill-host --testbed rsheal --host node1) &": Run(),
+    "rankscope launch --testbed rsheal --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 1 --dp 0 "
+    "--global-batch 12 --micro-batch 2 --steps 60 --ckpt-dir ckpt --ckpt-every 2 --resume":
+        Run(expect=r"node1: exit -9 \(evicted\)", timeout_s=420),
+    'rankscope sql --collector unix:/tmp/rankscope.sock "SELECT action, hosts, reason FROM actions ORDER BY time"':
+        Run(expect=r"(?s)evict.*node1.*resumed.*finished"),
+    "rankscope testbed down rsheal": Run(expect="is down"),
     "rankscope scenario run testbed-freeze-rank": NotHere("tests/test_testbed_scenarios.py runs every test-bed scenario"),
     # docs/trainer.md
     "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --layers 4 --hidden 64 --heads 4 --seq 64 --vocab 256 --micro-batch 2 --global-batch 16 --steps 20":
@@ -163,7 +168,7 @@ COMMANDS: dict[str, Run | NotHere] = {
 #: pages that read a recorded run through a collector at the default address (a copy of the README's store)
 NEEDS_A_COLLECTOR = {"docs/diagnosis.md", "docs/sql.md", "docs/dashboard.md"}
 #: pages whose commands make namespace hosts: root only
-NEEDS_ROOT = {"docs/testbed.md", "docs/selfcheck.md"}
+NEEDS_ROOT = {"docs/testbed.md", "docs/selfcheck.md", "docs/healing.md"}
 #: a user's own training script, for the commands that run `train.py`
 USER_SCRIPT = ROOT / "tests" / "scripts" / "ddp_plain.py"
 
