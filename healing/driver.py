@@ -164,20 +164,21 @@ class Driver:
         paused = self.fleet.workers(self.remaining) if incident["kind"] == "straggler" else set()
         self.fleet.signal(paused, signal.SIGSTOP)
         try:
-            report = check_hosts(self.remaining, self.fleet.runner, ranks=self.ranks_per_host, timeout_s=self.check_timeout_s)
-        except Exception as e:  # a check that cannot run at all decides nothing
-            self._act("selfcheck", suspects, key, f"the self-check could not run: {e}")
-            report = None
-        if report is not None:
+            try:
+                report = check_hosts(self.remaining, self.fleet.runner, ranks=self.ranks_per_host, timeout_s=self.check_timeout_s)
+            except Exception as e:  # a check that cannot run at all decides nothing
+                self._act("selfcheck", suspects, key, f"the self-check could not run: {e}")
+                return
             self._outbox += [result.batch(self.run_id) for result in report.hosts]
             self._act("selfcheck", suspects, key, "; ".join(f"{h.host}: {h.summary}" for h in report.hosts),
                       {"passed": {h.host: h.passed for h in report.hosts}})  # fmt: skip
-        failed = [h for h in suspects if report is not None and h in report.failed]
-        if failed:
-            self._evict(failed, key, "; ".join(report.host(h).summary for h in failed) if report else "")
-        else:
-            self._act("kept", suspects, key, "the suspects passed their self-check: they stay in the job")
-        self.fleet.signal(paused, signal.SIGCONT)
+            failed = [h for h in suspects if h in report.failed]
+            if failed:
+                self._evict(failed, key, "; ".join(report.host(h).summary for h in failed))
+            else:
+                self._act("kept", suspects, key, "the suspects passed their self-check: they stay in the job")
+        finally:
+            self.fleet.signal(paused, signal.SIGCONT)  # whatever happened, no worker stays stopped
 
     def _evict(self, hosts: list[str], incident_id: str, why: str) -> None:
         for host in hosts:
