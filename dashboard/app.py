@@ -25,6 +25,7 @@ navigation = st.navigation(
         st.Page(ui.PAGES["overview"], title="Overview", icon=":material/monitoring:", url_path="overview", default=True),
         st.Page(ui.PAGES["heatmap"], title="Heat map", icon=":material/grid_on:", url_path="heatmap"),
         st.Page(ui.PAGES["timeline"], title="Timeline", icon=":material/view_timeline:", url_path="timeline"),
+        st.Page(ui.PAGES["anatomy"], title="Step anatomy", icon=":material/stacked_bar_chart:", url_path="anatomy"),
         st.Page(ui.PAGES["graph"], title="3D-parallel graph", icon=":material/hub:", url_path="graph"),
         st.Page(ui.PAGES["hosts"], title="Hosts", icon=":material/dns:", url_path="hosts"),
         st.Page(ui.PAGES["incidents"], title="Incidents", icon=":material/warning:", url_path="incidents"),

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import streamlit as st
 
 from rankscope.collector.client import DEFAULT_COLLECTOR, Reader, open_reader
@@ -97,3 +98,10 @@ def query(sql: str, params: Mapping[str, object] | None = None, max_rows: int = 
     """
     reader = _reader(source(), os.environ.get(TOKEN_VARIABLE) or None, os.environ.get(TLS_CA_VARIABLE) or None)
     return reader.query(sql, params, max_rows=max_rows).to_pandas()
+
+
+def query_arrow(sql: str, params: Mapping[str, object] | None = None) -> pa.Table:
+    """``query`` as an Arrow table: for the analyses shared with the command line (``rankscope compare``,
+    the step anatomy), which take a ``query(sql, params) -> pyarrow.Table`` like the diagnosis."""
+    reader = _reader(source(), os.environ.get(TOKEN_VARIABLE) or None, os.environ.get(TLS_CA_VARIABLE) or None)
+    return reader.query(sql, params, max_rows=MAX_ROWS)

@@ -559,3 +559,101 @@ def selfchecks(run: Run) -> pd.DataFrame:
     """The hosts' self-check figures, newest first: host, time_ns, check, value, unit, reference (the
     peers' median), passed, host_passed, summary, detail."""
     return query(SELFCHECKS_SQL, {"run": run.id, "limit": HEALING_ROWS})
+
+
+# --- step anatomy and comparisons -------------------------------------------------------------
+
+#: the breakdown's categories in stacking order: the anatomy core's (collector/anatomy), and what the
+#: page shows without it (step_segments by kind, and the rest of the step time as unexplained)
+ANATOMY_CATEGORIES = ("compute", "optimizer", "data", "bubble", "exposed_comm", "unexplained")
+SEGMENT_CATEGORIES = ("compute", "optimizer", "data", "comm", "unexplained")
+_RANGE = "run_id = {run:String} AND step BETWEEN {first:UInt32} AND {last:UInt32}"
+_TIMED = _RANGE + " AND name = 'step_time_s'"
+# Per step, each kind's time summed over the ranks that ran the step, divided by how many did: the mean
+# rank's time in it (comm includes waiting for other ranks: without the anatomy core it cannot be split)
+KIND_STEPS_SQL = f"""
+SELECT k.step AS step, k.kind AS category, k.ns / r.ranks / 1e6 AS ms
+FROM (SELECT step, kind, sum(total_ns) AS ns FROM step_segments WHERE {_RANGE} AND {_latest("step_segments", _RANGE)}
+      GROUP BY step, kind) AS k
+JOIN (SELECT step, uniqExact(rank) AS ranks FROM step_segments WHERE {_RANGE} AND {_latest("step_segments", _RANGE)}
+      GROUP BY step) AS r ON r.step = k.step
+ORDER BY step, category
+"""
+STEP_TIME_SQL = (
+    f"SELECT step, avg(value) * 1e3 AS ms FROM step_metrics WHERE {_TIMED} AND isFinite(value) AND {_latest('step_metrics', _TIMED)} "
+    "GROUP BY step ORDER BY step"
+)
+
+
+def _arrow_query(sql: str, params: Any) -> Any:
+    from rankscope.dashboard.connection import query_arrow
+
+    return query_arrow(sql, params)
+
+
+def _anatomy() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """(breakdown, critical_path) of the step-anatomy core (``rankscope.collector.anatomy``), or None where
+    this build has none (the page then shows what step_segments alone can say)."""
+    try:
+        from rankscope.collector import anatomy
+    except ImportError:
+        return None
+    found = getattr(anatomy, "breakdown", None), getattr(anatomy, "critical_path", None)
+    return found if all(callable(f) for f in found) else None  # type: ignore[return-value]
+
+
+@per_run
+def anatomy_steps(run: Run, first: int, last: int) -> dict[str, Any]:
+    """Where the mean rank's step time went in steps ``first``..``last``: ``frame`` (step, category, ms),
+    ``categories`` (stacking order), ``source`` ("anatomy": the anatomy core's breakdown; "segments": the
+    spans' kinds, without it), ``total`` (category -> ms per step over the range), ``median_step``."""
+    core = _anatomy()
+    if core is not None:
+        found = core[0](_arrow_query, run.id, first, last)
+        rows = [(step, c, split.ns[c] / 1e6) for step, split in sorted(found.by_step.items()) for c in ANATOMY_CATEGORIES]
+        frame = pd.DataFrame(rows, columns=["step", "category", "ms"])
+        total = {c: found.total.ns[c] / 1e6 for c in ANATOMY_CATEGORIES} if found.total else {}
+        return {"frame": frame, "categories": ANATOMY_CATEGORIES, "source": "anatomy", "total": total, "median_step": found.median_step()}
+    params = {"run": run.id, "first": first, "last": last}
+    kinds = query(KIND_STEPS_SQL, params)
+    kinds = kinds[kinds["category"] != "user"] if len(kinds) else kinds
+    steps = query(STEP_TIME_SQL, params).set_index("step")["ms"]
+    frame = kinds.pivot_table(index="step", columns="category", values="ms", aggfunc="sum").reindex(columns=SEGMENT_CATEGORIES[:-1]).fillna(0.0)
+    frame = frame.loc[:, (frame != 0).any()]  # the kinds this run has (data loading only where a stage loads data)
+    frame["unexplained"] = (steps.reindex(frame.index) - frame.sum(axis=1)).clip(lower=0).fillna(0.0)
+    long = frame.reset_index().melt(id_vars="step", var_name="category", value_name="ms")
+    ordered = steps.sort_values(kind="stable")
+    median = int(ordered.index[(len(ordered) - 1) // 2]) if len(ordered) else None
+    total = frame.mean().to_dict() if len(frame) else {}
+    return {"frame": long, "categories": SEGMENT_CATEGORIES, "source": "segments", "total": total, "median_step": median}
+
+
+@per_run
+def critical_path(run: Run, step: int) -> dict[str, Any] | None:
+    """The anatomy core's critical path of ``step``: ``links`` (rank, what, kind, start_ns, end_ns, waited_on),
+    ``costs`` (rank, link, kind, cost_ms, share), start_ns, end_ns, step_ms, without_slowest_ms; None when
+    the step has no data; ``{"available": False}`` where this build has no anatomy core."""
+    core = _anatomy()
+    if core is None:
+        return {"available": False}
+    path = core[1](_arrow_query, run.id, step)
+    if path is None or not path.links:
+        return None
+    links = pd.DataFrame([{"rank": k.rank, "what": k.what, "kind": k.kind, "start_ns": k.start_ns, "end_ns": k.end_ns,
+                           "waited_on": k.waited_on} for k in path.links])  # fmt: skip
+    costs = pd.DataFrame([c.as_json() for c in path.costs if c.cost_ns > 0], columns=["rank", "link", "kind", "on_path_ms", "excess_ms",
+                                                                                     "cost_ms", "share"])  # fmt: skip
+    return {"available": True, "links": links, "costs": costs, "start_ns": path.start_ns, "end_ns": path.end_ns,
+            "step_ms": path.step_ns / 1e6, "without_slowest_ms": path.without_slowest_ns / 1e6}  # fmt: skip
+
+
+@per_run
+def comparison(run: Run, baseline: str, baseline_steps: tuple[int, int] | None, steps: tuple[int, int] | None) -> dict[str, Any]:
+    """``rankscope compare``'s answer (its JSON form) for ``run`` (over ``steps``, None: after the warm-up)
+    against ``baseline`` (a run id; this run's own id for another range of its steps). Raises the
+    comparison's CompareError when a side is unknown or has no completed step."""
+    from rankscope.collector.compare import Side, compare
+
+    a = Side(baseline, *(baseline_steps or (None, None)))
+    b = Side(run.id, *(steps or (None, None)))
+    return compare(_arrow_query, a, b).as_json()

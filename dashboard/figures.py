@@ -480,3 +480,91 @@ def host_figure(series: pd.DataFrame, events: pd.DataFrame, panels: Sequence[tup
         row += 1
     fig.update_layout(height=150 * rows + 80, margin=MARGIN)
     return fig
+
+
+# --- step anatomy ------------------------------------------------------------------------------
+
+CATEGORY_COLOURS = {
+    "compute": "#4C78A8", "optimizer": "#B279A2", "data": "#9D755D", "bubble": "#E45756", "exposed_comm": "#F58518",
+    "comm": "#F58518", "unexplained": "#BAB0AC",
+}  # fmt: skip
+CATEGORY_LABELS = {"exposed_comm": "exposed communication", "bubble": "pipeline bubble", "comm": "communication (waits included)"}
+#: the critical path's row inside a rank's lane: in the gap below the lane's operations
+PATH_Y = 0.81
+PATH_COLOUR = "#111111"
+LEVEL_COLOURS = {"rank": "#D62728", "stage": "#4C78A8", "group": "#72B7B2", "wait": "#BAB0AC"}
+
+
+def category_label(category: str) -> str:
+    return CATEGORY_LABELS.get(category, category)
+
+
+def anatomy_figure(frame: pd.DataFrame, categories: Sequence[str], marked_step: int | None = None) -> go.Figure:
+    """Where the mean rank's step time went, step by step: one stacked area per category, in ``categories``'
+    order (the first at the bottom); a dotted line at ``marked_step`` (the step whose critical path is drawn).
+
+    ``frame``: step, category, ms (``data.anatomy_steps``)."""
+    fig = go.Figure()
+    present = [c for c in categories if c in set(frame["category"])]
+    for category in present:
+        part = frame[frame["category"] == category].sort_values("step")
+        fig.add_trace(go.Scatter(
+            x=part["step"], y=part["ms"], mode="lines", stackgroup="steps", name=category_label(category),
+            line={"width": 0.5, "color": CATEGORY_COLOURS.get(category, "#999")},
+            hovertemplate=f"step %{{x}}: %{{y:,.1f}} ms {category_label(category)}<extra></extra>",
+        ))  # fmt: skip
+    shapes = []
+    if marked_step is not None:
+        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": marked_step, "x1": marked_step, "y0": 0, "y1": 1,
+                       "line": {"color": PATH_COLOUR, "width": 1, "dash": "dot"}, "name": "critical path step"})  # fmt: skip
+    fig.update_layout(height=360, margin=MARGIN, shapes=shapes, legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
+                      yaxis_title="ms per step (mean rank)")  # fmt: skip
+    fig.update_xaxes(title_text="step")
+    return fig
+
+
+def critical_path_figure(links: pd.DataFrame, spans: pd.DataFrame, ops: pd.DataFrame, who: pd.DataFrame, start_ns: int, end_ns: int) -> go.Figure:
+    """The timeline of the ranks on a step's critical path (``timeline_figure``), with the path drawn over
+    it: a black bar per link in its rank's lane, and a dashed line where the path moves to the rank it
+    waited on.
+
+    ``links``: rank, what, kind, start_ns, end_ns, waited_on, in time order (``data.critical_path``)."""
+    fig = timeline_figure(spans, ops, who, start_ns, end_ns)
+    lanes = {int(r): i for i, r in enumerate(who["rank"])}
+    on = links[links["rank"].isin(list(lanes))].reset_index(drop=True)
+    if on.empty:
+        return fig
+    lane = on["rank"].map(lanes).to_numpy()
+    x, y = _segments(_ms(on["start_ns"], start_ns), _ms(on["end_ns"], start_ns), _down(lane, PATH_Y))
+    waited = on["waited_on"].map(lambda r: "" if pd.isna(r) else f", waited on rank {int(r)}")
+    text = ("critical path: rank " + on["rank"].astype(str) + " " + on["what"] + " (" + on["kind"] + "): "
+            + ((on["end_ns"] - on["start_ns"]) / 1e6).round(2).astype(str) + " ms" + waited)  # fmt: skip
+    fig.add_trace(go.Scattergl(x=x, y=y, mode="lines", name="critical path", line={"width": 6, "color": PATH_COLOUR},
+                               hovertext=_hover(text), hoverinfo="text"))  # fmt: skip
+    xs: list = []
+    ys: list = []
+    for i in range(1, len(on)):
+        if lane[i] != lane[i - 1]:
+            at = float(_ms(np.array([on.loc[i, "start_ns"]]), start_ns)[0])
+            xs += [at, at, None]
+            ys += [_down(lane[i - 1], PATH_Y), _down(lane[i], PATH_Y), None]
+    if xs:
+        fig.add_trace(go.Scattergl(x=xs, y=ys, mode="lines", name="path moves to the rank waited on",
+                                   line={"width": 2, "color": PATH_COLOUR, "dash": "dash"}, hoverinfo="skip"))  # fmt: skip
+    return fig
+
+
+def contributions_figure(contributions: pd.DataFrame, top: int = 12) -> go.Figure:
+    """The ``top`` contributions of a comparison (``rankscope compare``) as horizontal bars, the first at the
+    top: each one's change in ms, coloured by what it is (a rank, a stage, a group's transfers).
+
+    ``contributions``: label, level, diff_s, share (the comparison's JSON ``contributions``)."""
+    rows = contributions.head(top).iloc[::-1]
+    share = rows["share"].map(lambda s: "" if s is None or pd.isna(s) else f" ({s:.0%} of the difference)") if "share" in rows else ""
+    fig = go.Figure(go.Bar(
+        x=rows["diff_s"] * 1e3, y=rows["label"], orientation="h", marker={"color": [LEVEL_COLOURS.get(v, "#999") for v in rows["level"]]},
+        hovertext=rows["label"] + ": " + (rows["diff_s"] * 1e3).map("{:+,.1f} ms".format) + share, hoverinfo="text",
+    ))  # fmt: skip
+    fig.update_layout(height=max(220, 28 * len(rows) + 90), margin=MARGIN, xaxis_title="change in ms per step (B minus A)")
+    fig.update_yaxes(type="category")
+    return fig

@@ -41,6 +41,7 @@ PAGES = {
     "overview": "views/overview.py",
     "heatmap": "views/heatmap.py",
     "timeline": "views/timeline.py",
+    "anatomy": "views/anatomy.py",
     "graph": "views/graph.py",
     "hosts": "views/hosts.py",
     "incidents": "views/incidents.py",

@@ -14,7 +14,7 @@ from rankscope.agent import autoload
 from rankscope.dashboard.connection import SOURCE_VARIABLE, Source
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
-PAGES = ("runs", "overview", "heatmap", "timeline", "graph", "hosts", "incidents", "sql")
+PAGES = ("runs", "overview", "heatmap", "timeline", "anatomy", "graph", "hosts", "incidents", "sql")
 #: the elements that carry the page's messages and prose
 MESSAGES = ("error", "warning", "info", "success", "markdown", "caption")
 

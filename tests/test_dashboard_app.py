@@ -28,7 +28,7 @@ from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate
 from rankscope.collector.store.schema import BY_NAME
-from rankscope.dashboard import connection, data
+from rankscope.dashboard import connection, data, ui
 from rankscope.dashboard.connection import Source
 
 NOW = time.time_ns()
@@ -334,3 +334,97 @@ def test_the_command_refuses_a_directory_that_holds_no_store(proc_runner, tmp_pa
     proc = proc_runner.start([sys.executable, "-m", "rankscope.cli.main", "dashboard", "--store", str(tmp_path / "nothing")])
     assert proc.wait(60) == 1
     assert "no store at" in proc.stderr
+
+
+# --- step anatomy -------------------------------------------------------------------------------
+
+
+def _anatomy_runs(store: EmbeddedStore) -> None:
+    """Two runs of 4 ranks (PP 2 x DP 2), the rows tests/test_compare.py writes: "anat-base", and "anat-slow",
+    whose rank 3 computes its backward 100 ms longer from step 3 on. Older than every other run here."""
+    from test_compare import straggler, write_run
+
+    if "anat-base" not in {r.id for r in data.runs()}:
+        write_run(store, "anat-base", start=NOW - 7200 * S)
+        write_run(store, "anat-slow", start=NOW - 3600 * S, compute=straggler(3))
+    st.cache_data.clear()
+
+
+def _anatomy_core() -> bool:
+    return data._anatomy() is not None
+
+
+def test_the_step_anatomy_page_breaks_the_steps_down_and_draws_a_critical_path(store):
+    _anatomy_runs(store)
+    if not _anatomy_core():
+        pytest.skip("this build has no step-anatomy core (rankscope.collector.anatomy): the fallback test covers the page")
+    at = open_page("anatomy", run="anat-slow")
+    text = said(at)
+    headings = [h.value for h in at.subheader]
+    assert headings[0] == "Where the step time goes" and headings[1].startswith("Critical path of step ")
+    step = int(headings[1].rsplit(" ", 1)[1])
+    assert 3 <= step <= 8  # the median step of 1-8 by its slowest rank: one of the straggler's
+    assert "Steps **1-8**, the mean rank's step" in text
+    breakdown = json.loads(at.get("plotly_chart")[0].proto.spec)
+    names = [t["name"] for t in breakdown["data"]]
+    assert names[0] == "compute" and set(names) <= {"compute", "optimizer", "data", "pipeline bubble", "exposed communication", "unexplained"}
+    assert all(t.get("stackgroup") == "steps" for t in breakdown["data"])
+    assert [s["x0"] for s in breakdown["layout"]["shapes"]] == [step]
+    assert "The costliest: **rank 3 (node-1) backward**, 100.0 ms more than its peers" in text
+    path = json.loads(at.get("plotly_chart")[1].proto.spec)
+    assert "critical path" in [t["name"] for t in path["data"]]
+    assert at.table[0].value.iloc[0][["rank", "link"]].tolist() == ["rank 3 (node-1)", "backward"]
+    at.number_input(key="anatomy_step").set_value(2).run()  # before the straggler: nobody costs 100 ms
+    assert not at.exception and "Critical path of step 2" in [h.value for h in at.subheader]
+    assert "100.0 ms more than its peers" not in said(at)
+
+
+def test_without_the_anatomy_core_the_page_shows_the_span_kinds_and_says_the_path_is_missing(store, monkeypatch):
+    _anatomy_runs(store)
+    monkeypatch.setattr(data, "_anatomy", lambda: None)
+    st.cache_data.clear()
+    at = open_page("anatomy", run="anat-slow")
+    text = said(at)
+    assert "The critical path is not available in this build" in text
+    breakdown = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert [t["name"] for t in breakdown["data"]] == ["compute", "optimizer", "communication (waits included)", "unexplained"]
+    by_name = {t["name"]: array(t["y"]) for t in breakdown["data"]}
+    # step 8 of "anat-slow": every rank computes 300 ms (rank 3: 400), waits in grad_sync, 10 ms of optimizer; 430 ms a step
+    assert by_name["compute"][-1] == pytest.approx(325) and by_name["optimizer"][-1] == pytest.approx(10)
+    assert by_name["compute"][-1] + by_name["optimizer"][-1] + by_name["communication (waits included)"][-1] + by_name["unexplained"][-1] == \
+        pytest.approx(430)  # fmt: skip
+    st.cache_data.clear()
+
+
+def test_the_step_anatomy_page_compares_with_another_run_or_other_steps(store):
+    _anatomy_runs(store)
+    at = open_page("anatomy", run="anat-slow")
+    assert "Pick a run to compare with" in said(at)
+    at.selectbox(key="anatomy_baseline").set_value("anat-base").run()
+    assert not at.exception, [e.value for e in at.exception]
+    headline = "step time +100 ms (+30%): rank 3 backward +100 ms (100% of the difference)"
+    assert f"**{ui.escape(headline)}**" in said(at)
+    tables = {t.value.columns[0]: t.value for t in at.table}
+    assert tables["contribution"].iloc[0].tolist() == ["rank 3 backward", "200.0", "300.0", "+100.0", "100%"]
+    assert tables["wait"].iloc[0]["wait"] in ("dp[1] all_reduce arrival skew, last to arrive: rank 3", "time in grad_sync (waits included)")
+    bars = json.loads(at.get("plotly_chart")[-1].proto.spec)["data"][0]
+    assert bars["y"][-1] == "rank 3 backward" and array(bars["x"])[-1] == pytest.approx(100)  # the first at the top
+    # two ranges of the run itself: steps 1-2 (before the straggler) against 4-8
+    at.radio(key="anatomy_mode").set_value("other steps of this run").run()
+    at.slider(key="anatomy_a").set_value((1, 2)).run()
+    at.slider(key="anatomy_b").set_value((4, 8)).run()
+    assert not at.exception and f"**{ui.escape(headline)}**" in said(at)
+    assert "A: run anat-slow, steps 1-2" in said(at)
+    # a link to the page can name the baseline run
+    linked = open_page("anatomy", run="anat-slow", against="anat-base")
+    assert f"**{ui.escape(headline)}**" in said(linked)
+
+
+def test_the_step_anatomy_page_without_spans_or_without_data(store, monkeypatch):
+    _run(store, "anat-bare", 1, 1, 2, "running", NOW - 9000 * S, 0)
+    st.cache_data.clear()
+    assert "there is no step to take apart" in said(open_page("anatomy", run="anat-bare"))
+    port = free_port()
+    read_from(monkeypatch, Source(collector=f"127.0.0.1:{port}"))
+    at = open_page("anatomy")
+    assert f"No data. cannot reach the collector at 127.0.0.1:{port}" in at.error[0].value.replace("*", "")

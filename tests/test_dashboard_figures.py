@@ -354,3 +354,64 @@ def test_the_source_travels_in_the_environment_and_never_shows_a_password():
     assert Source.from_env({SOURCE_VARIABLE: chosen.to_env()}) == chosen
     assert "secret" not in chosen.describe() and "db.example:8123" in chosen.describe()
     assert Source.from_env({}).describe() == "collector at 127.0.0.1:7777"
+
+
+# --- step anatomy -----------------------------------------------------------------------------
+
+
+def test_the_anatomy_figure_stacks_the_categories_in_order_and_marks_the_path_step():
+    frame = pd.DataFrame({
+        "step": [1, 2, 1, 2, 1, 2], "category": ["unexplained", "unexplained", "compute", "compute", "bubble", "bubble"],
+        "ms": [5.0, 6.0, 100.0, 120.0, 20.0, 25.0],
+    })  # fmt: skip
+    fig = figures.anatomy_figure(frame, ("compute", "optimizer", "bubble", "unexplained"), marked_step=2)
+    assert [t.name for t in fig.data] == ["compute", "pipeline bubble", "unexplained"]  # stacking order, absent ones left out
+    assert all(t.stackgroup == "steps" for t in fig.data)
+    assert list(fig.data[0].y) == [100.0, 120.0] and list(fig.data[1].x) == [1, 2]
+    assert [s.x0 for s in fig.layout.shapes] == [2]
+    assert not figures.anatomy_figure(frame, ("compute",)).layout.shapes
+
+
+def _path() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """A step's path: rank 2 computes, waits in an all-reduce for rank 3, the path moves to rank 3's backward."""
+    links = pd.DataFrame({
+        "rank": [3, 3, 2], "what": ["forward", "backward", "all_reduce dp[1] #4"], "kind": ["compute", "compute", "collective"],
+        "start_ns": [T0, T0 + 100 * 10**6, T0 + 400 * 10**6], "end_ns": [T0 + 100 * 10**6, T0 + 400 * 10**6, T0 + 420 * 10**6],
+        "waited_on": [None, None, 3],
+    })  # fmt: skip
+    spans = pd.DataFrame({"rank": [2, 3], "step": [4, 4], "name": ["backward", "backward"], "kind": ["compute", "compute"],
+                          "microbatch": [0, 0], "start_ns": [T0, T0 + 100 * 10**6], "end_ns": [T0 + 300 * 10**6, T0 + 400 * 10**6]})  # fmt: skip
+    who = pd.DataFrame({"rank": [2, 3], "host": ["node-1", "node-1"]})
+    return links, spans, who
+
+
+def test_the_critical_path_is_drawn_over_the_timeline_with_a_line_where_it_changes_rank():
+    links, spans, who = _path()
+    ops = pd.DataFrame(columns=["rank", "group_name", "seq", "op", "peer", "nbytes", "state", "step", "attempt", "issue_ns", "start_ns", "end_ns"])
+    fig = figures.critical_path_figure(links, spans, ops, who, T0, T0 + 420 * 10**6)
+    traces = {t.name: t for t in fig.data}
+    assert "compute spans" in traces  # the timeline underneath
+    path = traces["critical path"]
+    assert [x for x in path.x if x is not None] == [0, 100, 100, 400, 400, 420]
+    lanes = {y for y in path.y if y is not None}
+    assert len(lanes) == 2  # rank 3's lane, then rank 2's
+    moves = traces["path moves to the rank waited on"]
+    assert [x for x in moves.x if x is not None] == [400, 400]
+    assert "waited on rank 3" in path.hovertext[6]
+    # links on ranks without a lane are left out, not drawn at a made-up place
+    fig = figures.critical_path_figure(links, spans, ops, who[who["rank"] == 3], T0, T0 + 420 * 10**6)
+    names = [t.name for t in fig.data]
+    assert "path moves to the rank waited on" not in names and len([x for x in fig.data[names.index("critical path")].x if x is not None]) == 4
+
+
+def test_the_contributions_figure_puts_the_largest_on_top_coloured_by_what_it_is():
+    contributions = pd.DataFrame({
+        "label": ["rank 5 backward", "dp[1] all_reduce", "backward on every rank of stage 0"], "level": ["rank", "group", "stage"],
+        "diff_s": [0.18, 0.025, -0.004], "share": [0.85, 0.12, None],
+    })  # fmt: skip
+    bar = figures.contributions_figure(contributions).data[0]
+    assert list(bar.y) == ["backward on every rank of stage 0", "dp[1] all_reduce", "rank 5 backward"]  # the first at the top
+    assert list(bar.x) == pytest.approx([-4.0, 25.0, 180.0])
+    assert list(bar.marker.color) == [figures.LEVEL_COLOURS["stage"], figures.LEVEL_COLOURS["group"], figures.LEVEL_COLOURS["rank"]]
+    assert bar.hovertext[-1] == "rank 5 backward: +180.0 ms (85% of the difference)" and bar.hovertext[0].endswith("-4.0 ms")
+    assert len(figures.contributions_figure(contributions, top=2).data[0].y) == 2
