@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "schema": "rankscope.cli.schema",
     "sql": "rankscope.cli.sql",
     "diagnose": "rankscope.cli.diagnose",
+    "anatomy": "rankscope.cli.anatomy",
     "compare": "rankscope.cli.compare",
     "scenario": "rankscope.cli.scenario",
     "spool": "rankscope.cli.spool",
