@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
 
@@ -96,10 +97,10 @@ def detect(ctx: RunContext) -> list[Finding]:
         hosts = ctx.hosts_of((src, dst))
         slow[hosts if len(hosts) == 2 else (str(src), str(dst))].append(
             {**pair, "median": median, "typical": typical, "compared": compared, "cost_per_step_s": cost_per_step_s})
-    return [_finding(ctx, found, step_s) for found in slow.values()]
+    return [_finding(ctx, found, step_s, last_step) for found in slow.values()]
 
 
-def _finding(ctx: RunContext, found: list[dict], step_s: float) -> Finding:
+def _finding(ctx: RunContext, found: list[dict], step_s: float, last_step: int) -> Finding:
     """One incident per pair of hosts: the ranks on both sides of a slow link are all slow over it."""
     found.sort(key=lambda p: -p["median"])
     worst = found[0]
@@ -116,6 +117,11 @@ def _finding(ctx: RunContext, found: list[dict], step_s: float) -> Finding:
         key = f"slow_link:{'<->'.join(hosts)}"
         summary = f"slow link between {' and '.join(hosts)}: {transfers} (and {others})"
     summary += f", {worst['median'] / max(typical, 1.0):.0f}x the {typical / 1e6:.1f} ms of other pairs moving {worst['nbytes']} bytes"
+    # what the link's communication on the critical paths of the latest steps cost them (collector/anatomy)
+    steps = range(max(1, last_step - INCIDENT_STEPS + 1), last_step + 1)
+    cost = incident_cost(ctx.query, ctx.run_id, steps, (src, dst), attempt=ctx.attempt, kinds=("comm", "p2p"))
+    if cost is not None:
+        summary += f"; {cost['text']}"
     return Finding(
         kind="slow_link",
         key=key,
@@ -128,7 +134,8 @@ def _finding(ctx: RunContext, found: list[dict], step_s: float) -> Finding:
         evidence={"median_transfer_ms": round(worst["median"] / 1e6, 3), "typical_ms": round(typical / 1e6, 3),
                   "transfers": worst["transfers"], "bytes": worst["nbytes"], "compared_pairs": worst["compared"],
                   "cost_per_step_ms": round(worst["cost_per_step_s"] * 1e3, 1), "step_time_ms": round(1e3 * step_s, 1),
-                  "slow_pairs": [{"src": p["src"], "dst": p["dst"], "median_transfer_ms": round(p["median"] / 1e6, 3)} for p in found]},  # fmt: skip
+                  "slow_pairs": [{"src": p["src"], "dst": p["dst"], "median_transfer_ms": round(p["median"] / 1e6, 3)} for p in found],
+                  **({"critical_path_cost": cost} if cost is not None else {})},  # fmt: skip
         sql=ctx.literal_sql(EVIDENCE_SQL, src=src, dst=dst),
         absorbs=absorbs,
     )

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
 
@@ -248,6 +249,11 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
         "stage_ranks": stage_ranks,
         "arrived_last": {str(r): {"collectives": arrivals[r][0], "last": arrivals[r][1]} for r in ranks if r in arrivals},
     }
+    # what its links on the critical paths of the latest steps cost them (collector/anatomy)
+    cost = incident_cost(ctx.query, ctx.run_id, [p["step"] for p in info["steps"][-INCIDENT_STEPS:]], ranks, attempt=ctx.attempt)
+    if cost is not None:
+        evidence["critical_path_cost"] = cost
+        summary = f"{summary}; {cost['text']}"
     return Finding(
         kind="straggler",
         key=key,
