@@ -170,23 +170,6 @@ class Span:
 
     __slots__ = ("_rec", "name", "_name_id", "kind", "step", "_step_arg", "_mb", "_attrs", "_start", "_part", "_stack", "_cpu0", "_tid")
 
-    def __init__(
-        self, rec: Recorder, name: str, kind: str, step: int | None, microbatch: int | None,
-        attributes: dict[str, Any], auto: bool = False,
-    ) -> None:  # fmt: skip
-        """``auto``: made by the agent itself, so it does not count as the script's own timing."""
-        meta = None if auto else rec._span_meta.get((name, kind))
-        if meta is None:
-            meta = rec._span_kind(name, kind, auto)
-        self._rec = rec
-        self.name = name
-        self._name_id, self.kind = meta
-        self._step_arg = step
-        self.step = rec.state.step if step is None else step
-        self._mb = -1 if microbatch is None else microbatch
-        self._attrs = rec.attributes(attributes) if attributes else -1
-        self._part = -1  # -1: never split; else the index of the current piece
-
     def __enter__(self) -> Span:
         rec = self._rec
         try:
@@ -253,8 +236,6 @@ class Span:
 class Recorder:
     """Columns for spans, collectives and scalars, the open-span stacks, and the step timeline."""
 
-    Span = Span  # the public API creates spans through the recorder it finds attached
-
     def __init__(self, clock: Clock, state: RankState, capacity: int = 1 << 16, flush_rows: int = 4096, batch_rows: int = 8192):
         self.clock = clock
         self.now = clock.now  # the hot path's bound method; follows ``use_clock``
@@ -294,12 +275,14 @@ class Recorder:
 
     # --- spans (hot path) -------------------------------------------------------------------
 
-    def span(self, name: str, kind: str, step: int | None, microbatch: int | None, attributes: dict[str, Any]) -> Span:
-        """``Span(self, name, ...)`` for the public API: the same object, built without a call to
-        ``__init__`` (one Python frame fewer on the hot path)."""
-        meta = self._span_meta.get((name, kind))
+    def span(
+        self, name: str, kind: str, step: int | None, microbatch: int | None, attributes: dict[str, Any], auto: bool = False
+    ) -> Span:
+        """A new span, built without an ``__init__`` call (one Python frame fewer on the hot path).
+        ``auto``: made by the agent itself, so it does not count as the script's own timing."""
+        meta = None if auto else self._span_meta.get((name, kind))
         if meta is None:
-            meta = self._span_kind(name, kind, False)
+            meta = self._span_kind(name, kind, auto)
         s = _new_object(Span)
         s._rec = self
         s.name = name

@@ -36,18 +36,9 @@ from rankscope.collector.client import StoreReader
 from rankscope.collector.simulate import topology
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate
+from store import settle  # benchmarks/store.py: this script runs from benchmarks/
 
 STEP_TIME_S = 2.0
-
-
-def settle(store: EmbeddedStore, limit_s: float = 300.0) -> float:
-    """Wait for the background merges of the load to finish (a run stores over minutes, not seconds)."""
-    started = time.perf_counter()
-    while time.perf_counter() - started < limit_s:
-        if store.query_arrow("SELECT count() AS n FROM system.merges")["n"][0].as_py() == 0:
-            break
-        time.sleep(0.2)
-    return time.perf_counter() - started
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
