@@ -22,7 +22,7 @@ from rankscope.collector.client import Client
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
+STEPS = 60  # the collector comes up a few seconds in: at 0.1-0.5 s a step, enough steps are left after it
 TRAIN = [sys.executable, "-m", "rankscope.cli.main", "train", "--tp", "1", "--pp", "2", "--dp", "2", "--layers", "2",
          "--hidden", "256", "--heads", "4", "--seq", "128", "--vocab", "512", "--micro-batch", "2", "--global-batch", "8",
          "--steps", str(STEPS)]  # fmt: skip

@@ -23,7 +23,7 @@ from rankscope import __version__
 
 from .base import Store, StoreVersionError, arrow_schema
 from .ddl import add_column_statements, backfill_rollup_statement, create_statements, drop_rollup_statements, storage_table, ttl_clause
-from .schema import ATTEMPT, BY_NAME, TABLES, WORLD
+from .schema import ATTEMPT, BY_NAME, SCHEMA_VERSION, TABLES, WORLD
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,14 @@ def migrate(
             f"store at {store.describe()} was written by schema version {current}; "
             f"this rankscope knows up to {known}: upgrade rankscope"
         )
+    fresh = current == 0
     for step in steps:
         if step.version > current:
-            for sql in step.statements(database, retention_days, cluster):
-                store.command(sql)
+            # A new store is created in this rankscope's shape by step 1: the steps up to this
+            # schema version only bring older stores there, and are recorded without running.
+            if not (fresh and 1 < step.version <= SCHEMA_VERSION):
+                for sql in step.statements(database, retention_days, cluster):
+                    store.command(sql)
             _record(store, database, step.version)
             current = step.version
     if retention_days is not None:
