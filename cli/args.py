@@ -50,23 +50,24 @@ def port(minimum: int = 0) -> Callable[[str], int]:
     return within(minimum, 65535, "a port")
 
 
-def _above_zero(expected: str, unit: str) -> Callable[[str], float]:
+def above(minimum: float, expected: str = "a number", unit: str = "") -> Callable[[str], float]:
+    """A finite number above ``minimum`` (``unit`` follows it in the message)."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"must be more than 0{unit} and finite, got {text}")
+        if not minimum < value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be more than {minimum:g}{unit} and finite, got {text}")
         return value
 
     return parse
 
 
-#: a duration in seconds, more than 0
-seconds = _above_zero("seconds", " seconds")
+seconds = above(0, "seconds", " seconds")
 #: a number more than 0 (a rate, a factor)
-positive = _above_zero("a number", "")
+positive = above(0)
 
 
 def listen(text: str) -> str:

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rankscope.cli.args import count, seconds
+from rankscope.cli.args import above, count, seconds
 
 if TYPE_CHECKING:
     from rankscope.healing.selfcheck import Report
@@ -29,16 +29,6 @@ TIMEOUT_S = 60.0
 FACTOR = 2.0
 
 
-def factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 1 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be more than 1, got {text}")
-    return value
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--testbed", nargs="?", const="", default=None, metavar="NAME",
                         help="check hosts of this test bed (with no NAME: the only one up); without --testbed or --host: this machine alone")
@@ -49,7 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "on this machine one per GPU, else 2)")
     parser.add_argument("--timeout", type=seconds, default=TIMEOUT_S, metavar="SECONDS",
                         help=f"the most each test may take on a host: one that gives no answer in time fails (default: {TIMEOUT_S:g})")
-    parser.add_argument("--factor", type=factor, default=FACTOR,
+    parser.add_argument("--factor", type=above(1), default=FACTOR,
                         help=f"a figure fails when it is worse than its peers' median by more than this factor (default: {FACTOR:g})")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where matmul and the all-reduce run (default: auto, CUDA where there is one)")

@@ -296,7 +296,7 @@ def test_the_command_checks_this_machine_alone_without_peers(capsys: pytest.Capt
     ("argv", "message"),
     [
         (["--run", "r1"], "--collector and --run go together"),
-        (["--factor", "1"], "argument --factor: must be more than 1, got 1"),
+        (["--factor", "1"], "argument --factor: must be more than 1 and finite, got 1"),
         (["--ranks-per-host", "1"], "argument --ranks-per-host: must be at least 2, got 1"),
         (["--testbed", "rs-none"], "no test bed 'rs-none'"),
     ],
