@@ -54,7 +54,7 @@ def test_the_job_finishes_without_the_faulty_host(drill: scenarios.Drill, tmp_pa
     assert survivors and all(code == 0 for code in survivors.values()), outcome.exits
     resumed = json.loads(outcome.first("resumed")["evidence"])
     assert resumed["resumed_step"] > 1 and resumed["steps_lost"] >= 0  # from a checkpoint, not from scratch
-    if drill.name != "kill-host":  # a host that is still there was self-checked and failed, with its figures
+    if not drill.name.startswith("kill-host"):  # a host still there (frozen, throttled) was self-checked and failed
         check = json.loads(outcome.first("selfcheck")["evidence"])["passed"]
         assert check[outcome.target] is False and all(check[h] for h in check if h != outcome.target), story
 
