@@ -213,8 +213,7 @@ class Driver:
 
     def _resume(self, attempt: int, steps: dict[int, dict[str, Any]]) -> None:
         first = steps[attempt]["first_step"]
-        before = [s["last_step"] for a, s in steps.items() if a < attempt]
-        lost = max(0, max(before, default=0) - (first - 1))
+        lost = _steps_lost(steps, attempt)
         at_ns = steps[attempt]["first_step_ns"]
         evidence = {"resumed_step": first, "checkpoint_step": first - 1, "steps_lost": lost, "seconds_since_launch": (at_ns - self._started_ns) / 1e9}
         self._act("resumed", sorted(self._attempts[attempt]["hosts"]), reason=f"attempt {attempt} completed step {first}: "
@@ -225,10 +224,8 @@ class Driver:
         wall_s = (time.time_ns() - self._started_ns) / 1e9
         rows = self._query(PRODUCTIVE_SQL)
         productive_s = float(rows[0]["seconds"] or 0.0) if rows else 0.0
-        steps = self._query(STEPS_SQL)
-        lost = sum(
-            max(0, prev["last_step"] - (nxt["first_step"] - 1)) for prev, nxt in zip(steps, steps[1:])
-        )  # fmt: skip
+        steps = {r["attempt"]: r for r in self._query(STEPS_SQL)}
+        lost = sum(_steps_lost(steps, attempt) for attempt in steps if attempt > 0)
         survivors = {h: c for h, c in exits.items() if h in self._active}
         ok = bool(survivors) and all(c == 0 for c in survivors.values())
         evidence = {
@@ -269,3 +266,9 @@ class Driver:
                 self._warn(e)
                 return
             self._outbox.pop(0)
+
+
+def _steps_lost(steps: dict[int, dict[str, Any]], attempt: int) -> int:
+    """The completed steps the attempts before ``attempt`` ran past the checkpoint it resumed from."""
+    before = [s["last_step"] for a, s in steps.items() if a < attempt]
+    return max(0, max(before, default=0) - (steps[attempt]["first_step"] - 1))

@@ -25,11 +25,10 @@ from rankscope.healing import launch
 from rankscope.healing.policy import Policy
 from rankscope.testbed import faults, hosts
 from rankscope.testbed.job import Job, trainer
-from rankscope.testbed.scenarios import staged
+from rankscope.testbed.scenarios import STEP_SQL, staged
 
 HOSTS, RANKS_PER_HOST = 3, 2
 STEPS, CKPT_EVERY = 16, 2
-STEP_SQL = "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String}"
 ACTIONS_SQL = (
     "SELECT toUnixTimestamp64Nano(time) AS time_ns, attempt, action, hosts, incident_id, reason, evidence "
     "FROM actions WHERE run_id = {run:String} ORDER BY time"
