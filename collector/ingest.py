@@ -75,7 +75,7 @@ COLLECTIVE_STATES = _enum_names(telemetry_pb2.CollectiveState, "COLLECTIVE_STATE
 EXIT_REASONS = _enum_names(telemetry_pb2.EndOfRank.Reason, "REASON_")
 
 
-_SCHEMAS: dict[str, pa.Schema] = {t.name: arrow_schema(t) for t in schema.TABLES}
+_SCHEMAS: dict[str, pa.Schema] = {t.name: arrow_schema(t) for t in schema.TABLES if not t.source}  # rollups are never written to
 #: how DateTime64(9) travels in Arrow
 TIMESTAMP = arrow_type("DateTime64(9)")
 

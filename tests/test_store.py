@@ -195,10 +195,10 @@ def test_cluster_ddl_has_replicated_local_tables_and_distributed_tables_over_the
         # Columns, projections, keys, TTL and settings are the single-node table's.
         same = next(s for s in single if s.startswith(f"CREATE TABLE IF NOT EXISTS obs.{table.name}\n"))
         assert without_name_and_engine(local) == without_name_and_engine(same)
-        # Rows of one rank (or run, for tables without ranks) stay on one shard.
+        # Rows of one rank (or run, for tables and rollups without ranks) stay on one shard.
         key = {"schema_version": "rand()", "runs": "cityHash64(run_id)", "groups": "cityHash64(run_id)",
                "incidents": "cityHash64(run_id)", "actions": "cityHash64(run_id)",
-               "selfchecks": "cityHash64(run_id)"}.get(table.name, "cityHash64(run_id, rank)")
+               "selfchecks": "cityHash64(run_id)", "step_losses": "cityHash64(run_id)"}.get(table.name, "cityHash64(run_id, rank)")
         assert (
             f"CREATE TABLE IF NOT EXISTS obs.{table.name} ON CLUSTER prod AS obs.{table.name}_local "
             f"ENGINE = Distributed(prod, obs, {table.name}_local, {key})"

@@ -63,6 +63,10 @@ class RunContext:
     may then be another process on another host, with steps run again from a checkpoint: detectors
     look at the run's latest attempt only (``attempt``, bound to ``{attempt:UInt16}`` in every query
     made through ``query``). What earlier attempts showed stays in their incidents.
+
+    ``seen`` is what passes keep of the attempt from one to the next (the newest step of each
+    table a detector windows by), so that a pass reads what is new rather than the run's history;
+    the live diagnosis hands it from one context of the attempt to the next.
     """
 
     run_id: str
@@ -73,11 +77,15 @@ class RunContext:
     stage: dict[int, int] = field(default_factory=dict)  # rank -> pp_rank (0 when unknown)
     ranks_of_host: dict[str, list[int]] = field(default_factory=dict)  # host -> its ranks, sorted
     groups: dict[str, list[int]] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, run_id: str, query: Query, settings: Settings) -> RunContext:
+    def load(cls, run_id: str, query: Query, settings: Settings, seen: dict[tuple[str, int], dict[str, int]] | None = None) -> RunContext:
+        """The run's latest attempt and its topology; ``seen``: (run, attempt) -> what passes keep of
+        it, shared with this context (an entry is made for a new attempt)."""
         attempt = int(query(ATTEMPT_SQL, {"run": run_id}).to_pylist()[0]["attempt"] or 0)
-        ctx = cls(run_id, lambda sql, params: query(sql, {"attempt": attempt, **params}), settings, attempt)
+        kept = seen.setdefault((run_id, attempt), {}) if seen is not None else {}
+        ctx = cls(run_id, lambda sql, params: query(sql, {"attempt": attempt, **params}), settings, attempt, seen=kept)
         for r in ctx.query(
             "SELECT rank, argMax(host, registered) AS host, argMax(pp_rank, registered) AS pp "
             "FROM ranks WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank ORDER BY rank",
@@ -102,6 +110,15 @@ class RunContext:
 
     def hosts_of(self, ranks: list[int] | tuple[int, ...]) -> tuple[str, ...]:
         return tuple(sorted({self.host[r] for r in ranks if r in self.host}))
+
+    def newest_step(self, sql: str) -> int:
+        """The newest step ``sql`` finds (``max(step) AS newest``, over rows with ``step >= {since:UInt32}``),
+        since the newest it found in an earlier pass: steps of an attempt only grow, and a filter on
+        the step skips the history (the tables are sorted or indexed by it). 0 when there is none."""
+        since = self.seen.get(sql, 0)
+        step = int(self.query(sql, {"run": self.run_id, "since": since}).to_pylist()[0]["newest"] or 0)
+        self.seen[sql] = max(step, since)
+        return self.seen[sql]
 
     def median_step_s(self, first_step: int, last_step: int) -> float:
         """The median step time over steps ``first_step``..``last_step`` of every rank; 0 when none was recorded."""

@@ -24,8 +24,9 @@ EXITS_SQL = (
     "argMin(message, time) AS message, toUnixTimestamp64Nano(min(time)) AS time_ns "
     "FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 )
+# each rank's latest heartbeat, from the rollup kept as they arrive (a row per rank, however long the run)
 HEARTBEATS_SQL = (
-    "SELECT rank, toUnixTimestamp64Nano(max(time)) AS last_ns FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
+    "SELECT rank, toUnixTimestamp64Nano(max(last_heartbeat)) AS last_ns FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 )
 EXITS_EVIDENCE_SQL = (
     "SELECT rank, host, time, reason, exit_code, signal, message FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16} ORDER BY time"

@@ -29,17 +29,19 @@ DIAGNOSE_EVERY_S = 5.0
 CONCLUDE_AFTER_S = 10.0
 
 LAST_DATA_SQL = (
-    "SELECT greatest((SELECT toUnixTimestamp64Nano(max(time)) FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16}), "
+    "SELECT greatest((SELECT toUnixTimestamp64Nano(max(last_heartbeat)) FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}), "
     "(SELECT toUnixTimestamp64Nano(max(time)) FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16})) AS ns"
 )
 STACK_SQL = (
     "SELECT rank, text, method, toUnixTimestamp64Nano(time) AS time_ns FROM stacks WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
     "AND rank IN {ranks:Array(UInt32)} AND time >= fromUnixTimestamp64Nano({since:Int64}) ORDER BY time DESC LIMIT 1 BY rank"
 )
+# The runs heard from lately, by every rank's latest heartbeat: a store's heartbeats of today are
+# millions of rows, its ranks' latest a row each.
 ACTIVE_RUNS_SQL = (
     "SELECT run_id, argMax(status, updated) AS status FROM runs GROUP BY run_id "
-    "HAVING run_id IN (SELECT DISTINCT run_id FROM heartbeats WHERE time >= now64(9) - toIntervalSecond({recent_s:UInt32})) "
-    "OR status = 'running'"
+    "HAVING run_id IN (SELECT run_id FROM rank_state GROUP BY run_id "
+    "HAVING max(last_heartbeat) >= now64(9) - toIntervalSecond({recent_s:UInt32})) OR status = 'running'"
 )
 
 
@@ -109,6 +111,7 @@ class LiveDiagnosis:
         self.ledgers: dict[str, Ledger] = {}
         self._passed: dict[str, tuple[tuple[int, int], float]] = {}  # run -> stored() and time.monotonic() at its last pass
         self._contexts: dict[str, tuple[int, float, RunContext]] = {}  # run -> registrations stored, time read, topology
+        self._seen: dict[tuple[str, int], dict[str, int]] = {}  # (run, attempt) -> what passes keep of it (RunContext.seen)
         self._asked: set[tuple[str, int]] = set()
         self._ended: dict[str, float] = {}  # run -> time.monotonic() when first seen ended
         self._warned: set[str] = set()
@@ -144,6 +147,7 @@ class LiveDiagnosis:
         for gone in set(self._passed) - {run["run_id"] for run in active}:
             self._passed.pop(gone)
             self._contexts.pop(gone, None)
+            self._seen = {key: kept for key, kept in self._seen.items() if key[0] != gone}
         return written
 
     def _due(self, run_id: str, now: float) -> bool:
@@ -160,11 +164,11 @@ class LiveDiagnosis:
     def _context(self, run_id: str, now: float) -> RunContext:
         """The run's topology, read again when a rank registered since, or after ``recheck_s``."""
         if self.stored is None:
-            return RunContext.load(run_id, self.query, self.settings)
+            return RunContext.load(run_id, self.query, self.settings, self._seen)
         registrations = self.stored(run_id)[1]
         cached = self._contexts.get(run_id)
         if cached is None or cached[0] != registrations or now - cached[1] >= self.recheck_s:
-            cached = self._contexts[run_id] = (registrations, now, RunContext.load(run_id, self.query, self.settings))
+            cached = self._contexts[run_id] = (registrations, now, RunContext.load(run_id, self.query, self.settings, self._seen))
         return cached[2]
 
     def _run(self, run_id: str, final: bool, now: float) -> list[Incident]:

@@ -13,11 +13,13 @@ from rankscope.collector.diagnosis.incidents import Finding
 #: throttle reasons that mean trouble (NVML's; power capping under full load is normal and left out)
 BAD_THROTTLE = ("hw_thermal", "sw_thermal", "hw_slowdown", "hw_power_brake")
 
+# From the ``gpu_signals`` rollup, kept per rank and signal as metrics arrive: a run's metrics grow
+# with it, its signals do not.
 SIGNALS_SQL = (
-    "SELECT rank, any(host) AS host, any(device) AS device, name, "
-    "countIf(value > 0) AS samples_on, max(value) - min(value) AS increase, max(value) AS peak, "
-    "toUnixTimestamp64Nano(minIf(time, value > 0)) AS first_ns, toUnixTimestamp64Nano(max(time)) AS last_ns "
-    "FROM metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND (name IN {throttle:Array(String)} "
+    "SELECT rank, anyLast(host) AS host, anyLast(device) AS device, name, "
+    "sum(samples_on) AS samples_on, max(highest) - min(lowest) AS increase, max(highest) AS peak, "
+    "toUnixTimestamp64Nano(minIfMerge(first_on)) AS first_ns, toUnixTimestamp64Nano(max(last_seen)) AS last_ns "
+    "FROM gpu_signals WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND (name IN {throttle:Array(String)} "
     "OR name = 'hw.errors.ecc_uncorrected' OR startsWith(name, 'hw.gpu.xid.')) GROUP BY rank, name"
 )
 EVIDENCE_SQL = (

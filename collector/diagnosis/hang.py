@@ -16,25 +16,28 @@ from dataclasses import dataclass
 from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.incidents import Finding
 
+# Every rank's latest heartbeat is kept as heartbeats arrive (the ``rank_state`` rollup): a pass
+# reads a row per rank, however long the run; the heartbeats of one step through the step index.
 PROGRESS_SQL = (
-    "SELECT max(step) AS step, toUnixTimestamp64Nano(max(time)) AS last_heartbeat_ns FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
+    "SELECT max(max_step) AS step, toUnixTimestamp64Nano(max(last_heartbeat)) AS last_heartbeat_ns FROM rank_state "
+    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
 )
 ADVANCED_SQL = (
     "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step = {step:UInt32}"
 )
 STATE_SQL = (
-    "SELECT rank, toUnixTimestamp64Nano(max(time)) AS time_ns, toUnixTimestamp64Nano(argMax(last_progress, time)) AS progress_ns, "
-    "argMax(step, time) AS step, argMax(phase, time) AS phase, "
-    "argMax(inflight_group, time) AS groups, argMax(inflight_seq, time) AS seqs, argMax(inflight_op, time) AS ops, "
-    "argMax(inflight_peer, time) AS peers, argMax(inflight_waiting, time) AS waiting "
-    "FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
+    "SELECT rank, toUnixTimestamp64Nano(max(last_heartbeat)) AS time_ns, toUnixTimestamp64Nano(argMaxMerge(last_progress)) AS progress_ns, "
+    "argMaxMerge(latest_step) AS step, argMaxMerge(phase) AS phase, "
+    "argMaxMerge(inflight_group) AS groups, argMaxMerge(inflight_seq) AS seqs, argMaxMerge(inflight_op) AS ops, "
+    "argMaxMerge(inflight_peer) AS peers, argMaxMerge(inflight_waiting) AS waiting "
+    "FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 )
-# Only the groups somebody waits in (all others are never looked at), and the direction of a
-# point-to-point operation worked out by the store (``_direction``'s rule): a run's collectives
-# are millions of rows at scale.
+# Only the groups somebody waits in (all others are never looked at), from the ``entered`` rollup
+# (kept as collectives arrive, the direction of a point-to-point operation by ``_direction``'s
+# rule): a run's collectives are millions of rows at scale.
 ENTERED_SQL = (
-    "SELECT rank, group_name, peer, position(splitByChar(':', op)[-1], 'send') > 0 AS sends, max(seq) AS seq "
-    "FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
+    "SELECT rank, group_name, peer, sends, max(seq) AS seq FROM entered "
+    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
 )
 EXITS_SQL = "SELECT rank, toUnixTimestamp64Nano(min(time)) AS time_ns FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 EVIDENCE_SQL = (

@@ -15,16 +15,26 @@ import math
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
 
+# The first step with a value not finite, from the per-step ``step_losses`` rollup (a row per step),
+# then that step's rows through the step index: a run's step metrics grow with it.
+FIRST_STEP_SQL = (
+    "SELECT step FROM step_losses WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND nonfinite > 0 ORDER BY step LIMIT 1"
+)
 FIRST_SQL = (
     "SELECT step, rank, name, value, toUnixTimestamp64Nano(time) AS time_ns FROM step_metrics "
-    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND ((name = 'loss' AND NOT isFinite(value)) OR (name = 'nonfinite_outputs' AND value > 0)) "
-    "AND step = (SELECT min(step) FROM step_metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND "
-    "((name = 'loss' AND NOT isFinite(value)) OR (name = 'nonfinite_outputs' AND value > 0))) ORDER BY rank"
+    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step = {step:UInt32} "
+    "AND ((name = 'loss' AND NOT isFinite(value)) OR (name = 'nonfinite_outputs' AND value > 0)) ORDER BY rank"
 )
+NEWEST_SQL = "SELECT max(step) AS newest FROM step_losses WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step >= {since:UInt32}"
 LOSS_SQL = (
-    "SELECT step, median(value) AS loss, groupArray(rank) AS ranks, toUnixTimestamp64Nano(min(time)) AS time_ns "
-    "FROM step_metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND name = 'loss' GROUP BY step ORDER BY step"
+    "SELECT step, quantileIfMerge(loss) AS loss, groupArrayIfMerge(ranks) AS ranks, toUnixTimestamp64Nano(min(first_time)) AS time_ns "
+    "FROM step_losses WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step >= {from:UInt32} "
+    "GROUP BY step HAVING notEmpty(ranks) ORDER BY step"
 )
+#: loss spikes are looked for in this many newest steps (an older one is closed: the run went on) ...
+SPIKE_STEPS = 40
+#: ... each against the median of up to this many steps before it
+SPIKE_HISTORY = 20
 EVIDENCE_SQL = (
     "SELECT step, rank, name, value FROM step_metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
     "AND name IN ('loss', 'nonfinite_outputs', 'grad_norm') AND step BETWEEN {from:UInt32} AND {to:UInt32} ORDER BY step, rank, name"
@@ -36,7 +46,8 @@ def detect(ctx: RunContext) -> list[Finding]:
 
 
 def _nan(ctx: RunContext) -> list[Finding]:
-    rows = ctx.query(FIRST_SQL, {"run": ctx.run_id}).to_pylist()
+    first = ctx.query(FIRST_STEP_SQL, {"run": ctx.run_id}).to_pylist()
+    rows = ctx.query(FIRST_SQL, {"run": ctx.run_id, "step": first[0]["step"]}).to_pylist() if first else []
     if not rows:
         return []
     step = rows[0]["step"]
@@ -72,16 +83,19 @@ def _nan(ctx: RunContext) -> list[Finding]:
 
 
 def _spikes(ctx: RunContext) -> list[Finding]:
-    """A finite loss far above the median of the steps before it (the run may recover; it is still worth a look)."""
+    """A finite loss far above the median of the steps before it, in the newest ``SPIKE_STEPS`` steps
+    (the run may recover; it is still worth a look)."""
     ratio = ctx.settings.loss_spike_ratio
+    newest = ctx.newest_step(NEWEST_SQL)
+    judged_from = newest - SPIKE_STEPS + 1
     history: list[float] = []
     findings = []
-    for row in ctx.query(LOSS_SQL, {"run": ctx.run_id}).to_pylist():
+    for row in ctx.query(LOSS_SQL, {"run": ctx.run_id, "from": max(0, judged_from - SPIKE_HISTORY)}).to_pylist():
         loss = row["loss"]
         if loss is None or not math.isfinite(loss):
             break  # from here on it is the NaN incident's
-        if len(history) >= 5:
-            median = sorted(history[-20:])[len(history[-20:]) // 2]
+        if len(history) >= 5 and row["step"] >= judged_from:
+            median = sorted(history[-SPIKE_HISTORY:])[len(history[-SPIKE_HISTORY:]) // 2]
             if median > 0 and loss > ratio * median:
                 ranks = sorted(row["ranks"])
                 findings.append(

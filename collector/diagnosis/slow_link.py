@@ -55,6 +55,10 @@ FROM (SELECT *, greatest(transfer_ns, 0) AS t, uniqExact(step) OVER () AS steps 
 GROUP BY src, dst, nbytes HAVING transfers >= 2
 """
 MIN_STEPS = 3
+NEWEST_SQL = (
+    "SELECT max(step) AS newest FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0 "
+    "AND step >= {since:UInt32}"
+)
 
 EVIDENCE_SQL = (
     "SELECT rank, peer, op, group_name, seq, step, issue_time, end_time, "
@@ -66,8 +70,7 @@ EVIDENCE_SQL = (
 
 def detect(ctx: RunContext) -> list[Finding]:
     s = ctx.settings
-    last = ctx.query("SELECT max(step) AS step FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0", {"run": ctx.run_id})
-    last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
+    last_step = ctx.newest_step(NEWEST_SQL)
     if last_step == 0:
         return []
     # Completed steps only (the newest is in progress, or cut short by a hang or crash), not the

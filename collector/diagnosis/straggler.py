@@ -103,6 +103,9 @@ SELECT name, step, rank, ns, median, ratio, started, wall_only, threshold FROM (
 WHERE slow_steps >= {{min_steps:UInt32}}
 """
 
+NEWEST_SQL = (
+    "SELECT max(step) AS newest FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step >= {since:UInt32}"
+)
 CPU_MEASURED_SQL = (
     "SELECT countIf(cpu_pieces > 0) > 0 AS cpu FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
@@ -128,8 +131,7 @@ ARRIVALS_SQL = (
 def detect(ctx: RunContext) -> list[Finding]:
     """Stragglers over the last steps of the run (``straggler_window`` of them and a margin)."""
     s = ctx.settings
-    last = ctx.query("SELECT max(step) AS step FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16}", {"run": ctx.run_id})
-    last_step = int(last["step"][0].as_py() or 0) if last.num_rows else 0
+    last_step = ctx.newest_step(NEWEST_SQL)
     if last_step == 0:
         return []
     # Completed steps only: the newest is in progress (or was cut short by a hang or crash), and

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .schema import BY_NAME, TABLES, Column, Table
+from .schema import BY_NAME, TABLES, Column, Index, Table
 
 #: where each replicated table keeps its state in ClickHouse Keeper (macros filled in per node)
 REPLICA_PATH = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"
@@ -50,11 +50,14 @@ def storage_table(table: Table, cluster: str | None) -> str:
 def sharding_key(table: Table) -> str:
     """Which shard a row goes to: per rank for per-rank tables, else per run.
 
-    A rollup is filled on each shard from that shard's source rows, so it shards like its source.
+    A rollup is filled on each shard from that shard's source rows, so it shards like its source
+    where it keeps the rank (rows refilled through the Distributed table land where the view puts
+    them); one without the rank is merged across shards when read, and refilled per run.
     """
-    if table.source:
-        return sharding_key(BY_NAME[table.source])
     names = [c.name for c in table.columns]
+    if table.source:
+        source = sharding_key(BY_NAME[table.source])
+        return source if "rank" in names or "rank" not in source else "cityHash64(run_id)"
     if names[:2] == ["run_id", "rank"]:
         return "cityHash64(run_id, rank)"
     if names[0] == "run_id":
@@ -65,6 +68,7 @@ def sharding_key(table: Table) -> str:
 def _create_table(table: Table, database: str, retention_days: int | None, cluster: str | None) -> str:
     on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
     body = [f"    {_column(c)}" for c in table.columns]
+    body += [f"    INDEX {_index(i)}" for i in table.indexes]
     body += [f"    PROJECTION {p.name} ({p.select})" for p in table.projections]
     lines = [
         f"CREATE TABLE IF NOT EXISTS {database}.{storage_table(table, cluster)}{on_cluster}",
@@ -93,6 +97,14 @@ def add_column_statements(table: Table, column: Column, database: str, cluster: 
     on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
     names = [storage_table(table, cluster), table.name] if cluster else [table.name]
     return [f"ALTER TABLE {database}.{name}{on_cluster} ADD COLUMN IF NOT EXISTS {_column(column)}" for name in names]
+
+
+def add_index_statements(table: Table, index: Index, database: str, cluster: str | None) -> list[str]:
+    """ALTER TABLE ... ADD INDEX IF NOT EXISTS, then MATERIALIZE INDEX for the parts already written
+    (a mutation the engine runs in the background), on the table that holds the rows."""
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    name = f"{database}.{storage_table(table, cluster)}{on_cluster}"
+    return [f"ALTER TABLE {name} ADD INDEX IF NOT EXISTS {_index(index)}", f"ALTER TABLE {name} MATERIALIZE INDEX {index.name}"]
 
 
 def drop_rollup_statements(table: Table, database: str, cluster: str | None) -> list[str]:
@@ -129,6 +141,10 @@ def _engine(table: Table, cluster: str | None) -> str:
     if table.version_column:
         args.append(table.version_column)
     return f"{'Replicated' if cluster else ''}{family}({', '.join(args)})"
+
+
+def _index(index: Index) -> str:
+    return f"{index.name} {index.expression} TYPE {index.type} GRANULARITY {index.granularity}"
 
 
 def _column(column: Column) -> str:

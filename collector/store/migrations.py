@@ -22,7 +22,15 @@ import pyarrow as pa
 from rankscope import __version__
 
 from .base import Store, StoreVersionError, arrow_schema
-from .ddl import add_column_statements, backfill_rollup_statement, create_statements, drop_rollup_statements, storage_table, ttl_clause
+from .ddl import (
+    add_column_statements,
+    add_index_statements,
+    backfill_rollup_statement,
+    create_statements,
+    drop_rollup_statements,
+    storage_table,
+    ttl_clause,
+)
 from .schema import ATTEMPT, BY_NAME, SCHEMA_VERSION, TABLES, WORLD
 
 
@@ -54,9 +62,27 @@ def _attempts(database: str, retention_days: int | None, cluster: str | None) ->
     return [*statements, backfill_rollup_statement(rollup, database)]
 
 
+#: the rollups version 3 added: the live diagnosis's state, bounded however long a run grows
+DIAGNOSIS_ROLLUPS = ("rank_state", "entered", "gpu_signals", "step_losses")
+
+
+def _bounded_diagnosis(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
+    """Version 3: the live diagnosis reads a bounded state instead of a run's history. The rollups
+    of each rank's latest heartbeat, the sequence numbers entered, GPU fault signals and per-step
+    losses are new and filled from the rows already stored (dropped first: a step run again must
+    not count rows twice); the per-rank tables it reads by step get a step-range index (materialized
+    for their parts in the background)."""
+    rollups = [BY_NAME[name] for name in DIAGNOSIS_ROLLUPS]
+    statements = [sql for table in rollups for sql in drop_rollup_statements(table, database, cluster)]
+    statements += create_statements(database, retention_days=retention_days, cluster=cluster, tables=rollups)[1:]
+    statements += [backfill_rollup_statement(table, database) for table in rollups]
+    return statements + [sql for table in TABLES for index in table.indexes for sql in add_index_statements(table, index, database, cluster)]
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create the tables", lambda db, days, cluster: create_statements(db, retention_days=days, cluster=cluster)),
     Migration(2, "attempts of a run, self-healing actions and self-checks", _attempts),
+    Migration(3, "a bounded state for the live diagnosis: rollups and step-range indexes", _bounded_diagnosis),
 )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 TIME = "DateTime64(9)"
 TIME_CODEC = "CODEC(Delta, ZSTD(1))"
@@ -39,6 +39,21 @@ class Projection:
 
 
 @dataclass(frozen=True)
+class Index:
+    """A data-skipping index: what the engine keeps per ``granularity`` granules to skip those a filter excludes."""
+
+    name: str
+    expression: str
+    type: str = "minmax"
+    granularity: int = 1
+
+
+#: Per-rank tables are sorted by rank and time, so a filter on the step alone would read a run's
+#: whole history; a step grows with time within a rank, so each granule's step range is narrow.
+STEP_INDEX = Index("step_range", "step")
+
+
+@dataclass(frozen=True)
 class Table:
     name: str
     doc: str
@@ -49,6 +64,7 @@ class Table:
     #: ReplacingMergeTree version column: rows with the same ORDER BY key replace each other
     version_column: str = ""
     projections: tuple[Projection, ...] = field(default_factory=tuple)
+    indexes: tuple[Index, ...] = field(default_factory=tuple)
     #: a rollup: the table is filled by a materialized view over ``source`` (never by writers),
     #: ``view`` being that view's SELECT with ``{source}`` for the source table's name
     source: str = ""
@@ -153,6 +169,7 @@ TABLES: tuple[Table, ...] = (
         ),
         order_by=("run_id", "rank", "start_time"),
         time_column="start_time",
+        indexes=(STEP_INDEX,),
     ),
     Table(
         "step_segments",
@@ -205,6 +222,28 @@ TABLES: tuple[Table, ...] = (
         time_column="issue_time",
         # Matching an operation across the members of its group: (run, group, seq).
         projections=(Projection("by_group_seq", "SELECT * ORDER BY (run_id, group_name, seq, rank)"),),
+        indexes=(STEP_INDEX,),
+    ),
+    Table(
+        "entered",
+        "The highest sequence number each rank has entered per process group (and, for point-to-point operations, "
+        "per peer and direction), kept up to date by ClickHouse as collectives arrive: whom a hung rank waits for. "
+        "Read with max(seq) GROUP BY.",
+        (
+            Column("run_id", NAME),
+            Column("attempt", "UInt16"),
+            Column("group_name", NAME),
+            Column("rank", "UInt32"),
+            Column("peer", "Int32", comment="-1 for a collective"),
+            Column("sends", "UInt8", comment="a point-to-point send (1) or receive (0); 0 for a collective"),
+            Column("seq", "SimpleAggregateFunction(max, Int64)"),
+        ),
+        order_by=("run_id", "attempt", "group_name", "rank", "peer", "sends"),
+        source="collectives",
+        view=(
+            "SELECT run_id, attempt, group_name, rank, peer, peer >= 0 AND position(splitByChar(':', op)[-1], 'send') > 0 AS sends, "
+            "max(seq) AS seq FROM {source} GROUP BY run_id, attempt, group_name, rank, peer, sends"
+        ),
     ),
     Table(
         "heartbeats",
@@ -228,6 +267,34 @@ TABLES: tuple[Table, ...] = (
         ),
         order_by=("run_id", "rank", "time"),
         time_column="time",
+        indexes=(STEP_INDEX,),
+    ),
+    Table(
+        "rank_state",
+        "Each rank's latest heartbeat, kept up to date by ClickHouse as heartbeats arrive: what the live diagnosis "
+        "reads on every pass (a run's heartbeats grow with it, this does not). Read with max(...) and argMaxMerge(...) "
+        "GROUP BY run_id, attempt, rank.",
+        (
+            Column("run_id", NAME),
+            Column("attempt", "UInt16"),
+            Column("rank", "UInt32"),
+            Column("host", f"SimpleAggregateFunction(anyLast, {NAME})"),
+            Column("last_heartbeat", f"SimpleAggregateFunction(max, {TIME})"),
+            Column("max_step", "SimpleAggregateFunction(max, UInt32)"),
+            *(Column(name, f"AggregateFunction(argMax, {kind}, {TIME})", comment="of the latest heartbeat")
+              for name, kind in (("latest_step", "UInt32"), ("phase", NAME), ("last_progress", TIME), ("inflight_group", f"Array({NAME})"),
+                                 ("inflight_seq", "Array(Int64)"), ("inflight_op", f"Array({NAME})"), ("inflight_peer", "Array(Int32)"),
+                                 ("inflight_waiting", "Array(UInt8)"))),
+        ),
+        order_by=("run_id", "attempt", "rank"),
+        source="heartbeats",
+        view=(
+            "SELECT run_id, attempt, rank, anyLast(host) AS host, max(time) AS last_heartbeat, max(step) AS max_step, "
+            "argMaxState(step, time) AS latest_step, argMaxState(phase, time) AS phase, argMaxState(last_progress, time) AS last_progress, "
+            "argMaxState(inflight_group, time) AS inflight_group, argMaxState(inflight_seq, time) AS inflight_seq, "
+            "argMaxState(inflight_op, time) AS inflight_op, argMaxState(inflight_peer, time) AS inflight_peer, "
+            "argMaxState(inflight_waiting, time) AS inflight_waiting FROM {source} GROUP BY run_id, attempt, rank"
+        ),
     ),
     Table(
         "metrics",
@@ -246,6 +313,32 @@ TABLES: tuple[Table, ...] = (
         time_column="time",
     ),
     Table(
+        "gpu_signals",
+        "Per rank and GPU fault signal (throttle reasons, uncorrected ECC errors, Xid events): samples on, range, when "
+        "first on and last seen, kept up to date by ClickHouse as metrics arrive. Read with sum/max/min/minIfMerge GROUP BY.",
+        (
+            Column("run_id", NAME),
+            Column("attempt", "UInt16"),
+            Column("rank", "Int32"),
+            Column("name", NAME),
+            Column("host", f"SimpleAggregateFunction(anyLast, {NAME})"),
+            Column("device", f"SimpleAggregateFunction(anyLast, {NAME})"),
+            Column("samples_on", "SimpleAggregateFunction(sum, UInt64)", comment="samples above 0"),
+            Column("highest", "SimpleAggregateFunction(max, Float64)"),
+            Column("lowest", "SimpleAggregateFunction(min, Float64)"),
+            Column("first_on", f"AggregateFunction(minIf, {TIME}, UInt8)", comment="the first sample above 0"),
+            Column("last_seen", f"SimpleAggregateFunction(max, {TIME})"),
+        ),
+        order_by=("run_id", "attempt", "rank", "name"),
+        source="metrics",
+        view=(
+            "SELECT run_id, attempt, rank, name, anyLast(host) AS host, anyLast(device) AS device, countIf(value > 0) AS samples_on, "
+            "max(value) AS highest, min(value) AS lowest, minIfState(time, value > 0) AS first_on, max(time) AS last_seen FROM {source} "
+            "WHERE startsWith(name, 'hw.gpu.throttle.') OR name = 'hw.errors.ecc_uncorrected' OR startsWith(name, 'hw.gpu.xid.') "
+            "GROUP BY run_id, attempt, rank, name"
+        ),
+    ),
+    Table(
         "step_metrics",
         "Training scalars per rank and step: loss, grad_norm, tokens_per_s, mfu, user values.",
         (
@@ -258,6 +351,29 @@ TABLES: tuple[Table, ...] = (
         ),
         order_by=("run_id", "rank", "step", "name"),
         time_column="time",
+        indexes=(STEP_INDEX,),
+    ),
+    Table(
+        "step_losses",
+        "Per step: the loss (its median) over the ranks that report it, those ranks, when the first came, and how many values "
+        "were not finite (a loss, or a rank's count of non-finite outputs), kept up to date by ClickHouse as step "
+        "metrics arrive. Read with quantileIfMerge (the median)/groupArrayIfMerge/min/sum GROUP BY step.",
+        (
+            Column("run_id", NAME),
+            Column("attempt", "UInt16"),
+            Column("step", "UInt32"),
+            Column("loss", "AggregateFunction(quantileIf, Float64, UInt8)"),
+            Column("ranks", "AggregateFunction(groupArrayIf, UInt32, UInt8)", comment="the ranks that reported a loss"),
+            Column("first_time", f"SimpleAggregateFunction(min, {TIME})"),
+            Column("nonfinite", "SimpleAggregateFunction(sum, UInt64)"),
+        ),
+        order_by=("run_id", "attempt", "step"),
+        source="step_metrics",
+        view=(
+            "SELECT run_id, attempt, step, quantileIfState(value, name = 'loss') AS loss, groupArrayIfState(rank, name = 'loss') AS ranks, "
+            "min(time) AS first_time, countIf((name = 'loss' AND NOT isFinite(value)) OR (name = 'nonfinite_outputs' AND value > 0)) AS nonfinite "
+            "FROM {source} WHERE name IN ('loss', 'nonfinite_outputs') GROUP BY run_id, attempt, step"
+        ),
     ),
     Table(
         "stacks",

@@ -1,0 +1,122 @@
+"""Live diagnosis as a run grows: the time of a pass at step 100, 1,000 and 10,000 of a 1,024-rank run.
+
+    python benchmarks/diagnosis_growth.py [--tp 8 --pp 4 --dp 32] [--checkpoints 100,1000,10000] [--repeats 3]
+
+The run is the scale simulator's (collector/simulate), written straight into one embedded store
+(chDB) by ``collector/anatomy/synthetic.py``: every span and collective of every rank, each rank's
+step time and heartbeat every step, the last stage's loss, GPU gauges every 5 steps, and a 1.3x
+straggler from step 30 (so that a pass also finds and costs an incident, as a live one would).
+
+At each checkpoint the run is written up to a few steps short of it and the background merges are
+waited for; a first pass warms up what the diagnosis keeps between passes (as the collector's loop
+does); then ``--repeats`` times one more step is written and a pass timed: each detector as
+``diagnose`` calls it, on the run's context kept between passes, plus the loop's query for the
+active runs. The table gives the median of the repeats per checkpoint, and the ratio of the last
+checkpoint to the first (flat: 1.0). The store is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rankscope.collector.anatomy import synthetic
+from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, slow_link, straggler
+from rankscope.collector.diagnosis.context import RunContext, Settings
+from rankscope.collector.simulate import topology
+from rankscope.collector.store.chdb import EmbeddedStore
+from rankscope.collector.store.migrations import migrate
+from store import settle  # benchmarks/store.py: this script runs from benchmarks/
+
+RUN = "growth"
+STEP_TIME_S = 2.0
+STRAGGLER_FROM = 30
+DETECTORS = ("active runs", "hang", "crash", "straggler", "nan", "slow_link", "gpu")
+
+
+def one_pass(store: EmbeddedStore, ctx: RunContext, now_ns: int) -> dict[str, float]:
+    """Seconds of each part of one live pass over the run (``diagnose``'s detectors, in its order)."""
+    parts: dict[str, Callable[[], object]] = {
+        "active runs": lambda: store.query_arrow(engine.ACTIVE_RUNS_SQL, {"recent_s": 60, "now": now_ns}),
+        "hang": lambda: hang.detect(ctx),
+        "crash": lambda: crash.detect(ctx, now_ns=now_ns),
+        "straggler": lambda: straggler.detect(ctx),
+        "nan": lambda: nan.detect(ctx),
+        "slow_link": lambda: slow_link.detect(ctx),
+        "gpu": lambda: gpu.detect(ctx),
+    }
+    seconds = {}
+    for name, part in parts.items():
+        started = time.perf_counter()
+        part()
+        seconds[name] = time.perf_counter() - started
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--dp", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--checkpoints", default="100,1000,10000", help="steps at which passes are timed, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per checkpoint, one more step written before each")
+    args = parser.parse_args()
+    checkpoints = sorted(int(c) for c in args.checkpoints.split(","))
+    if checkpoints[0] <= STRAGGLER_FROM + args.repeats + 10:
+        parser.error(f"--checkpoints: the first must be above {STRAGGLER_FROM + args.repeats + 10} (the straggler starts at step {STRAGGLER_FROM})")
+
+    topo = topology.build(args.tp, args.pp, args.dp)
+    model = synthetic.model(topo, microbatches=args.microbatches, step_time_s=STEP_TIME_S,
+                            stragglers=[(topo.world_size - 5, STRAGGLER_FROM, 1.3)])  # fmt: skip
+    per_insert = max(1, 400_000 // (topo.world_size * 20))
+    tmp = Path(tempfile.mkdtemp(prefix="rankscope-bench-growth-"))
+    store = EmbeddedStore(tmp / "store")
+    try:
+        migrate(store, store.database, None)
+        print(f"store: {store.describe()}; {topo.world_size:,} ranks (tp {args.tp}, pp {args.pp}, dp {args.dp})\n", flush=True)
+        written, end_ns, ctx = 0, synthetic.T0, None
+        results: dict[int, dict[str, float]] = {}
+        for checkpoint in checkpoints:
+            started = time.perf_counter()
+            upto = checkpoint - args.repeats
+            steps = synthetic.write_run(store, topo, model, range(written + 1, upto + 1), run_id=RUN, start_ns=end_ns,
+                                        register=written == 0, steps_per_insert=per_insert, signals=True)  # fmt: skip
+            written, end_ns = upto, steps[-1].end_ns
+            waited = settle(store, limit_s=600)
+            print(f"step {checkpoint}: wrote up to step {upto} in {time.perf_counter() - started:.0f} s, merges {waited:.0f} s", flush=True)
+            ctx = ctx or RunContext.load(RUN, store.query_arrow, Settings())
+            one_pass(store, ctx, end_ns)  # what a live pass keeps from the one before
+            timings = []
+            for _ in range(args.repeats):
+                steps = synthetic.write_run(store, topo, model, range(written + 1, written + 2), run_id=RUN, start_ns=end_ns,
+                                            register=False, steps_per_insert=1, signals=True)  # fmt: skip
+                written, end_ns = written + 1, steps[-1].end_ns
+                timings.append(one_pass(store, ctx, end_ns))
+            results[checkpoint] = {name: statistics.median(t[name] for t in timings) for name in DETECTORS}
+            total = statistics.median(sum(t.values()) for t in timings)
+            results[checkpoint]["pass"] = total
+            print(f"step {checkpoint}: pass {total * 1e3:.0f} ms  " + "  ".join(f"{n} {results[checkpoint][n] * 1e3:.0f}" for n in DETECTORS), flush=True)
+        rows_n = sum(store.query_arrow(f"SELECT count() AS n FROM {t} WHERE run_id = {{run:String}}", {"run": RUN})["n"][0].as_py()
+                     for t in ("spans", "collectives", "heartbeats", "step_metrics", "metrics"))  # fmt: skip
+        first, last = checkpoints[0], checkpoints[-1]
+        print(f"\n{rows_n:,} rows at step {written:,}\n")
+        print("| part of a pass | " + " | ".join(f"step {c:,}" for c in checkpoints) + f" | step {last:,} / step {first:,} |")
+        print("|---|" + "---|" * (len(checkpoints) + 1))
+        for name in (*DETECTORS, "pass"):
+            cells = " | ".join(f"{results[c][name] * 1e3:.0f} ms" for c in checkpoints)
+            ratio = results[last][name] / max(results[first][name], 1e-9)
+            label = "**whole pass**" if name == "pass" else name
+            print(f"| {label} | {cells} | {ratio:.2f} |")
+    finally:
+        store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
