@@ -1,6 +1,7 @@
 """Live diagnosis as a run grows: the time of a pass at step 100, 1,000 and 10,000 of a 1,024-rank run.
 
-    python benchmarks/diagnosis_growth.py [--tp 8 --pp 4 --dp 32] [--checkpoints 100,1000,10000] [--repeats 3]
+    python benchmarks/diagnosis_growth.py [--tp 8 --pp 4 --dp 32] [--checkpoints 100,1000,10000] [--repeats 4]
+                                          [--baseline REV] [--heatmap]
 
 The run is the scale simulator's (collector/simulate), written straight into one embedded store
 (chDB) by ``collector/anatomy/synthetic.py``: every span and collective of every rank, each rank's
@@ -12,19 +13,27 @@ waited for; a first pass warms up what the diagnosis keeps between passes (as th
 does); then ``--repeats`` times one more step is written and a pass timed: each detector as
 ``diagnose`` calls it, on the run's context kept between passes, plus the loop's query for the
 active runs. The table gives the median of the repeats per checkpoint, and the ratio of the last
-checkpoint to the first (flat: 1.0). The store is removed at the end.
+checkpoint to the first (flat: 1.0). ``--baseline REV`` times the detectors of another revision
+(git) on the same store after the same inserts, each side first in turn. ``--heatmap`` also times
+the dashboard's heat map of the whole job, as it first draws it at that size (the newest 100
+steps of the backward segment, a row per host above 1,024 ranks). The store is removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
+from rankscope.collector.anatomy import path as anatomy_path
 from rankscope.collector.anatomy import synthetic
 from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, slow_link, straggler
 from rankscope.collector.diagnosis.context import RunContext, Settings
@@ -37,10 +46,36 @@ RUN = "growth"
 STEP_TIME_S = 2.0
 STRAGGLER_FROM = 30
 DETECTORS = ("active runs", "hang", "crash", "straggler", "nan", "slow_link", "gpu")
+HEATMAP = "heat map (dashboard)"
 
 
-def one_pass(store: EmbeddedStore, ctx: RunContext, now_ns: int) -> dict[str, float]:
-    """Seconds of each part of one live pass over the run (``diagnose``'s detectors, in its order)."""
+DETECTOR_MODULES = ("engine", "hang", "crash", "straggler", "nan", "slow_link", "gpu")
+CURRENT = SimpleNamespace(engine=engine, hang=hang, crash=crash, straggler=straggler, nan=nan, slow_link=slow_link, gpu=gpu, paths={})
+
+
+def detectors_of(rev: str, into: Path) -> SimpleNamespace:
+    """The diagnosis modules of git revision ``rev``, loaded beside this one's (they import what they
+    share, the run context and incidents, from this checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    modules: dict[str, ModuleType] = {}
+    for name in DETECTOR_MODULES:
+        source = subprocess.run(["git", "show", f"{rev}:collector/diagnosis/{name}.py"], cwd=root, check=True,
+                                capture_output=True, text=True).stdout  # fmt: skip
+        path = into / f"baseline_{name}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"rankscope_baseline.{name}", path)
+        assert spec is not None and spec.loader is not None
+        modules[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    return SimpleNamespace(**modules, paths={})
+
+
+def one_pass(store: EmbeddedStore, ctx: RunContext, now_ns: int, d: SimpleNamespace = CURRENT) -> dict[str, float]:
+    """Seconds of each part of one live pass over the run (``diagnose``'s detectors, in its order), by
+    the detector modules ``d``, with the critical paths they kept (incidents' costs) as their own
+    collector would have kept them: neither side walks a step's path for the other."""
+    anatomy_path._PATHS = d.paths
+    engine, hang, crash, straggler, nan, slow_link, gpu = (getattr(d, n) for n in DETECTOR_MODULES)
     parts: dict[str, Callable[[], object]] = {
         "active runs": lambda: store.query_arrow(engine.ACTIVE_RUNS_SQL, {"recent_s": 60, "now": now_ns}),
         "hang": lambda: hang.detect(ctx),
@@ -58,6 +93,21 @@ def one_pass(store: EmbeddedStore, ctx: RunContext, now_ns: int) -> dict[str, fl
     return seconds
 
 
+def heat_map_s(store: EmbeddedStore, world_size: int, last_step: int, repeats: int) -> float:
+    """Median seconds of the heat map's query as the dashboard first draws it (dashboard/views/heatmap.py,
+    a page module: it draws when imported; its DEFAULT_STEPS and RANK_ROWS_UP_TO are 100 and 1,024)."""
+    from rankscope.dashboard import data
+
+    sql = data.HEAT_CELLS_SQL + data.HEAT_BY["rank" if world_size <= 1024 else "host"]
+    params = {"run": RUN, "segment": "backward", "first": max(1, last_step - 100 + 1), "last": last_step}
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        store.query_arrow(sql, params)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=8)
@@ -65,7 +115,9 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--checkpoints", default="100,1000,10000", help="steps at which passes are timed, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes per checkpoint, one more step written before each")
+    parser.add_argument("--repeats", type=int, default=4, help="timed passes per checkpoint, one more step written before each")
+    parser.add_argument("--baseline", metavar="REV", help="also time the detectors of this git revision, side by side")
+    parser.add_argument("--heatmap", action="store_true", help="also time the dashboard's heat map of the whole job")
     args = parser.parse_args()
     checkpoints = sorted(int(c) for c in args.checkpoints.split(","))
     if checkpoints[0] <= STRAGGLER_FROM + args.repeats + 10:
@@ -76,12 +128,15 @@ def main() -> None:
                             stragglers=[(topo.world_size - 5, STRAGGLER_FROM, 1.3)])  # fmt: skip
     per_insert = max(1, 400_000 // (topo.world_size * 20))
     tmp = Path(tempfile.mkdtemp(prefix="rankscope-bench-growth-"))
+    sides = {"this": CURRENT}
+    if args.baseline:
+        sides[args.baseline] = detectors_of(args.baseline, tmp)
     store = EmbeddedStore(tmp / "store")
     try:
         migrate(store, store.database, None)
         print(f"store: {store.describe()}; {topo.world_size:,} ranks (tp {args.tp}, pp {args.pp}, dp {args.dp})\n", flush=True)
         written, end_ns, ctx = 0, synthetic.T0, None
-        results: dict[int, dict[str, float]] = {}
+        results: dict[tuple[str, int], dict[str, float]] = {}
         for checkpoint in checkpoints:
             started = time.perf_counter()
             upto = checkpoint - args.repeats
@@ -91,28 +146,36 @@ def main() -> None:
             waited = settle(store, limit_s=600)
             print(f"step {checkpoint}: wrote up to step {upto} in {time.perf_counter() - started:.0f} s, merges {waited:.0f} s", flush=True)
             ctx = ctx or RunContext.load(RUN, store.query_arrow, Settings())
-            one_pass(store, ctx, end_ns)  # what a live pass keeps from the one before
-            timings = []
-            for _ in range(args.repeats):
+            for d in sides.values():
+                one_pass(store, ctx, end_ns, d)  # what a live pass keeps from the one before
+            timings: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+            for repeat in range(args.repeats):
                 steps = synthetic.write_run(store, topo, model, range(written + 1, written + 2), run_id=RUN, start_ns=end_ns,
                                             register=False, steps_per_insert=1, signals=True)  # fmt: skip
                 written, end_ns = written + 1, steps[-1].end_ns
-                timings.append(one_pass(store, ctx, end_ns))
-            results[checkpoint] = {name: statistics.median(t[name] for t in timings) for name in DETECTORS}
-            total = statistics.median(sum(t.values()) for t in timings)
-            results[checkpoint]["pass"] = total
-            print(f"step {checkpoint}: pass {total * 1e3:.0f} ms  " + "  ".join(f"{n} {results[checkpoint][n] * 1e3:.0f}" for n in DETECTORS), flush=True)
+                # each side first after the insert in turn: the first pass meets its parts unmerged
+                for side in list(sides)[:: 1 if repeat % 2 == 0 else -1]:
+                    timings[side].append(one_pass(store, ctx, end_ns, sides[side]))
+            for side in sides:
+                got = {name: statistics.median(t[name] for t in timings[side]) for name in DETECTORS}
+                if args.heatmap and side == "this":
+                    got[HEATMAP] = heat_map_s(store, topo.world_size, written, args.repeats)
+                got["pass"] = statistics.median(sum(t.values()) for t in timings[side])
+                results[(side, checkpoint)] = got
+                print(f"step {checkpoint} ({side}): pass {got['pass'] * 1e3:.0f} ms  " + "  ".join(f"{n} {got[n] * 1e3:.0f}" for n in DETECTORS),
+                      flush=True)  # fmt: skip
         rows_n = sum(store.query_arrow(f"SELECT count() AS n FROM {t} WHERE run_id = {{run:String}}", {"run": RUN})["n"][0].as_py()
                      for t in ("spans", "collectives", "heartbeats", "step_metrics", "metrics"))  # fmt: skip
         first, last = checkpoints[0], checkpoints[-1]
         print(f"\n{rows_n:,} rows at step {written:,}\n")
         print("| part of a pass | " + " | ".join(f"step {c:,}" for c in checkpoints) + f" | step {last:,} / step {first:,} |")
         print("|---|" + "---|" * (len(checkpoints) + 1))
-        for name in (*DETECTORS, "pass"):
-            cells = " | ".join(f"{results[c][name] * 1e3:.0f} ms" for c in checkpoints)
-            ratio = results[last][name] / max(results[first][name], 1e-9)
-            label = "**whole pass**" if name == "pass" else name
-            print(f"| {label} | {cells} | {ratio:.2f} |")
+        for name in (*DETECTORS, "pass", *([HEATMAP] if args.heatmap else [])):
+            for side in sides if name != HEATMAP else ["this"]:
+                cells = " | ".join(f"{results[(side, c)][name] * 1e3:.0f} ms" for c in checkpoints)
+                ratio = results[(side, last)][name] / max(results[(side, first)][name], 1e-9)
+                label = "**whole pass**" if name == "pass" else name
+                print(f"| {label}{'' if side == 'this' else f' ({side})'} | {cells} | {ratio:.2f} |")
     finally:
         store.close()
         shutil.rmtree(tmp, ignore_errors=True)
