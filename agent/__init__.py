@@ -3,8 +3,8 @@
 Training code marks its critical segments and scalars through these functions whether or not
 the agent is switched on. While the agent is off (the default; ``RANKSCOPE_ENABLE`` unset) every
 call returns at once and records nothing, so the bundled trainer and users' scripts can call
-them unconditionally on the hot path. While it is on, a span costs about a microsecond (a few
-integers appended to preallocated arrays; see ``recorder.py``).
+them unconditionally on the hot path. While it is on, a span costs about a microsecond (one tuple
+of integers appended to a queue; see ``recorder.py``).
 
 Span kinds: ``compute`` (forward, backward, ...), ``comm`` (time spent in communication),
 ``data`` (loading a batch), ``optimizer`` and ``user``.
@@ -128,7 +128,7 @@ def span(
     if rec is None:
         return _LateSpan(name, kind, step, microbatch, attributes) if _may_start else _NOOP_SPAN
     try:
-        return rec.Span(rec, name, kind, step, microbatch, attributes)
+        return rec.span(name, kind, step, microbatch, attributes)
     except Exception as exc:  # noqa: BLE001
         _warn("span", exc)
         return _NOOP_SPAN

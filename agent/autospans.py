@@ -95,7 +95,7 @@ class AutoSpans:
         if stale is not None:  # its last step() raised, so the post-hook never ended it
             stale.discard()
         if OPTIMIZER not in self.rec.explicit_kinds:
-            span = Span(self.rec, "optimizer", "optimizer", None, None, {}, auto=True)
+            span = self.rec.span("optimizer", "optimizer", None, None, {}, auto=True)
             self._optimizer_spans[id(opt)] = span
             span.__enter__()
 
@@ -178,7 +178,7 @@ class AutoSpans:
             self._backward_done = False
             self._next_cycle()
         self._first_step()
-        span = Span(self.rec, "forward", "compute", None, None, {}, auto=True)
+        span = self.rec.span("forward", "compute", None, None, {}, auto=True)
         self._tls.forward = (module, span)
         span.__enter__()
 
@@ -196,7 +196,7 @@ class AutoSpans:
     @_hook
     def _backward_start(self, grad: torch.Tensor) -> None:
         if self._backward_open is None and COMPUTE not in self.rec.explicit_kinds:
-            span = Span(self.rec, "backward", "compute", None, None, {}, auto=True)
+            span = self.rec.span("backward", "compute", None, None, {}, auto=True)
             self._backward_open = span
             span.__enter__()
             self._engine.queue_callback(self._backward_end)

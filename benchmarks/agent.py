@@ -1,6 +1,7 @@
 """What the agent costs: training step time on vs off, per span and per collective, events/s.
 
-    python benchmarks/agent.py [--repeats 5] [--steps 8] [--seconds 10]
+    python benchmarks/agent.py [--repeats 5] [--steps 8] [--seconds 10] [--rounds 60] [--baseline REV]
+                               [--parts steps,micro,transport]
 
 1. The bundled trainer's default 8-rank CPU job, alternately with the agent off and on
    (RANKSCOPE_ENABLE=1, default settings), ``--repeats`` pairs of runs (off first in one pair, on
@@ -10,9 +11,22 @@
    and paused (SIGSTOP: what is left is the agent's own cost in the ranks); median step time of
    each side, the median and range of the pairs' ratios, and the CPU the collector used during
    the measured steps (on a machine the job saturates, that CPU is taken from training).
-2. In two fresh processes side by side: the cost of one recorded span and one recorded
-   collective (a 1-rank gloo all-reduce, agent on minus agent off), and of one OpenTelemetry SDK
-   span with a batch span processor; the ratio OTel / agent span.
+2. In one fresh process, side by side: the cost of one span (``with agent.span(...)``) and of one
+   collective (a 1-rank gloo ``dist.all_reduce``) with the agent off (torch's own methods, the
+   API's no-op span), with this agent's wrappers installed but passing calls straight through,
+   with this agent recording, and, with ``--baseline REV``, with the agent of git revision REV
+   recording (its ``agent/__init__.py``, ``recorder.py`` and ``collectives.py``, loaded beside
+   this one). ``--rounds`` interleaved rounds (the order reversed every other round) of blocks of
+   1,000 collectives, 10,000 collectives with torch's calls stubbed (the method returns a
+   completed Work, its ``wait`` returns at once: what is left is the agent's own work) and 10,000
+   spans; per call, each block's CPU time of the calling thread (the work done there; on this
+   shared machine wall time also counts whatever else ran) and wall time. The agent's cost is the
+   median over the rounds of its block minus the same round's agent-off block. The agents run no
+   threads here: between blocks the background thread's work on the rows (poll and drain) runs
+   on the same thread and is timed on its own. Then what the parts of the agent's work per
+   collective cost one by one (torch's calls it makes, the rows it keeps), the rest being the
+   interpreter running its lines; last, one OpenTelemetry SDK span with a batch span processor,
+   and the ratio OTel / agent span.
 3. Events/s one agent's Transport hands to the collector (4096-event span batches).
 """
 
@@ -37,40 +51,163 @@ from prometheus_client.process_collector import ProcessCollector
 from ingest import sender  # benchmarks/ingest.py, beside this file
 from rankscope.collector.orchestration import start_collector, stop
 
+ROOT = Path(__file__).resolve().parent.parent
+
 MICRO = textwrap.dedent(
     """
-    import json, os, sys, tempfile, time
+    import collections, importlib.util, json, os, sys, tempfile, time
     import torch, torch.distributed as dist
     from rankscope import agent
+    from rankscope.agent import collectives as this_collectives, recorder as this_recorder
+    from rankscope.agent.state import RankState
+    from rankscope.agent.timing import CpuClock
+
+    cfg = json.loads(sys.argv[1])
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
-    N = 100_000
-    def per_call(fn, n):
-        best = float("inf")
-        for _ in range(5):  # best of 5: the least disturbed by the other processes on the machine
-            t0 = time.perf_counter_ns()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter_ns() - t0) / n)
-        return best
-    def one_span():
-        with agent.span("forward", step=1, microbatch=0):
-            pass
+    PG, WORK = torch._C._distributed_c10d.ProcessGroup, torch._C._distributed_c10d.Work
+    RAW = {"allreduce": PG.__dict__["allreduce"], "wait": WORK.__dict__["wait"]}  # torch's own: the agent off
+    ORIGINAL = {"allreduce": PG.allreduce, "wait": WORK.wait}  # what the agent's wrappers call
     t = torch.ones(1)
-    out = {"agent_on": agent.enabled(), "span_ns": per_call(one_span, N), "all_reduce_ns": per_call(lambda: dist.all_reduce(t), 5_000)}
-    if not agent.enabled():
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-        class Drop(SpanExporter):
-            def export(self, spans):
-                return SpanExportResult.SUCCESS
-        provider = TracerProvider()
-        provider.add_span_processor(BatchSpanProcessor(Drop()))
-        tracer = provider.get_tracer("bench")
-        def otel_span():
-            with tracer.start_as_current_span("forward"):
+    DONE = dist.all_reduce(t, async_op=True)
+    DONE.wait()
+    def stub_allreduce(pg, *args, **kwargs):  # torch taken out: a completed Work at once
+        return DONE
+    def stub_wait(work, *args, **kwargs):
+        return True
+    TORCH = {"real": (RAW, ORIGINAL), "stubbed": ({"allreduce": stub_allreduce, "wait": stub_wait},) * 2}
+
+    def load(directory, name):
+        # A previous agent's API (__init__.py), recorder.py and collectives.py, as modules of their own beside this one.
+        def module(file, as_name):
+            spec = importlib.util.spec_from_file_location(as_name, os.path.join(directory, file))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[as_name] = mod
+            spec.loader.exec_module(mod)
+            return mod
+        recorder = module("recorder.py", name + "_recorder")
+        ours, sys.modules["rankscope.agent.recorder"] = sys.modules["rankscope.agent.recorder"], recorder
+        try:
+            return module("__init__.py", name + "_api"), recorder, module("collectives.py", name + "_collectives")
+        finally:
+            sys.modules["rankscope.agent.recorder"] = ours
+
+    class Agent:
+        # One agent's API, recorder and collectives, with wrappers for the two calls measured; no
+        # threads: its background work runs between the measured blocks, timed on its own.
+        def __init__(self, api, recorder, collectives):
+            self.api = api
+            self.module = collectives
+            self.rec = recorder.Recorder(CpuClock(), RankState(), capacity=1 << 20, flush_rows=1 << 19)  # no early wake-ups
+            self.c = collectives.Collectives(self.rec, collectives.Groups(), fr_interval_s=1e9)
+            spec = collectives.METHODS["allreduce"]
+            self.wrappers = {side: {"allreduce": collectives._method_wrapper(calls["allreduce"], spec),
+                                    "wait": collectives._wait_wrapper(calls["wait"])}
+                             for side, (_, calls) in TORCH.items()}  # fmt: skip
+
+        def select(self, active, side):
+            PG.allreduce, WORK.wait = self.wrappers[side]["allreduce"], self.wrappers[side]["wait"]
+            self.module._active = self.c if active else None
+            self.api._attach(self.rec if active else None)
+            self.api._may_start = False
+
+        def background(self):
+            # What the background thread does with the rows (for this agent, its poll and drain);
+            # the counter steps other blocks made while this agent was not installed are no gaps.
+            self.c.poll()
+            self.c._gaps.clear()
+            for _ in self.rec.drain():
                 pass
-        out["otel_span_ns"] = per_call(otel_span, N // 4)
-        provider.shutdown()
+
+    agents = {"agent": Agent(agent, this_recorder, this_collectives)}
+    if cfg["baseline"]:
+        agents["baseline"] = Agent(*load(cfg["baseline"], "baseline"))
+    API = agent  # the API the spans go through: the agent's own (the agent-off side uses this one's no-op)
+
+    def select(label, side):
+        global API
+        for other in agents.values():
+            other.select(False, side)
+        if label == "off":
+            PG.allreduce, WORK.wait = TORCH[side][0]["allreduce"], TORCH[side][0]["wait"]
+            API = agent
+        elif label == "wrappers":  # the agent's wrappers installed, passing every call straight through
+            agents["agent"].select(False, side)
+            API = agent
+        else:
+            agents[label].select(True, side)
+            API = agents[label].api
+
+    def collective():
+        dist.all_reduce(t)
+    def span():
+        with API.span("forward", step=1, microbatch=0):
+            pass
+    def cost(fn, n):
+        # (CPU ns of this thread, wall ns) per call: CPU time is the agent's own work on the caller's
+        # thread; wall time also counts whatever else the machine ran meanwhile
+        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        return (c1 - c0) / n, (w1 - w0) / n
+
+    labels = ["off", "wrappers", *agents]
+    measures = (("collective", "real", collective, cfg["collectives"]), ("stubbed", "stubbed", collective, cfg["collectives"] * 10),
+                ("span", "real", span, cfg["spans"]))  # fmt: skip
+    out = {"labels": labels, **{name: {l: [] for l in labels} for name, *_ in measures},
+           **{"background_" + name: {l: [] for l in agents} for name, *_ in measures}}
+    for r in range(cfg["rounds"]):
+        for label in labels if r % 2 == 0 else labels[::-1]:  # each side first in every other round
+            for name, side, fn, n in measures:
+                select(label, side)
+                if label in agents:
+                    agents[label].background()
+                out[name][label].append(cost(fn, n))
+                if label in agents:
+                    c0 = time.thread_time_ns()
+                    agents[label].background()
+                    out["background_" + name][label].append((time.thread_time_ns() - c0) / n)
+    select("off", "real")
+
+    # What the agent's calls into torch and the interpreter's containers cost here, one by one
+    # (best of 20 blocks of 20,000): the parts of its work on the caller's thread that Python cannot
+    # do cheaper. The rows are kept, as the queues keep them until the background thread comes.
+    group, opts, q, d, busy, pc = dist.group.WORLD, dist.AllreduceOptions(), collections.deque(), {}, [], time.perf_counter_ns
+    spec = this_collectives.METHODS["allreduce"]
+    parts = {
+        "the group's counter (a pybind call)": lambda: group._get_sequence_number_for_group(),
+        "opts.asyncOp (a pybind property)": lambda: getattr(opts, "asyncOp", True),
+        "tensor bytes and dtype (two pybind properties)": lambda: (t.nbytes, t.dtype),
+        "two clock readings": lambda: (pc(), pc()),
+        "the row and its completion (two tuples of new integers, kept in two queues) and the Work's dict entry":
+            lambda: (q.append(r := (0, spec, True, pc(), t, -1, pc(), 2, 3, pc(), None)), d.__setitem__(5, (r, None, False)),
+                     d.pop(5), q.append((r, pc(), 1))),
+        "the group's busy mark": lambda: (busy.append(None), busy.pop()),
+    }  # fmt: skip
+    def best(fn):
+        times = []
+        for _ in range(20):
+            q.clear()
+            times.append(cost(fn, 20_000)[0])
+        return min(times)
+    empty = best(lambda: None)
+    out["parts"] = {k: best(fn) - empty for k, fn in parts.items()}
+    clocks = best(lambda: (pc(), pc(), pc(), pc())) - empty  # the row part's own clock readings, not its cost
+    out["parts"]["the row and its completion (two tuples of new integers, kept in two queues) and the Work's dict entry"] -= clocks
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    class Drop(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Drop()))
+    tracer = provider.get_tracer("bench")
+    def otel_span():
+        with tracer.start_as_current_span("forward"):
+            pass
+    out["otel_span"] = min(cost(otel_span, cfg["spans"] // 4) for _ in range(5))
+    provider.shutdown()
     print(json.dumps(out), flush=True)
     """
 )
@@ -182,15 +319,72 @@ def step_times(flags: tuple[str, ...], paused: bool, args: argparse.Namespace, w
     return job
 
 
-def micro(on: bool, address: str, workdir: Path) -> dict:
-    env = {**os.environ, "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_SPOOL_DIR": str(workdir / "spool"), "RANK": "0", "WORLD_SIZE": "1"}
-    env.pop("RANKSCOPE_ENABLE", None)
-    if on:
-        env["RANKSCOPE_ENABLE"] = "1"
-    done = subprocess.run([sys.executable, "-c", MICRO], env=env, capture_output=True, text=True, timeout=300)
+def micro(args: argparse.Namespace, workdir: Path) -> dict:
+    """Section 2, in a fresh process without the agent's start-up hook (it builds the agents it measures)."""
+    baseline = ""
+    if args.baseline:
+        baseline = str(workdir / "baseline")
+        os.makedirs(baseline)
+        for name in ("__init__.py", "recorder.py", "collectives.py"):
+            source = subprocess.run(["git", "show", f"{args.baseline}:agent/{name}"], cwd=ROOT, capture_output=True, text=True)
+            if source.returncode != 0:
+                sys.exit(f"--baseline {args.baseline}: {source.stderr.strip()}")
+            Path(baseline, name).write_text(source.stdout)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
+    cfg = {"rounds": args.rounds, "collectives": 1000, "spans": 10_000, "baseline": baseline}
+    done = subprocess.run([sys.executable, "-c", MICRO, json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         sys.exit(f"micro-benchmark failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def micro_rows(m: dict, baseline: str) -> list[str]:
+    """Per span and per collective: CPU time of the calling thread (median over the rounds; the
+    agent's cost is the median of its block minus the same round's agent-off block), wall time
+    beside it, what the background thread spends on the same rows, and where the agent's time per
+    collective goes."""
+    agents = [label for label in m["labels"] if label not in ("off", "wrappers")]
+    who = {"agent": "this agent", "baseline": f"the agent of {baseline}"}
+
+    def med(name: str, label: str, i: int = 0) -> float:
+        return statistics.median(x[i] for x in m[name][label])
+
+    def extra(name: str, label: str, i: int = 0) -> float:
+        return statistics.median(a[i] - b[i] for a, b in zip(m[name][label], m[name]["off"]))
+
+    rounds = len(m["span"]["off"])
+    rows = []
+    measures = (
+        ("span", "one span (`with agent.span(...)`)", "span"),
+        ("collective", "one collective (1-rank gloo `dist.all_reduce`)", "collective"),
+        ("stubbed", "one collective, torch's calls stubbed (the `all_reduce` method returns a completed Work, its `wait` returns at once): the agent's own work", "collective"),
+    )  # fmt: skip
+    for name, what, unit in measures:
+        for label in agents:
+            rows.append(
+                f"| {what}, {who[label]}: CPU time of the calling thread (wall time), medians of {rounds} interleaved rounds | "
+                f"{med(name, 'off') / 1e3:.2f} us ({med(name, 'off', 1) / 1e3:.2f} us) | "
+                f"{med(name, label) / 1e3:.2f} us ({med(name, label, 1) / 1e3:.2f} us) | "
+                f"+{extra(name, label) / 1e3:.2f} us per {unit} (wall +{extra(name, label, 1) / 1e3:.2f} us) |"
+            )
+    for label in agents:
+        rows.append(
+            f"| the background thread's work on those rows, {who[label]}: CPU time per span / per collective | | "
+            f"{statistics.median(m['background_span'][label]) / 1e3:.2f} us / "
+            f"{statistics.median(m['background_collective'][label]) / 1e3:.2f} us | |"
+        )
+    own = extra("stubbed", "agent")
+    wrappers = extra("stubbed", "wrappers")
+    parts = [f"the two wrappers' Python calls {wrappers / 1e3:.2f} us"]
+    parts += [f"{what} {ns / 1e3:.2f} us" for what, ns in m["parts"].items()]
+    rest = own - wrappers - sum(m["parts"].values())
+    rows.append(f"| where this agent's {own / 1e3:.2f} us per collective (torch stubbed) go | | | {'; '.join(parts)}; "
+                f"the rest, {rest / 1e3:.2f} us, is the interpreter running the wrappers' lines (local and attribute "
+                f"loads, stores, tests) |")  # fmt: skip
+    span = med("span", "agent")
+    rows.append(f"| OpenTelemetry SDK span, batch processor (CPU time) | {m['otel_span'][0] / 1e3:.2f} us | | "
+                f"OTel / agent span = {m['otel_span'][0] / span:.1f}x |")  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -198,40 +392,50 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="pairs of runs (agent off, on) per collector")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds of the per-span and per-collective costs")
+    parser.add_argument("--baseline", metavar="REV", default="",
+                        help="also measure the per-span and per-collective costs of the agent of git revision REV "
+                             "(its agent/recorder.py and agent/collectives.py), side by side")  # fmt: skip
+    parser.add_argument("--parts", default="steps,micro,transport",
+                        help="comma-separated sections to run: steps (1.), micro (2.), transport (3.)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - {"steps", "micro", "transport"}:
+        parser.error(f"--parts: unknown {', '.join(sorted(parts - {'steps', 'micro', 'transport'}))}")
     workdir = Path(tempfile.mkdtemp(prefix="rankscope-agent-bench-"))
     collector = None
+    jobs: dict[str, Job] = {}
+    m = None
+    events_per_s = None
     try:
-        jobs = {name: step_times(flags, paused, args, workdir) for name, (flags, paused) in COLLECTORS.items()}
-        # the micro-benchmarks and the sender measure the agent, not a collector beside training: full priority
-        collector, address = start_collector(workdir / "store", workdir / "collector.log", "--no-diagnosis", "--nice", "0")
-        off, on = micro(False, address, workdir), micro(True, address, workdir)
-        import multiprocessing as mp
+        if "steps" in parts:
+            jobs = {name: step_times(flags, paused, args, workdir) for name, (flags, paused) in COLLECTORS.items()}
+        if "micro" in parts:
+            m = micro(args, workdir)
+        if "transport" in parts:
+            # the sender measures the agent, not a collector beside training: full priority
+            collector, address = start_collector(workdir / "store", workdir / "collector.log", "--no-diagnosis", "--nice", "0")
+            import multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        proc = ctx.Process(target=sender, args=(address, "agent-bench", 0, args.seconds, 4096, str(workdir / "spool"), out))
-        proc.start()
-        submitted, _, dropped, _, began, ended = out.get(timeout=args.seconds + 120)
-        proc.join()
-        events_per_s = (submitted - dropped) / (ended - began)
+            ctx = mp.get_context("spawn")
+            out = ctx.Queue()
+            proc = ctx.Process(target=sender, args=(address, "agent-bench", 0, args.seconds, 4096, str(workdir / "spool"), out))
+            proc.start()
+            submitted, _, dropped, _, began, ended = out.get(timeout=args.seconds + 120)
+            proc.join()
+            events_per_s = (submitted - dropped) / (ended - began)
     finally:
         if collector is not None:
             stop(collector, 60)
         shutil.rmtree(workdir, ignore_errors=True)
-    if not on["agent_on"]:
-        sys.exit("the agent did not start in the micro-benchmark process (is the package installed with its .pth?)")
     print("| measure | agent off | agent on | ratio |")
     print("|---|---|---|---|")
     for name, job in jobs.items():
         print(job.row(name))
-    print(f"| one span (`with agent.span(...)`) | {off['span_ns'] / 1e3:.2f} us | {on['span_ns'] / 1e3:.2f} us | |")
-    print(f"| OpenTelemetry SDK span, batch processor | {off['otel_span_ns'] / 1e3:.2f} us | | "
-          f"OTel / agent span = {off['otel_span_ns'] / on['span_ns']:.1f}x |")  # fmt: skip
-    extra = on["all_reduce_ns"] - off["all_reduce_ns"]
-    print(f"| one all-reduce, 1-rank gloo group (agent cost = on - off) | {off['all_reduce_ns'] / 1e3:.1f} us | "
-          f"{on['all_reduce_ns'] / 1e3:.1f} us | {extra / 1e3:+.1f} us per collective (noise when negative) |")  # fmt: skip
-    print(f"| events/s one agent's Transport hands to the collector (4096-event span batches) | | {events_per_s:,.0f} | |")
+    if m is not None:
+        print("\n".join(micro_rows(m, args.baseline)))
+    if events_per_s is not None:
+        print(f"| events/s one agent's Transport hands to the collector (4096-event span batches) | | {events_per_s:,.0f} | |")
 
 
 if __name__ == "__main__":

@@ -60,9 +60,9 @@ def test_a_span_arrives_as_one_row_of_columns() -> None:
     rec = recorder()
     rec.set_step(4)
     before = time.time_ns()
-    with rec.Span(rec, "forward", "compute", None, 2, {"layer": 1}):
+    with rec.span("forward", "compute", None, 2, {"layer": 1}):
         time.sleep(0.002)
-    with rec.Span(rec, "load", "data", 9, None, {}):
+    with rec.span("load", "data", 9, None, {}):
         pass
     after = time.time_ns()
     forward, load = span_rows(rec)
@@ -90,9 +90,9 @@ def test_the_string_table_is_bounded() -> None:
 
 def test_a_wait_splits_every_open_non_comm_span_around_it() -> None:
     rec = recorder()
-    with rec.Span(rec, "forward", "compute", 1, 0, {"layer": 3}):
-        with rec.Span(rec, "attention", "compute", 1, 0, {}):
-            with rec.Span(rec, "exchange", "comm", 1, None, {}):
+    with rec.span("forward", "compute", 1, 0, {"layer": 3}):
+        with rec.span("attention", "compute", 1, 0, {}):
+            with rec.span("exchange", "comm", 1, None, {}):
                 for _ in range(2):  # two blocking collectives inside
                     paused = rec.pause()
                     time.sleep(0.01)
@@ -111,9 +111,9 @@ def test_a_wait_splits_every_open_non_comm_span_around_it() -> None:
 def test_cpu_time_counts_work_on_the_spans_own_thread_only() -> None:
     rec = recorder()
     rec.measure_cpu = True  # as on a host whose ranks share cores
-    with rec.Span(rec, "load", "data", 1, None, {}):
+    with rec.span("load", "data", 1, None, {}):
         time.sleep(0.05)
-    with rec.Span(rec, "backward", "compute", 1, None, {}):
+    with rec.span("backward", "compute", 1, None, {}):
         paused = rec.pause()  # a wait on this thread ends piece 0
         resumer = threading.Thread(target=rec.resume, args=(paused,))  # ... and returns on an autograd worker
         resumer.start()
@@ -127,7 +127,7 @@ def test_cpu_time_counts_work_on_the_spans_own_thread_only() -> None:
 
 def test_a_span_can_end_on_another_thread() -> None:
     rec = recorder()
-    span = rec.Span(rec, "backward", "compute", 1, None, {})
+    span = rec.span("backward", "compute", 1, None, {})
     span.__enter__()
     assert rec.state.phase == "backward"
     ender = threading.Thread(target=span.__exit__, args=(None, None, None))
@@ -154,7 +154,7 @@ def test_concurrent_writers_lose_and_tear_nothing() -> None:
 
     def write(thread: int) -> None:
         for i in range(4000):
-            with rec.Span(rec, f"t{thread}", "compute", i, thread, {}):
+            with rec.span(f"t{thread}", "compute", i, thread, {}):
                 pass
 
     threads = [threading.Thread(target=write, args=(t,)) for t in range(4)]
@@ -337,7 +337,7 @@ def test_rows_wait_for_their_gpu_events_across_drains() -> None:
     rec = Recorder(CpuClock(), RankState())
     rec.use_clock(clock)
     gpu.time_ms = 1010.0
-    with rec.Span(rec, "forward", "compute", 1, None, {}):
+    with rec.span("forward", "compute", 1, None, {}):
         gpu.time_ms = 1012.5
     assert span_rows(rec) == []  # the GPU has not run the span yet: kept back
     calibrated(gpu, cpu, clock, 1000.0)  # runs the GPU, too
@@ -395,7 +395,7 @@ def test_explicit_api_calls_switch_the_automatic_ones_off(auto: tuple[Recorder, 
     train(model, optimizer, 1)
     rec.explicit_steps = True
     rec.set_step(10)
-    with rec.Span(rec, "my-forward", "compute", None, None, {}):
+    with rec.span("my-forward", "compute", None, None, {}):
         model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
     later = [(r["name"], r["step"]) for r in span_rows(rec) if r["step"] == 10]
