@@ -18,7 +18,8 @@ A host is named when every rank on it (two or more) is a straggler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 
@@ -30,8 +31,7 @@ SEGMENTS_SQL = (
     "SELECT name, step, rank, sum(total_ns) AS wall, sum(total_cpu_ns) AS cpu, sum(pieces) = sum(cpu_pieces) AS has_cpu, "
     "toUnixTimestamp64Nano(min(first_start)) AS started "
     "FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND kind IN ('compute', 'data', 'optimizer') "
-    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} "
-    "AND ({all_cells:UInt8} OR (name IN {names:Array(String)} AND rank IN {ranks:Array(UInt32)})) GROUP BY name, step, rank"
+    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} GROUP BY name, step, rank"
 )
 
 #: stages of up to this many ranks measure a rank's noise on the other ranks' points (see POINTS_SQL)
@@ -58,11 +58,8 @@ def _median(array: str) -> str:
 #   of the other ranks: a quarter of a four-rank stage's points are the straggler's own, which
 #   would raise its bar; in a larger stage one rank's share moves the MAD little.
 # Only the points of series slow at ``min_steps`` or more steps come back: no other can be a straggler.
-# ``all_cells`` = 0 keeps only the (segment, stage) pairs in ``cells`` (read: ``names`` of ``ranks``, those
-# of the pairs' stages): every partition of the window functions above lies within one pair, so their
-# points come out as in the whole job's query.
 POINTS_SQL = f"""
-SELECT name, step, rank, stage, ns, median, ratio, started, wall_only, threshold FROM (
+SELECT name, step, rank, ns, median, ratio, started, wall_only, threshold FROM (
   SELECT *, countIf(ratio >= threshold) OVER (PARTITION BY rank, name) AS slow_steps FROM (
     SELECT *, 1 + greatest({{excess:Float64}}, 3 * 1.4826 * if(empty(peers), stage_mad, {_median("arrayMap(x -> abs(x - peers_mid), peers)")})) AS threshold
     FROM (
@@ -90,7 +87,6 @@ SELECT name, step, rank, stage, ns, median, ratio, started, wall_only, threshold
               ) AS s
               LEFT JOIN (SELECT rank, argMax(pp_rank, registered) AS pp FROM ranks WHERE run_id = {{run:String}} AND attempt = {{attempt:UInt16}} GROUP BY rank) AS r
               USING (rank)
-              WHERE {{all_cells:UInt8}} OR (name, stage) IN {{cells:Array(Tuple(String, Int32))}}
             )
             WINDOW cell AS (PARTITION BY name, step, stage)
           )
@@ -161,10 +157,6 @@ def _slow_segments(ctx: RunContext, first_step: int, last_step: int, *, wall: bo
 
     ``wall``: compare wall time even where CPU time was measured, with the higher bar
     ``straggler_wall_excess`` met at every step of the window (its noise comes in runs of steps).
-
-    Two reads: the newest ``straggler_window`` steps of the whole job name the series slow lately
-    (all a straggler needs, and a quarter of the points); the whole window, for their (segment,
-    stage) pairs only, gives their episodes. A 100,000-rank job has 10M points in the whole window.
     """
     s = ctx.settings
     min_steps = s.straggler_window if wall else s.straggler_min_steps
@@ -172,32 +164,35 @@ def _slow_segments(ctx: RunContext, first_step: int, last_step: int, *, wall: bo
               "min_excess_ns": max(s.straggler_min_excess_s, s.straggler_step_share * ctx.median_step_s(first_step, last_step)) * 1e9,
               "excess": max(s.straggler_excess, s.straggler_wall_excess) if wall else s.straggler_excess,
               "min_steps": min_steps, "wall": int(wall)}  # fmt: skip
-    recent_first = max(first_step, last_step - s.straggler_window + 1)
-    lately = _series(ctx, {**params, "first_step": recent_first, "all_cells": 1, "cells": [], "names": [], "ranks": []})
-    cells = sorted({(x.name, x.stage) for x in lately.values() if _slow_lately(x, s.straggler_window, min_steps)})
-    if not cells:
-        return {}
-    if recent_first > first_step:
-        stages = {stage for _, stage in cells}
-        ranks = sorted(r for r, stage in ctx.stage.items() if stage in stages)
-        whole = _series(ctx, {**params, "all_cells": 0, "cells": cells, "names": sorted({name for name, _ in cells}), "ranks": ranks})
-    else:
-        whole = lately
+    cols = ctx.query(POINTS_SQL, params).to_pydict()
+    # (rank, segment) -> [(step, ratio, own ns, median ns, started)], for the series that may be slow
+    series: dict[tuple[int, str], list[tuple[int, float, int, float, int]]] = defaultdict(list)
+    thresholds: dict[tuple[int, str], float] = {}
+    wall_only: set[str] = set()
+    rows = zip(*(cols[c] for c in ("name", "step", "rank", "ns", "median", "ratio", "started", "wall_only", "threshold")))
+    for name, step, rank, ns, median, ratio, started, wall, threshold in rows:
+        series[(rank, name)].append((step, ratio, ns, median, started))
+        thresholds[(rank, name)] = threshold
+        if wall:
+            wall_only.add(name)
     found: dict[int, dict] = {}
-    for (rank, name), x in whole.items():
-        if not _slow_lately(x, s.straggler_window, min_steps):
+    for (rank, name), points in series.items():
+        threshold = thresholds[(rank, name)]
+        points.sort()
+        recent = points[-s.straggler_window :]
+        slow = [p for p in recent if p[1] >= threshold]
+        if len(slow) < min_steps or recent[-1][1] < threshold:
             continue  # not slow often enough lately, or no longer slow
-        recent = x.points[-s.straggler_window :]
-        episode = _episode(x.points, x.threshold)
-        if sum(p[1] >= x.threshold for p in episode) < min_steps:
+        episode = _episode(points, threshold)
+        if sum(p[1] >= threshold for p in episode) < min_steps:
             continue  # slow steps scattered among fast ones: the scheduler's noise, not a slow rank
-        ratio = float(np.median([p[1] for p in episode if p[1] >= x.threshold]))
+        ratio = float(np.median([p[1] for p in episode if p[1] >= threshold]))
         if rank not in found or ratio > found[rank]["ratio"]:
             found[rank] = {
                 "segment": name,
-                "measure": "wall time" if x.wall_only else "CPU time",
+                "measure": "wall time" if name in wall_only else "CPU time",
                 "ratio": round(ratio, 3),
-                "threshold": round(x.threshold, 3),
+                "threshold": round(threshold, 3),
                 "since_step": episode[0][0],
                 "since_ns": episode[0][4],
                 "last_ns": recent[-1][4],
@@ -205,39 +200,6 @@ def _slow_segments(ctx: RunContext, first_step: int, last_step: int, *, wall: bo
                           for p in recent],  # fmt: skip
             }
     return found
-
-
-@dataclass
-class _Series:
-    """One rank's segment over the window, as POINTS_SQL rates it: (step, ratio, own ns, stage median ns,
-    started) per step, in step order; the bar it is slow above; its stage; whether wall time was compared."""
-
-    name: str
-    stage: int
-    threshold: float
-    wall_only: bool
-    points: list[tuple[int, float, int, float, int]] = field(default_factory=list)
-
-
-def _series(ctx: RunContext, params: dict) -> dict[tuple[int, str], _Series]:
-    """(rank, segment) -> its series, for the series POINTS_SQL says may be slow."""
-    cols = ctx.query(POINTS_SQL, params).to_pydict()
-    out: dict[tuple[int, str], _Series] = {}
-    rows = zip(*(cols[c] for c in ("name", "step", "rank", "stage", "ns", "median", "ratio", "started", "wall_only", "threshold")))
-    for name, step, rank, stage, ns, median, ratio, started, wall_only, threshold in rows:
-        x = out.get((rank, name))
-        if x is None:
-            x = out[(rank, name)] = _Series(name, stage, threshold, bool(wall_only))
-        x.points.append((step, ratio, ns, median, started))
-    for x in out.values():
-        x.points.sort()
-    return out
-
-
-def _slow_lately(x: _Series, window: int, min_steps: int) -> bool:
-    """Slow at ``min_steps`` or more of its newest ``window`` steps, the newest among them."""
-    recent = x.points[-window:]
-    return sum(p[1] >= x.threshold for p in recent) >= min_steps and recent[-1][1] >= x.threshold
 
 
 def _episode(points: list[tuple], threshold: float) -> list[tuple]:
