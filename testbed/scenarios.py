@@ -75,10 +75,14 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("testbed-delay-link", "rank 5's host's link delayed 30 ms each way from step 4", "slow_link",
                  lambda bed, job, r: faults.delay_link(bed, r.host, 30.0), names="link"),  # fmt: skip
         Scenario("testbed-ddp-clean", "a plain DDP script: no incident may appear", None, program="ddp", steps=10),
+        # A starved host is named once its ranks took twice their stage's wall time at every step of
+        # the window (6): the cut lands a heartbeat and a flush after step 4 is seen, later on a busy
+        # machine, so the job runs well past that. A frozen job never ends by itself: steps to spare
+        # cost nothing, and the job must not end before the freeze lands.
         Scenario("testbed-ddp-throttle-host", "a plain DDP script, rank 5's host's CPU cut to a third", "straggler",
-                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", program="ddp", steps=14),  # fmt: skip
+                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", program="ddp", steps=20),  # fmt: skip
         Scenario("testbed-ddp-freeze-rank", "a plain DDP script, rank 5 stopped (SIGSTOP)", "hang",
-                 lambda bed, job, r: faults.freeze_rank(r), program="ddp", ends=False),  # fmt: skip
+                 lambda bed, job, r: faults.freeze_rank(r), program="ddp", steps=40, ends=False),  # fmt: skip
         Scenario("testbed-ddp-kill-host", "a plain DDP script, every process of rank 5's host killed", "lost_host",
                  lambda bed, job, r: faults.kill_host(bed, r.host), names="host", program="ddp"),  # fmt: skip
     )
