@@ -57,6 +57,8 @@ class Job(Protocol):
 
     def finished(self) -> bool: ...
 
+    def exited(self) -> dict[str, int]: ...
+
     def wait(self, timeout_s: float) -> dict[str, int]: ...
 
 
@@ -80,7 +82,9 @@ class Driver:
     spares: list[str] = field(default_factory=list)
     join: Callable[[str], None] | None = None
     evicted: list[str] = field(default_factory=list)
-    _decided: dict[str, Verdict] = field(default_factory=dict)
+    #: incident id -> the kind it had and the verdict on it (an incident may change kind: a lost
+    #: rank whose host-mates fall silent too becomes a lost host, and is considered again)
+    _decided: dict[str, tuple[str, Verdict]] = field(default_factory=dict)
     _opened_at_step: dict[str, int] = field(default_factory=dict)
     _attempts: dict[int, dict[str, Any]] = field(default_factory=dict)
     _resumed: set[int] = field(default_factory=set)
@@ -91,8 +95,10 @@ class Driver:
     _outbox: list[ingest_pb2.Batch] = field(default_factory=list)
     _warned: set[type] = field(default_factory=set)
 
-    def run(self) -> dict[str, int]:
+    def __post_init__(self) -> None:
         self._active = [h for h in self.fleet.hosts() if h not in self.spares]
+
+    def run(self) -> dict[str, int]:
         self._act("launched", self._active, reason=f"{len(self._active)} hosts, {len(self.spares)} spares",
                   evidence={"spares": self.spares, "policy": vars(self.policy)})  # fmt: skip
         while not self.job.finished():
@@ -128,8 +134,10 @@ class Driver:
         """One look at the run: its attempts, then every incident not yet decided."""
         self._send()
         self._watch_attempts()
+        self._drop_departed()
         for incident in self._query(INCIDENTS_SQL):
-            if self._decided.get(incident["incident_id"]) in (None, Verdict.WAIT):
+            decided = self._decided.get(incident["incident_id"])
+            if decided is None or decided[1] is Verdict.WAIT or decided[0] != incident["kind"]:
                 self._consider(incident)
         if self._fenced is not None and time.monotonic() - self._fenced[0] > self.restart_grace_s:
             stale, self._fenced = self._fenced[1] & self.fleet.workers(self.remaining), None
@@ -145,8 +153,8 @@ class Driver:
         step = self._current_step()
         opened = self._opened_at_step.setdefault(key, step)
         verdict, suspects, why = self.policy.verdict(incident["kind"], list(incident["hosts"]), step - opened, self.remaining)
-        first = key not in self._decided
-        self._decided[key] = verdict
+        first = self._decided.get(key, ("", verdict))[0] != incident["kind"]
+        self._decided[key] = (incident["kind"], verdict)
         if verdict is Verdict.WAIT and not first:
             return
         self._act("incident", suspects or list(incident["hosts"]), key, f"{verdict.value}: {why}",
@@ -180,14 +188,17 @@ class Driver:
         finally:
             self.fleet.signal(paused, signal.SIGCONT)  # whatever happened, no worker stays stopped
 
-    def _evict(self, hosts: list[str], incident_id: str, why: str) -> None:
+    def _evict(self, hosts: list[str], incident_id: str, why: str, *, restarted: bool = False) -> None:
+        """Fence ``hosts`` and put spares in their place; unless the survivors ``restarted`` already,
+        their workers of now are killed if they still run ``restart_grace_s`` later."""
         for host in hosts:
             done = self.fleet.fence(host)
             self.evicted.append(host)
             self._active.remove(host)
             self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining})
             self.log(f"[rankscope launch] evicted {host} ({why}); the job goes on with {', '.join(self.remaining)}")
-        self._fenced = (time.monotonic(), self.fleet.workers(self.remaining))
+        if not restarted:
+            self._fenced = (time.monotonic(), self.fleet.workers(self.remaining))
         for host in hosts:
             if self.spares and self.join is not None:
                 spare = self.spares.pop(0)
@@ -202,14 +213,28 @@ class Driver:
         steps = {r["attempt"]: r for r in self._query(STEPS_SQL)}
         for row in self._query(ATTEMPTS_SQL):
             attempt = row["attempt"]
-            self._attempts[attempt] = row
-            if attempt > 0:
+            if attempt > 0 and attempt not in self._attempts:
                 self._fenced = None  # the survivors restarted
+            self._attempts[attempt] = row
             if attempt > 0 and attempt in steps and attempt not in self._resumed:
                 self._resumed.add(attempt)  # every rank of it registered before its first step ended
                 self._act("restart", sorted(row["hosts"]), reason=f"attempt {attempt}: {row['ranks']} ranks on {', '.join(sorted(row['hosts']))}",
                           evidence={"world_size": row["ranks"]}, attempt=attempt, time_ns=row["registered_ns"])  # fmt: skip
                 self._resume(attempt, steps)
+
+    def _drop_departed(self) -> None:
+        """Evict the hosts whose launcher ended while the job went on without them in a later attempt.
+
+        torchrun's rendezvous drops a host whose launcher died (all its processes killed) before
+        diagnosis may have named it: the job heals itself, and the host is recorded as evicted (and
+        fenced, and replaced by a spare) like one the driver evicted."""
+        if not self._attempts or max(self._attempts) == 0:
+            return
+        attempt = max(self._attempts)
+        exited = self.job.exited()
+        gone = [h for h in self.remaining if h in exited and exited[h] != 0 and h not in self._attempts[attempt]["hosts"]]
+        for host in gone:
+            self._evict([host], "", f"attempt {attempt} went on without it: its launcher ended with code {exited[host]}", restarted=True)
 
     def _resume(self, attempt: int, steps: dict[int, dict[str, Any]]) -> None:
         first = steps[attempt]["first_step"]

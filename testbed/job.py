@@ -88,6 +88,10 @@ class Job:
     def finished(self) -> bool:
         return all(p.poll() is not None for p in self.launchers.values())
 
+    def exited(self) -> dict[str, int]:
+        """The exit status of each host's launcher that has ended."""
+        return {name: code for name, p in self.launchers.items() if (code := p.poll()) is not None}
+
     def wait(self, timeout_s: float) -> dict[str, int]:
         """Each host's launcher exit status; TimeoutError (with the output) if the job runs on."""
         deadline = time.monotonic() + timeout_s

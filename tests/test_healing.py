@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import json
+import signal
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pytest
 
-from rankscope.healing import scenarios
+from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
+from rankscope.healing import driver, scenarios
 from rankscope.healing.policy import Policy, Verdict
 from rankscope.testbed import hosts
 
@@ -35,6 +40,86 @@ def test_a_straggler_waits_its_steps_and_nothing_shrinks_the_job_below_its_minim
 def test_a_policy_refuses_kinds_that_name_no_host() -> None:
     with pytest.raises(ValueError, match="cannot act on nan"):
         Policy(act_on=("nan",))
+
+
+@dataclass
+class Cluster:
+    """What the driver sees of a job, set by the test: the store's answers, the launchers' exits, the
+    workers; and what it did (the actions it stored, the hosts it fenced, the workers it signalled)."""
+
+    rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    exits: dict[str, int] = field(default_factory=dict)
+    fenced: list[str] = field(default_factory=list)
+    killed: set[int] = field(default_factory=set)
+    joined: list[str] = field(default_factory=list)
+    actions: list[tuple[str, list[str], str]] = field(default_factory=list)
+
+    # the collector's client
+    def query(self, sql: str, params: dict[str, object] | None = None) -> pa.Table:
+        return pa.Table.from_pylist(self.rows.get(sql, []))
+
+    def send(self, batch: Any) -> bool:
+        self.actions.append((batch.action.action, list(batch.action.hosts), batch.action.reason))
+        return True
+
+    # the fleet
+    def hosts(self) -> list[str]:
+        return [*HOSTS, "node3"]
+
+    def workers(self, hosts: Any) -> set[int]:
+        return {101, 102}
+
+    def signal(self, pids: Any, sig: signal.Signals) -> int:
+        self.killed |= set(pids)
+        return len(set(pids))
+
+    def fence(self, host: str) -> str:
+        self.fenced.append(host)
+        return f"killed {host}"
+
+    # the job
+    def finished(self) -> bool:
+        return False
+
+    def exited(self) -> dict[str, int]:
+        return dict(self.exits)
+
+
+def _driver(cluster: Cluster) -> driver.Driver:
+    return driver.Driver("run", cluster, cluster, Policy(min_hosts=2), cluster, restart_grace_s=0.0, log=lambda line: None,  # type: ignore[arg-type]
+                         spares=["node3"], join=cluster.joined.append)  # fmt: skip
+
+
+def _attempt(attempt: int, on: list[str]) -> dict[str, Any]:
+    return {"attempt": attempt, "hosts": on, "ranks": 2 * len(on), "registered_ns": 0}
+
+
+def test_a_lost_rank_that_becomes_its_hosts_loss_is_considered_again() -> None:
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)]})
+    heal = _driver(cluster)
+    incident = {"incident_id": "lost:rank=0", "kind": "lost_rank", "hosts": ["node0"], "summary": "rank 0 went silent"}
+    cluster.rows[INCIDENTS_SQL] = [incident]
+    heal.poll()
+    heal.poll()
+    assert [a for a, *_ in cluster.actions] == ["incident"] and not cluster.fenced  # ignored once, not again
+    cluster.rows[INCIDENTS_SQL] = [{**incident, "kind": "lost_host", "summary": "every rank of node0 went silent"}]
+    heal.poll()
+    assert cluster.fenced == ["node0"] and cluster.joined == ["node3"]
+    assert heal.remaining == ["node1", "node2", "node3"]
+
+
+def test_a_host_the_job_restarted_without_is_evicted_and_the_restarted_workers_are_left_alone() -> None:
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)]}, exits={"node0": -9})
+    heal = _driver(cluster)
+    heal.poll()
+    assert not cluster.fenced  # its launcher ended, and nothing shows that the job went on without it yet
+    cluster.rows[driver.ATTEMPTS_SQL].append(_attempt(1, ["node1", "node2"]))
+    heal.poll()
+    heal.poll()
+    assert cluster.fenced == ["node0"] and heal.evicted == ["node0"] and cluster.joined == ["node3"]
+    evict = next(a for a in cluster.actions if a[0] == "evict")
+    assert "attempt 1 went on without it" in evict[2] and "code -9" in evict[2]
+    assert not cluster.killed  # the survivors restarted by themselves: their workers are attempt 1's
 
 
 @pytest.mark.slow
