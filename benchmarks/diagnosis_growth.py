@@ -94,15 +94,15 @@ def one_pass(store: EmbeddedStore, ctx: RunContext, now_ns: int, d: SimpleNamesp
 
 
 def heat_map_s(store: EmbeddedStore, world_size: int, last_step: int, repeats: int) -> float:
-    """Median seconds of the heat map's query as the dashboard first draws it (dashboard/views/heatmap.py,
-    a page module: it draws when imported; its DEFAULT_STEPS and RANK_ROWS_UP_TO are 100 and 1,024)."""
+    """Median seconds of the heat map's query as the dashboard first draws it (``data.heat_first_view``)."""
     from streamlit import logger
 
     logger.set_log_level("error")  # its caches warn once per query function that no app runs them
     from rankscope.dashboard import data
 
-    sql = data.HEAT_CELLS_SQL + data.HEAT_BY["rank" if world_size <= 1024 else "host"]
-    params = {"run": RUN, "segment": "backward", "first": max(1, last_step - 100 + 1), "last": last_step}
+    by, first, last = data.heat_first_view(world_size, last_step)
+    sql = data.HEAT_CELLS_SQL + data.HEAT_BY[by]
+    params = {"run": RUN, "segment": "backward", "first": first, "last": last}
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()

@@ -278,6 +278,18 @@ HEAT_BY = {
 }
 
 
+#: the heat map's steps at first (the newest ones); the slider widens the window
+HEAT_STEPS = 100
+#: above this many ranks the heat map starts with a row per host (its slowest rank)
+HEAT_RANK_ROWS_UP_TO = 1024
+
+
+def heat_first_view(world_size: int, last_step: int) -> tuple[str, int, int]:
+    """How the heat map first draws a job of ``world_size`` ranks at ``last_step``: rows by rank or
+    host, and its first and last step."""
+    return "rank" if world_size <= HEAT_RANK_ROWS_UP_TO else "host", max(1, last_step - HEAT_STEPS + 1), last_step
+
+
 @per_run
 def heat_cells(run: Run, segment: str, first: int, last: int, by: str) -> pd.DataFrame:
     """step, row, rank, host, pp, ns, ratio (to the stage median), cpu_time; one row per cell.

@@ -45,9 +45,9 @@ HISTORY = {
         "FROM collectives WHERE run_id = {run:String} AND attempt = 0 GROUP BY rank, group_name, peer, sends ORDER BY rank, group_name, peer, sends"
     ),
     "signals": (
-        "SELECT rank, any(host) AS host, name, countIf(value > 0) AS samples_on, max(value) - min(value) AS increase, max(value) AS peak, "
-        "toUnixTimestamp64Nano(minIf(time, value > 0)) AS first_ns, toUnixTimestamp64Nano(max(time)) AS last_ns FROM metrics "
-        "WHERE run_id = {run:String} AND attempt = 0 AND (startsWith(name, 'hw.gpu.throttle.') OR name = 'hw.errors.ecc_uncorrected' "
+        "SELECT rank, any(host) AS host, any(device) AS device, name, countIf(value > 0) AS samples_on, max(value) - min(value) AS increase, "
+        "max(value) AS peak, toUnixTimestamp64Nano(minIf(time, value > 0)) AS first_ns, toUnixTimestamp64Nano(max(time)) AS last_ns FROM metrics "
+        "WHERE run_id = {run:String} AND attempt = 0 AND (name IN {throttle:Array(String)} OR name = 'hw.errors.ecc_uncorrected' "
         "OR startsWith(name, 'hw.gpu.xid.')) GROUP BY rank, name ORDER BY rank, name"
     ),
     "losses": (
@@ -55,17 +55,11 @@ HISTORY = {
         "FROM step_metrics WHERE run_id = {run:String} AND attempt = 0 AND name = 'loss' GROUP BY step ORDER BY step"
     ),
 }
+# What the detectors read now (in the history's order).
 STATE = {
-    "state": hang.STATE_SQL.replace("GROUP BY rank", "GROUP BY rank ORDER BY rank"),
-    "entered": (
-        "SELECT rank, group_name, peer, sends, max(seq) AS seq FROM entered WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
-        "GROUP BY rank, group_name, peer, sends ORDER BY rank, group_name, peer, sends"
-    ),
-    "signals": (
-        "SELECT rank, anyLast(host) AS host, name, sum(samples_on) AS samples_on, max(highest) - min(lowest) AS increase, "
-        "max(highest) AS peak, toUnixTimestamp64Nano(minIfMerge(first_on)) AS first_ns, toUnixTimestamp64Nano(max(last_seen)) AS last_ns "
-        "FROM gpu_signals WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank, name ORDER BY rank, name"
-    ),
+    "state": hang.STATE_SQL + " ORDER BY rank",
+    "entered": hang.ENTERED_SQL + " ORDER BY rank, group_name, peer, sends",
+    "signals": gpu.SIGNALS_SQL + " ORDER BY rank, name",
     "losses": nan.LOSS_SQL.replace("groupArrayIfMerge(ranks)", "arraySort(groupArrayIfMerge(ranks))"),
 }
 
@@ -119,7 +113,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedStor
 
 
 def read(store: Store, sql: str) -> list[dict]:
-    return store.query_arrow(sql, {"run": RUN, "attempt": 0, "from": 0}).to_pylist()
+    """``sql``'s rows, its parameters the run's: every group, GPU throttle reasons that mean trouble."""
+    groups = store.query_arrow("SELECT DISTINCT group_name FROM collectives WHERE run_id = {run:String}", {"run": RUN})["group_name"]
+    params = {"run": RUN, "attempt": 0, "from": 0, "groups": groups.to_pylist(), "throttle": [f"hw.gpu.throttle.{r}" for r in gpu.BAD_THROTTLE]}
+    return store.query_arrow(sql, params).to_pylist()
 
 
 @pytest.mark.parametrize("what", list(HISTORY))

@@ -8,12 +8,6 @@ import streamlit as st
 from rankscope.dashboard import data, figures, ui
 from rankscope.dashboard.data import Run
 
-#: steps shown at first (the newest ones); the slider widens the window
-DEFAULT_STEPS = 100
-#: above this many ranks the map starts with a row per host (its slowest rank)
-RANK_ROWS_UP_TO = 1024
-
-
 def body(run: Run) -> None:
     ui.run_header(run, "Heat map")
     segments = data.segments(run)
@@ -26,10 +20,10 @@ def body(run: Run) -> None:
     left, middle, right = st.columns([2, 1, 3])
     segment = left.selectbox("Segment", names, index=names.index(wanted) if wanted in names else 0,
                              help="compute segments are compared on the rank's own work; waits in collectives are cut out")  # fmt: skip
-    by = middle.radio("Rows", ["rank", "host"], index=0 if run.world_size <= RANK_ROWS_UP_TO else 1, horizontal=True,
-                      help="host: one row per host, showing its slowest rank")  # fmt: skip
     last_step = max(run.steps, int(segments["last_step"].max()), 1)  # heartbeats may lag the spans (or be missing)
-    first, last = max(1, last_step - DEFAULT_STEPS + 1), last_step
+    rows, first, last = data.heat_first_view(run.world_size, last_step)
+    by = middle.radio("Rows", ["rank", "host"], index=["rank", "host"].index(rows), horizontal=True,
+                      help="host: one row per host, showing its slowest rank")  # fmt: skip
     if last_step > 1:
         first, last = right.slider("Steps", 1, last_step, (first, last))
     cells = data.heat_cells(run, segment, first, last, by)
