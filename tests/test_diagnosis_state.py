@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 
 from rankscope.collector.anatomy import synthetic
-from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, straggler
+from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, segment_window, straggler
 from rankscope.collector.diagnosis.context import RunContext, Settings
 from rankscope.collector.simulate import topology
 from rankscope.collector.store.base import Store, arrow_schema
@@ -155,11 +155,35 @@ def test_a_pass_reads_from_the_newest_step_it_saw(run: tuple[EmbeddedStore, int]
 
     first = RunContext.load(RUN, query, Settings(), seen)
     before = straggler.detect(first)
-    assert seen[(RUN, 0)] == {straggler.NEWEST_SQL: STEPS}
+    assert seen[(RUN, 0)][straggler.NEWEST_SQL] == STEPS
     asked.clear()
     again = RunContext.load(RUN, query, Settings(), seen)  # a later pass, its topology read again
     assert straggler.detect(again) == before
     assert [p["since"] for p in asked if "since" in p] == [STEPS]
+    assert not [p for p in asked if "steps" in p]  # nothing new was stored: no point is read again
+
+
+def test_rows_that_come_late_are_read_with_their_step(run: tuple[EmbeddedStore, int]) -> None:
+    """A rank's rows for steps far behind the newest (a spool replayed after an outage) are read when
+    they arrive: the kept window then holds what a window read afresh holds."""
+    store, end_ns = run
+    seen: dict[tuple[str, int], dict] = {}
+    ctx = RunContext.load(RUN, store.query_arrow, Settings(), seen)
+    window = segment_window.SegmentWindow.of(ctx)
+    first, last = 5, STEPS - 1
+    window.refresh(ctx, first, last)
+    held = {key: cell.wall.copy() for key, cell in window.cells.items()}
+    late = list(range(8, 14))  # 16 to 21 steps behind the newest
+    store.insert_arrow("spans", rows("spans", len(late), run_id=RUN, rank=1, step=late, name="backward", kind="compute",
+                                     start_time=end_ns, end_time=end_ns + 50_000_000, cpu_ns=-1))  # fmt: skip
+    window.refresh(ctx, first, last)
+    for key, cell in window.cells.items():
+        grew = key[0] == "backward" and key[1] in late
+        assert np.allclose(cell.wall - held[key], np.where(np.arange(len(cell.wall)) == 1, 50e6 if grew else 0, 0))
+    fresh = segment_window.SegmentWindow()
+    fresh.refresh(RunContext.load(RUN, store.query_arrow, Settings()), first, last)
+    assert fresh.cells.keys() == window.cells.keys()
+    assert all(np.array_equal(fresh.cells[k].wall, window.cells[k].wall, equal_nan=True) for k in fresh.cells)
 
 
 def test_spikes_are_judged_in_the_newest_steps_only(run: tuple[EmbeddedStore, int], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 
 Query = Callable[[str, Mapping[str, object]], pa.Table]
@@ -475,12 +476,7 @@ class _Timelines:
             table = self.query(GROUPS_SQL, {"run": self.params["run"]}).to_pydict()
             groups = dict(zip(table["name"], table["ranks"]))
             self.queries += 1
-        self._members = {name: [int(r) for r in members] for name, members in groups.items()}
-        self._small = [[int(r) for r in m] for m in groups.values() if 1 < len(m) <= SMALL_GROUP]
-        self._groups_of = defaultdict(list)
-        for g, members in enumerate(self._small):
-            for r in members:
-                self._groups_of[r].append(g)
+        self._members, self._small, self._groups_of = _group_index(groups)
 
     def __getitem__(self, rank: int) -> list[Item]:
         if rank not in self.items:
@@ -488,23 +484,46 @@ class _Timelines:
         return self.items[rank]
 
 
+#: the index of the last groups given (a live pass walks several steps of a run with the same groups)
+_GROUP_INDEX: list[tuple[Mapping[str, list[int]], tuple[dict[str, list[int]], list[list[int]], dict[int, list[int]]]]] = []
+
+
+def _group_index(groups: Mapping[str, list[int]]) -> tuple[dict[str, list[int]], list[list[int]], dict[int, list[int]]]:
+    """(members of each group, the small groups, rank -> its small groups' indexes), kept for the
+    groups object last given: 100,000 ranks are in about 20,000 groups."""
+    with _PATHS_LOCK:
+        if _GROUP_INDEX and _GROUP_INDEX[0][0] is groups:
+            return _GROUP_INDEX[0][1]
+    members = {name: list(m) for name, m in groups.items()}
+    small = [m for m in members.values() if 1 < len(m) <= SMALL_GROUP]
+    groups_of: dict[int, list[int]] = defaultdict(list)
+    for g, ranks in enumerate(small):
+        for r in ranks:
+            groups_of[r].append(g)
+    with _PATHS_LOCK:
+        _GROUP_INDEX[:] = [(groups, (members, small, groups_of))]
+    return members, small, groups_of
+
+
 def _is_send(op: str) -> bool:
     return "send" in op.lower()
 
 
 def critical_path(
-    query: Query, run_id: str, step: int, *, attempt: int | None = None, costs: bool = True, frame: Mapping[str, Any] | None = None
-) -> CriticalPath | None:
+    query: Query, run_id: str, step: int, *, attempt: int | None = None, costs: bool = True, frame: Mapping[str, Any] | None = None,
+    groups: Mapping[str, list[int]] | None = None,
+) -> CriticalPath | None:  # fmt: skip
     """The critical path of ``step`` (of its latest attempt unless ``attempt``); None when the step has no data.
 
-    ``frame``: the step's row of ``FRAME_SQL`` when already read.
+    ``frame``: the step's row of ``FRAME_SQL`` when already read; ``groups``: the run's groups
+    (``GROUPS_SQL``) when already read.
     """
     f = frame if frame is not None else step_frame(query, run_id, step, attempt)
     if f is None:
         return None
     attempt = int(f["attempt"])
     params: dict[str, object] = {"run": run_id, "attempt": attempt, "step": step, "lo": int(f["lo"]) - MARGIN_NS, "hi": int(f["hi"]) + MARGIN_NS}
-    timelines = _Timelines(query, params)
+    timelines = _Timelines(query, params, groups)
     path = CriticalPath(run_id, step, attempt)
     path.links, path.start_ns, path.end_ns = walk(timelines, int(f["last_rank"]))
     if costs and path.links:
@@ -580,23 +599,25 @@ def _costs(query: Query, params: dict[str, object], path: CriticalPath, timeline
     for link in path.links:
         if link.kind != "untracked":
             on_path[(link.rank, link.key)].append(link)
-    stages = {int(r["rank"]): int(r["stage"]) for r in query(STAGES_SQL, params).to_pylist()}
+    table = query(STAGES_SQL, params)
+    stages = dict(zip(table.column("rank").to_pylist(), table.column("stage").to_pylist()))
     by_stage: dict[int, list[int]] = defaultdict(list)
     for r, st in stages.items():
         by_stage[st].append(r)
-    # segments: each rank's totals of the step against its stage's (every rank of it)
+    # segments: each rank's totals of the step against its stage's (every rank of it), as arrays: a
+    # stage of a 100,000-rank job has thousands of ranks
     names = sorted({key for (_, key), links in on_path.items() if links[0].kind in SEGMENT_KINDS})
-    totals: dict[str, dict[int, float]] = defaultdict(dict)
-    if names:
-        for r in query(TOTALS_SQL, {**params, "names": names}).to_pylist():
-            totals[r["name"]][int(r["rank"])] = float(r["ns"])
+    totals = _segment_totals(query(TOTALS_SQL, {**params, "names": names}), stages) if names else {}
     # communication: the timelines of a few stage peers of each rank with comm links on the path, those
     # already read first (the other tensor-parallel ranks of its stage, as a rule)
+    read_by_stage: dict[int, list[int]] = defaultdict(list)
+    for p, items in timelines.items.items():
+        if items and p in stages:
+            read_by_stage[stages[p]].append(p)
     peers: dict[int, list[int]] = {}
     for r in {r for r, key in on_path if on_path[(r, key)][0].kind not in SEGMENT_KINDS}:
-        stage = [p for p in by_stage.get(stages.get(r, 0), []) if p != r]
-        read = [p for p in stage if timelines.items.get(p)]
-        peers[r] = _near(r, read, PEERS) if len(read) >= 2 else _near(r, stage, PEERS)
+        read = [p for p in read_by_stage.get(stages.get(r, 0), []) if p != r]
+        peers[r] = _near(r, read, PEERS) if len(read) >= 2 else _near(r, by_stage.get(stages.get(r, 0), []), PEERS)
     timelines.fetch(p for ranks in peers.values() for p in ranks)
     out = []
     for (rank, key), links in on_path.items():
@@ -605,10 +626,11 @@ def _costs(query: Query, params: dict[str, object], path: CriticalPath, timeline
         # a segment or region slower than its peers' median by ``excess`` of its ``own`` total: that share of
         # each piece of it on the path is excess (all of it when the whole segment is on the path)
         if kind in SEGMENT_KINDS:
-            stage = by_stage.get(stages.get(rank, 0), [])
-            others = [totals[key][r] for r in stage if r != rank and r in totals[key]]
-            own = totals[key].get(rank, float(length))
-            excess = own - statistics.median(others) if others else None
+            ranks, stage_of, ns = totals.get(key, _NO_TOTALS)
+            others = ns[(stage_of == stages.get(rank, 0)) & (ranks != rank)]
+            mine = ns[ranks == rank]
+            own = float(mine[0]) if len(mine) else float(length)
+            excess = own - float(np.median(others)) if len(others) else None
         elif kind == "comm":
             mine = _region_ns(timelines.items.get(rank, []), key)
             others = [o for o in (_region_ns(timelines.items.get(p, []), key) for p in peers[rank]) if o is not None]
@@ -621,6 +643,23 @@ def _costs(query: Query, params: dict[str, object], path: CriticalPath, timeline
         cost = 0.0 if excess is None or excess <= 0 or own <= 0 else min(float(length), length * excess / own)
         out.append(Cost(rank, key, kind, length, excess, cost, cost / path.step_ns if path.step_ns > 0 else 0.0))
     out.sort(key=lambda c: (-c.cost_ns, c.rank, c.key))
+    return out
+
+
+_NO_TOTALS = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
+
+
+def _segment_totals(table: pa.Table, stages: Mapping[int, int]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Segment -> (ranks, their stages (-1: unknown), their totals in ns) from ``TOTALS_SQL``'s rows."""
+    names = table.column("name").combine_chunks().dictionary_encode()
+    code, ranks, ns = names.indices.to_numpy(), table.column("rank").to_numpy().astype(np.int64), table.column("ns").to_numpy().astype(float)
+    known = np.fromiter(stages.keys(), dtype=np.int64, count=len(stages))
+    lookup = np.full(max(int(known.max(initial=-1)), int(ranks.max(initial=-1))) + 1, -1, dtype=np.int64)
+    lookup[known] = np.fromiter(stages.values(), dtype=np.int64, count=len(stages))
+    out = {}
+    for i, name in enumerate(names.dictionary.to_pylist()):
+        rows = code == i
+        out[name] = (ranks[rows], lookup[ranks[rows]], ns[rows])
     return out
 
 
@@ -713,7 +752,7 @@ _PATHS_LOCK = threading.Lock()
 
 
 def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterable[int], *, attempt: int | None = None,
-                  kinds: Iterable[str] | None = None) -> dict[str, Any] | None:  # fmt: skip
+                  kinds: Iterable[str] | None = None, groups: Mapping[str, list[int]] | None = None) -> dict[str, Any] | None:  # fmt: skip
     """What the links of ``ranks`` (of ``kinds``) cost the steps ``steps`` on their critical paths, for an
     incident: {steps, share (the median over the steps of cost / step length), cost_ms (their median),
     text, per_step: [{step, step_ms, cost_ms, share, links}]}; None when none of the steps has a timeline.
@@ -726,7 +765,7 @@ def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterab
     ranks, kinds = sorted(set(ranks)), None if kinds is None else set(kinds)
     per_step = []
     for step in sorted(set(steps)):
-        path = _kept_path(query, run_id, step, attempt)
+        path = _kept_path(query, run_id, step, attempt, groups)
         if path is None or path.step_ns <= 0:
             continue
         cost = path.cost_of(ranks, kinds)
@@ -745,7 +784,7 @@ def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterab
     }
 
 
-def _kept_path(query: Query, run_id: str, step: int, attempt: int | None) -> CriticalPath | None:
+def _kept_path(query: Query, run_id: str, step: int, attempt: int | None, groups: Mapping[str, list[int]] | None) -> CriticalPath | None:
     key = (run_id, -1 if attempt is None else attempt, step)
     try:
         frame = step_frame(query, run_id, step, attempt)
@@ -755,7 +794,7 @@ def _kept_path(query: Query, run_id: str, step: int, attempt: int | None) -> Cri
             kept = _PATHS.get(key)
         if kept is not None and kept[0] == frame:
             return kept[1]
-        path = critical_path(query, run_id, step, attempt=attempt, frame=frame)
+        path = critical_path(query, run_id, step, attempt=attempt, frame=frame, groups=groups)
     except Exception as e:  # noqa: BLE001
         log.warning("critical path of %s step %d: %s", run_id, step, e)
         return None

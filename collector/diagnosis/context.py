@@ -65,8 +65,9 @@ class RunContext:
     made through ``query``). What earlier attempts showed stays in their incidents.
 
     ``seen`` is what passes keep of the attempt from one to the next (the newest step of each
-    table a detector windows by), so that a pass reads what is new rather than the run's history;
-    the live diagnosis hands it from one context of the attempt to the next.
+    table a detector windows by, the straggler's window of points), so that a pass reads what is new
+    rather than the run's history; the live diagnosis hands it from one context of the attempt to
+    the next.
     """
 
     run_id: str
@@ -77,10 +78,10 @@ class RunContext:
     stage: dict[int, int] = field(default_factory=dict)  # rank -> pp_rank (0 when unknown)
     ranks_of_host: dict[str, list[int]] = field(default_factory=dict)  # host -> its ranks, sorted
     groups: dict[str, list[int]] = field(default_factory=dict)
-    seen: dict[str, int] = field(default_factory=dict)
+    seen: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, run_id: str, query: Query, settings: Settings, seen: dict[tuple[str, int], dict[str, int]] | None = None) -> RunContext:
+    def load(cls, run_id: str, query: Query, settings: Settings, seen: dict[tuple[str, int], dict[str, Any]] | None = None) -> RunContext:
         """The run's latest attempt and its topology; ``seen``: (run, attempt) -> what passes keep of
         it, shared with this context (an entry is made for a new attempt)."""
         attempt = int(query(ATTEMPT_SQL, {"run": run_id}).to_pylist()[0]["attempt"] or 0)

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from rankscope.collector.diagnosis import crash, gpu, hang, nan, slow_link, straggler
 from rankscope.collector.diagnosis.context import Query, RunContext, Settings
@@ -111,7 +112,7 @@ class LiveDiagnosis:
         self.ledgers: dict[str, Ledger] = {}
         self._passed: dict[str, tuple[tuple[int, int], float]] = {}  # run -> stored() and time.monotonic() at its last pass
         self._contexts: dict[str, tuple[int, float, RunContext]] = {}  # run -> registrations stored, time read, topology
-        self._seen: dict[tuple[str, int], dict[str, int]] = {}  # (run, attempt) -> what passes keep of it (RunContext.seen)
+        self._seen: dict[tuple[str, int], dict[str, Any]] = {}  # (run, attempt) -> what passes keep of it (RunContext.seen)
         self._asked: set[tuple[str, int]] = set()
         self._ended: dict[str, float] = {}  # run -> time.monotonic() when first seen ended
         self._warned: set[str] = set()

@@ -1,0 +1,246 @@
+"""The straggler detector's window: every rank's time per compute segment and step over the newest
+steps, kept from one pass to the next and read again only where the store holds more.
+
+At 100,096 ranks the window holds about ten million (rank, segment, step) points. Comparing them in
+SQL (nested window functions over all of them) took 9.5 s a pass. Here a (segment, step) cell is read
+when it first appears and again only when the store's count of its pieces grew: a rank's rows that
+came late (a flush interval longer than a step, a spool replayed after an outage) are read with
+their cell, however far behind the newest step they are. The comparisons are numpy over dense
+per-rank arrays (a cell is an array indexed by rank, NaN where a rank has no point).
+
+A point is compared with the median of its stage at that step (exact, numpy's: the mean of the two
+middle values); in a cell of four ranks or fewer of a stage, with the median of the others (the
+point would pull a small median towards itself). The ratio is capped at 1 where the excess is too
+small to matter. A rank's segment is slow at a step when its ratio reaches its threshold:
+1 + max(excess, 3 robust standard deviations (1.4826 MAD) of its stage's recent ratios), so that a
+busy host's noise does not read as a straggler while a real one still stands out. In a stage of up
+to ``LEAVE_ONE_OUT_UP_TO`` ranks the noise is that of the other ranks (a quarter of a four-rank
+stage's points are the straggler's own, which would raise its bar); in a larger stage one rank's
+share moves the MAD little. "Recent": each rank's newest ``window`` points, wherever they lie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rankscope.collector.diagnosis.context import RunContext
+
+#: the kinds of segment that measure a rank's own work
+KINDS = "('compute', 'data', 'optimizer')"
+#: stages of up to this many ranks measure a rank's noise on the other ranks' points
+LEAVE_ONE_OUT_UP_TO = 16
+#: a stage cell of up to this many ranks compares each point with the median of the others
+SMALL_CELL = 4
+
+_WINDOW = "run_id = {run:String} AND attempt = {attempt:UInt16} AND kind IN " + KINDS
+#: how much of each (segment, step) cell the store holds: pieces only add up (merges keep the sum)
+CELLS_SQL = (
+    f"SELECT name, step, sum(pieces) AS pieces FROM step_segments WHERE {_WINDOW} "
+    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} GROUP BY name, step"
+)
+READ_SQL = (
+    "SELECT name, step, rank, sum(total_ns) AS wall, sum(total_cpu_ns) AS cpu, sum(pieces) = sum(cpu_pieces) AS has_cpu, "
+    f"sum(cpu_pieces) > 0 AS some_cpu FROM step_segments WHERE {_WINDOW} AND step IN {{steps:Array(UInt32)}} GROUP BY name, step, rank "
+    "ORDER BY name, step"
+)
+STARTED_SQL = (
+    "SELECT name, step, rank, toUnixTimestamp64Nano(min(first_start)) AS started FROM step_segments "
+    f"WHERE {_WINDOW} AND step BETWEEN {{first_step:UInt32}} AND {{last_step:UInt32}} AND rank IN {{ranks:Array(UInt32)}} "
+    "GROUP BY name, step, rank"
+)
+
+
+@dataclass
+class Cell:
+    """One segment's points at one step: per rank (the index), its wall and CPU time in ns."""
+
+    pieces: int
+    wall: np.ndarray
+    #: None when a piece of a point had no CPU time measured
+    cpu: np.ndarray | None
+    #: some piece had its CPU time measured
+    some_cpu: bool
+    #: per measure (wall time or not), what each point is compared with (``_stage_medians``)
+    medians: dict[bool, np.ndarray] = field(default_factory=dict)
+
+    def median(self, wall: bool, stage_cols: dict[int, np.ndarray]) -> np.ndarray:
+        """Per rank, the median of its stage's points (or of the others') that its point is compared with."""
+        if wall not in self.medians:
+            ns = self.wall if wall else self.cpu
+            assert ns is not None
+            out = np.full(len(ns), np.nan)
+            for cols in stage_cols.values():
+                inside = cols[cols < len(ns)]
+                out[inside] = _stage_medians(ns[inside][None, :])[0]
+            self.medians[wall] = out
+        return self.medians[wall]
+
+
+@dataclass
+class Series:
+    """A (rank, segment) that was slow at ``min_steps`` or more steps of the window."""
+
+    rank: int
+    segment: str
+    threshold: float
+    wall_only: bool
+    #: (step, ratio, ns, median ns), by step
+    points: list[tuple[int, float, float, float]]
+
+
+@dataclass
+class SegmentWindow:
+    """The cells of steps ``first``..``last`` of one attempt, as the store held them when read."""
+
+    cells: dict[tuple[str, int], Cell] = field(default_factory=dict)
+    #: the ranks' stages the cells' medians were computed with
+    stages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @classmethod
+    def of(cls, ctx: RunContext) -> SegmentWindow:
+        """The window kept for ``ctx``'s attempt between passes (a new one the first time)."""
+        window = ctx.seen.get("straggler.window")
+        if not isinstance(window, cls):
+            window = ctx.seen["straggler.window"] = cls()
+        return window
+
+    def refresh(self, ctx: RunContext, first: int, last: int) -> None:
+        """Hold steps ``first``..``last``: cells that are new or grew in the store are read (again)."""
+        held = ctx.query(CELLS_SQL, {"run": ctx.run_id, "first_step": first, "last_step": last}).to_pydict()
+        stored = {(n, s): p for n, s, p in zip(held["name"], held["step"], held["pieces"])}
+        self.cells = {key: cell for key, cell in self.cells.items() if key in stored}
+        stale = {key for key, pieces in stored.items() if key not in self.cells or self.cells[key].pieces != pieces}
+        if not stale:
+            return
+        table = ctx.query(READ_SQL, {"run": ctx.run_id, "steps": sorted({s for _, s in stale})})
+        names = table.column("name").combine_chunks().dictionary_encode()
+        cols = {c: table.column(c).to_numpy() for c in ("step", "rank", "wall", "cpu", "has_cpu", "some_cpu")}
+        code, step = names.indices.to_numpy(), cols["step"]
+        size = max(len(ctx.stage), int(cols["rank"].max()) + 1 if len(step) else 0)
+        # rows come ordered by (name, step): one slice per cell
+        bounds = [0, *(np.flatnonzero((code[1:] != code[:-1]) | (step[1:] != step[:-1])) + 1), len(step)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            key = (names.dictionary[code[lo]].as_py(), int(step[lo]))
+            if key not in stale:
+                continue
+            ranks = cols["rank"][lo:hi]
+            wall = np.full(size, np.nan)
+            wall[ranks] = cols["wall"][lo:hi]
+            cpu = None
+            if cols["has_cpu"][lo:hi].all():
+                cpu = np.full(size, np.nan)
+                cpu[ranks] = cols["cpu"][lo:hi]
+            self.cells[key] = Cell(stored[key], wall, cpu, bool(cols["some_cpu"][lo:hi].any()))
+
+    @property
+    def cpu_measured(self) -> bool:
+        """Whether any piece in the window had its CPU time measured."""
+        return any(cell.some_cpu for cell in self.cells.values())
+
+    def slow_series(self, stage: dict[int, int], *, wall: bool, min_excess_ns: float, excess: float, window: int,
+                    min_steps: int) -> list[Series]:  # fmt: skip
+        """The (rank, segment) series slow at ``min_steps`` or more steps; ``stage``: rank -> pipeline
+        stage (0 where unknown). Each segment is measured in CPU time where every piece of it in the
+        window had it, unless ``wall``."""
+        if not self.cells:
+            return []
+        stages = _stages(stage, max(len(c.wall) for c in self.cells.values()))
+        if not np.array_equal(stages, self.stages):  # a rank registered since: the medians are of other stages
+            self.stages = stages
+            for cell in self.cells.values():
+                cell.medians.clear()
+        stage_cols = {int(s): np.flatnonzero(stages == s) for s in np.unique(stages)}
+        # the ranks ordered by stage: a stage is a slice of columns (a view, not a copy)
+        order = np.concatenate(list(stage_cols.values()))
+        edges = np.cumsum([0, *(len(cols) for cols in stage_cols.values())])
+        found: list[Series] = []
+        for name in sorted({n for n, _ in self.cells}):
+            steps = sorted(s for n, s in self.cells if n == name)
+            cells = [self.cells[(name, s)] for s in steps]
+            wall_only = wall or any(c.cpu is None for c in cells)
+            ns = np.vstack([_padded(c.wall if wall_only else c.cpu, len(stages))[order] for c in cells])  # type: ignore[arg-type]
+            median = np.vstack([_padded(c.median(wall_only, stage_cols), len(stages))[order] for c in cells])
+            for x in _slow(name, np.asarray(steps), ns, median, edges, wall_only=wall_only, min_excess_ns=min_excess_ns, excess=excess,
+                           window=window, min_steps=min_steps):  # fmt: skip
+                x.rank = int(order[x.rank])
+                found.append(x)
+        return found
+
+    def started(self, ctx: RunContext, first: int, last: int, ranks: Iterable[int]) -> dict[tuple[int, str, int], int]:
+        """(rank, segment, step) -> when the segment began (ns), for ``ranks`` over steps ``first``..``last``."""
+        params = {"run": ctx.run_id, "first_step": first, "last_step": last, "ranks": sorted(set(ranks))}
+        table = ctx.query(STARTED_SQL, params).to_pydict()
+        return {(r, n, s): t for n, s, r, t in zip(table["name"], table["step"], table["rank"], table["started"])}
+
+
+def _padded(values: np.ndarray, size: int) -> np.ndarray:
+    return values if len(values) == size else np.concatenate([values, np.full(size - len(values), np.nan)])
+
+
+def _stages(stage: dict[int, int], size: int) -> np.ndarray:
+    """Per rank (the index) up to ``size``, its stage (0 where unknown)."""
+    ranks = np.fromiter(stage.keys(), dtype=np.int64, count=len(stage))
+    pps = np.fromiter(stage.values(), dtype=np.int64, count=len(stage))
+    out = np.zeros(max(size, int(ranks.max()) + 1 if len(ranks) else 0), dtype=np.int64)
+    out[ranks] = np.maximum(pps, 0)
+    return out
+
+
+def _slow(name: str, steps: np.ndarray, ns: np.ndarray, median: np.ndarray, edges: np.ndarray, *, wall_only: bool,
+          min_excess_ns: float, excess: float, window: int, min_steps: int) -> list[Series]:  # fmt: skip
+    """The slow series of one segment (``rank``: the column); ``ns`` and ``median``: steps x ranks
+    (NaN: no point), the ranks of a stage in the columns ``edges[i]:edges[i + 1]``."""
+    median[~(median > 0)] = np.nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = ns / median
+        np.minimum(ratio, 1.0, out=ratio, where=ns - median < min_excess_ns)
+    valid = ~np.isnan(ratio)
+    recent = valid & (np.cumsum(valid[::-1], axis=0)[::-1] <= window)
+    threshold = np.empty(ns.shape[1])
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        widest = int(valid[:, lo:hi].sum(axis=1).max())
+        threshold[lo:hi] = 1 + np.maximum(excess, 3 * 1.4826 * _noise(ratio[:, lo:hi], recent[:, lo:hi], widest))
+    slow_steps = (ratio >= threshold).sum(axis=0)
+    out = []
+    for rank in np.flatnonzero(slow_steps >= min_steps):
+        at = np.flatnonzero(valid[:, rank])
+        points = [(int(steps[i]), float(ratio[i, rank]), float(ns[i, rank]), float(median[i, rank])) for i in at]
+        out.append(Series(int(rank), name, float(threshold[rank]), wall_only, points))
+    return out
+
+
+def _stage_medians(ns: np.ndarray) -> np.ndarray:
+    """Per point (steps x the stage's ranks), the median it is compared with; NaN where its cell has
+    fewer than two points. Cells of up to ``SMALL_CELL`` points: the median of the others."""
+    present = ~np.isnan(ns)
+    count = present.sum(axis=1)
+    out = np.full(ns.shape, np.nan)
+    wide = count > SMALL_CELL
+    if wide.any():
+        out[wide] = np.nanmedian(ns[wide], axis=1)[:, None]
+    for i in np.flatnonzero((count >= 2) & ~wide):
+        cols = np.flatnonzero(present[i])
+        values = ns[i, cols]
+        for j, col in enumerate(cols):
+            out[i, col] = np.median(np.delete(values, j))
+    out[~present] = np.nan
+    return out
+
+
+def _noise(ratio: np.ndarray, recent: np.ndarray, widest: int) -> np.ndarray:
+    """Per rank of one stage (steps x ranks), the MAD of the recent ratios it is judged against: the
+    stage's, or in a stage of up to ``LEAVE_ONE_OUT_UP_TO`` ranks the other ranks'."""
+    values = ratio[recent]
+    if values.size == 0:
+        return np.full(ratio.shape[1], np.nan)
+    stage_mad = np.median(np.abs(values - np.median(values)))
+    out = np.full(ratio.shape[1], stage_mad)
+    if widest <= LEAVE_ONE_OUT_UP_TO:
+        for j in range(ratio.shape[1]):
+            others = np.delete(ratio, j, axis=1)[np.delete(recent, j, axis=1)]
+            if others.size:
+                out[j] = np.median(np.abs(others - np.median(others)))
+    return out
