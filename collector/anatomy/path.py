@@ -651,7 +651,7 @@ _NO_TOTALS = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros
 
 def _segment_totals(table: pa.Table, stages: Mapping[int, int]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Segment -> (ranks, their stages (-1: unknown), their totals in ns) from ``TOTALS_SQL``'s rows."""
-    names = table.column("name").combine_chunks().dictionary_encode()
+    names = table.column("name").cast(pa.string()).combine_chunks().dictionary_encode()
     code, ranks, ns = names.indices.to_numpy(), table.column("rank").to_numpy().astype(np.int64), table.column("ns").to_numpy().astype(float)
     known = np.fromiter(stages.keys(), dtype=np.int64, count=len(stages))
     lookup = np.full(max(int(known.max(initial=-1)), int(ranks.max(initial=-1))) + 1, -1, dtype=np.int64)

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 from rankscope.collector.diagnosis.context import RunContext
 
@@ -116,14 +117,14 @@ class SegmentWindow:
         if not stale:
             return
         table = ctx.query(READ_SQL, {"run": ctx.run_id, "steps": sorted({s for _, s in stale})})
-        names = table.column("name").combine_chunks().dictionary_encode()
+        names = table.column("name").cast(pa.string()).combine_chunks().dictionary_encode()
         cols = {c: table.column(c).to_numpy() for c in ("step", "rank", "wall", "cpu", "has_cpu", "some_cpu")}
         code, step = names.indices.to_numpy(), cols["step"]
         size = max(len(ctx.stage), int(cols["rank"].max()) + 1 if len(step) else 0)
         # rows come ordered by (name, step): one slice per cell
         bounds = [0, *(np.flatnonzero((code[1:] != code[:-1]) | (step[1:] != step[:-1])) + 1), len(step)]
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            key = (names.dictionary[code[lo]].as_py(), int(step[lo]))
+            key = (names.dictionary[code[lo]].as_py(), int(step[lo])) if hi > lo else None
             if key not in stale:
                 continue
             ranks = cols["rank"][lo:hi]
