@@ -194,15 +194,19 @@ def _slow(name: str, steps: np.ndarray, ns: np.ndarray, median: np.ndarray, edge
           min_excess_ns: float, excess: float, window: int, min_steps: int) -> list[Series]:  # fmt: skip
     """The slow series of one segment (``rank``: the column); ``ns`` and ``median``: steps x ranks
     (NaN: no point), the ranks of a stage in the columns ``edges[i]:edges[i + 1]``."""
+    # a point is one of its rank's recent ones, and counts in its stage's width, when its cell has a
+    # median (two points or more), even a median of 0 (a segment of no CPU time), which compares nothing
+    counted = ~np.isnan(median)
+    recent = counted & (np.cumsum(counted[::-1], axis=0)[::-1] <= window)
     median[~(median > 0)] = np.nan
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = ns / median
         np.minimum(ratio, 1.0, out=ratio, where=ns - median < min_excess_ns)
     valid = ~np.isnan(ratio)
-    recent = valid & (np.cumsum(valid[::-1], axis=0)[::-1] <= window)
+    recent &= valid
     threshold = np.empty(ns.shape[1])
     for lo, hi in zip(edges[:-1], edges[1:]):
-        widest = int(valid[:, lo:hi].sum(axis=1).max())
+        widest = int(counted[:, lo:hi].sum(axis=1).max())
         threshold[lo:hi] = 1 + np.maximum(excess, 3 * 1.4826 * _noise(ratio[:, lo:hi], recent[:, lo:hi], widest))
     slow_steps = (ratio >= threshold).sum(axis=0)
     out = []
