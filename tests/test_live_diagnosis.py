@@ -92,6 +92,13 @@ def test_a_host_finding_continues_the_incident_of_its_first_straggler_rank() -> 
     assert [i.incident_id for i in ledger.incidents.values()] == ["straggler:rank=5"]
     _, new = Ledger("run").update([host])  # nothing to continue: the host's own id
     assert [i.incident_id for i in new] == ["straggler:host=node2"]
+    # a host named first, then one of its ranks alone (its host-mate's slowness dipped): one incident still
+    ledger = Ledger("run")
+    ledger.update([host])
+    alone = Finding("straggler", "straggler:rank=5", "warning", (5,), ("node2",), 10, 40, "rank 5 (node2): backward 180% slower",
+                    absorbs=("straggler:host=node2",))  # fmt: skip
+    stored, new = ledger.update([alone])
+    assert new == [] and [(i.incident_id, i.finding.ranks) for i in stored] == [("straggler:host=node2", (5,))]
 
 
 def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_stored(migrated: Store) -> None:  # noqa: F811

@@ -149,7 +149,10 @@ def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[
     for rank in sorted(r for r in slow if ctx.host.get(r) not in slow_hosts):
         info = slow[rank]
         summary = f"{ctx.who(rank)}: {info['segment']} {_pct(info['ratio'])} slower than its stage peers since step {info['since_step']}"
-        findings.append(_finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary))
+        found = _finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary)
+        # a rank of a host named before, alone now (its host-mate's slowness dipped): the same fault
+        host = ctx.host.get(rank)
+        findings.append(replace(found, absorbs=(f"straggler:host={host}",)) if host else found)
     return findings
 
 
