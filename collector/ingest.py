@@ -191,13 +191,13 @@ class RunInfo:
     def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> int | None:
         """Note a registration of ``rank`` (its process's start and its time on the rank's clock,
         ``at_ns`` on the collector's); the version to store its rows with, or None when it is older
-        than the rank's newest registration, or than its exit while an earlier one is held: one
-        delivered late (a retry, a spool replay) must not undo what came after it. The first one
-        is stored even after the exit (replayed from the spool after the rank's end): without it
-        the rank would have no host."""
+        than the rank's newest registration: one delivered late (a retry, a spool replay) must not
+        undo what came after it. One made before the rank's exit but delivered after it is stored
+        (the caller does not reopen the rank): the last registration, sent with the rank's end,
+        carries the groups its last steps created, and its calls may be answered in any order."""
         held = self.registered.get(rank)
         newer = True if held is None else held.newer(start_ns, time_ns, at_ns, attempt)
-        if newer is False or held is not None and self.ended_since(rank, at_ns):
+        if newer is False:
             return None
         if held is None:
             version = at_ns

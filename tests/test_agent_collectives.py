@@ -78,11 +78,19 @@ def collectives(client: Client, run: str) -> list[dict[str, Any]]:
     )
 
 
-def members(client: Client, run: str) -> dict[str, list[int]]:
-    """Group name -> member ranks, as the ranks registered them (one member list per name)."""
-    named: dict[str, set[tuple[int, ...]]] = collections.defaultdict(set)
-    for g in query(client, "SELECT name, ranks FROM groups WHERE run_id = {run:String}", run):
-        named[g["name"]].add(tuple(g["ranks"]))
+def members(client: Client, run: str, rows: list[dict[str, Any]], timeout_s: float = 10.0) -> dict[str, list[int]]:
+    """Group name -> member ranks, as the ranks registered them (one member list per name), once
+    every group the collective ``rows`` name is stored: a rank's last registration, sent with its
+    end, may be written a flush after the end."""
+    used = {r["g"] for r in rows}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        named: dict[str, set[tuple[int, ...]]] = collections.defaultdict(set)
+        for g in query(client, "SELECT name, ranks FROM groups WHERE run_id = {run:String}", run):
+            named[g["name"]].add(tuple(g["ranks"]))
+        if used <= named.keys() or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
     assert all(len(v) == 1 for v in named.values()), f"a group name stands for different members: {dict(named)}"
     return {name: list(next(iter(v))) for name, v in named.items()}
 
@@ -116,7 +124,7 @@ def test_a_plain_ddp_script_with_only_the_switch_on(
     assert query(client, "SELECT count() AS n FROM exits WHERE run_id = {run:String}", run) == [{"n": 4}]
 
     rows = collectives(client, run)
-    assert_lined_up(rows, members(client, run))
+    assert_lined_up(rows, members(client, run, rows))
     reduces = [r for r in rows if r["op"] == "all_reduce"]  # DDP's C++ reducer: seen through the flight recorder
     assert {(r["rank"], r["step"]) for r in reduces} == {(rank, step) for rank in range(4) for step in range(1, 5)}
     assert {(r["g"], r["nbytes"], r["state"]) for r in reduces} == {("default_pg", (32 * 64 + 64 + 64 * 8 + 8) * 4, "completed")}
@@ -164,7 +172,7 @@ def test_every_operation_lines_up_and_plain_processes_agree_on_a_run_id(
     assert sorted(exits(client, run, 2)) == [0, 1]
 
     rows = collectives(client, run)
-    assert_lined_up(rows, members(client, run))
+    assert_lined_up(rows, members(client, run, rows))
     ops = {rank: collections.Counter((r["g"], r["op"]) for r in rows if r["rank"] == rank) for rank in range(2)}
     assert ops[0] == ops[1] == {
         ("default_pg", "all_reduce"): 2, ("default_pg", "all_gather"): 3,  # all_gather_object: sizes, then data
@@ -214,7 +222,7 @@ def test_dtensor_tensor_parallel_inside_fsdp2_lines_up(
     run = run_of(client, "dtensor_fsdp.py")
     assert len(exits(client, run, 4)) == 4
     rows = collectives(client, run)
-    groups = members(client, run)
+    groups = members(client, run, rows)
     assert_lined_up(rows, groups)
     kinds = {(r["g"].split(":")[0], r["op"]) for r in rows}
     # FSDP2 shards over the dp dimension; DTensor's functional all-reduce (C++ only) over tp.

@@ -60,7 +60,7 @@ def test_3d_parallel_collectives_line_up_and_the_losses_do_not_change(
 
     assert {e["reason"] for e in exits(client, "3d", 8).values()} == {"normal"}
     rows = collectives(client, "3d")
-    groups = members(client, "3d")
+    groups = members(client, "3d", rows)
     assert_lined_up(rows, groups)
     kinds = collections.Counter((r["g"].split("[")[0], r["op"]) for r in rows)
     assert {("tp", "all_reduce"), ("pp", "send"), ("pp", "recv"), ("dp", "all_reduce"), ("pp", "all_reduce")} <= set(kinds)

@@ -280,6 +280,21 @@ def test_a_ranks_only_registration_replayed_after_its_end_is_stored_without_reop
     assert registry.has_ended("r", 1) and registry.host("r", 1)
 
 
+def test_a_registration_made_before_the_ranks_end_but_delivered_after_it_is_stored_without_reopening_it() -> None:
+    """The agent registers once more with the groups its last steps created, just before its end;
+    both calls are in flight together and the end may be answered first."""
+    registry = RunRegistry()
+    t = time.time_ns()
+    started = t - 10 * 10**9
+    _decode(register("r", 0, 2, start_ns=started, time_ns=t - 2 * 10**9), registry)
+    last = register("r", 0, 2, start_ns=started, time_ns=t - 10**9)
+    last.register.groups.append(telemetry_pb2.Group(name="dp[1]", ranks=[0, 1]))
+    _decode(end("r", 0), registry)
+    parts = _decode(last, registry).parts
+    assert sorted(parts["groups"]["name"].to_pylist()) == ["dp[1]", "world"] and "runs" not in parts
+    assert registry.has_ended("r", 0)
+
+
 def _corrupt(batch: ingest_pb2.Batch, field: str, value: object) -> ingest_pb2.Batch:
     setattr(getattr(batch, batch.WhichOneof("payload")), field, value)
     return batch
