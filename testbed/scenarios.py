@@ -76,7 +76,7 @@ SCENARIOS: dict[str, Scenario] = {
                  lambda bed, job, r: faults.delay_link(bed, r.host, 30.0), names="link"),  # fmt: skip
         Scenario("testbed-ddp-clean", "a plain DDP script: no incident may appear", None, program="ddp", steps=10),
         # A starved host is named once its ranks took twice their stage's wall time at every step of
-        # the window (6): the cut lands a heartbeat and a flush after step 4 is seen, later on a busy
+        # the window (6) but one: the cut lands a heartbeat and a flush after step 4 is seen, later on a busy
         # machine, so the job runs well past that. A frozen job never ends by itself: steps to spare
         # cost nothing, and the job must not end before the freeze lands.
         Scenario("testbed-ddp-throttle-host", "a plain DDP script, rank 5's host's CPU cut to a third", "straggler",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pyarrow as pa
 import pytest
@@ -99,6 +100,33 @@ def test_a_host_finding_continues_the_incident_of_its_first_straggler_rank() -> 
                     absorbs=("straggler:host=node2",))  # fmt: skip
     stored, new = ledger.update([alone])
     assert new == [] and [(i.incident_id, i.finding.ranks) for i in stored] == [("straggler:host=node2", (5,))]
+
+
+def test_a_host_finding_merges_the_incidents_of_its_ranks_named_alone_in_turn() -> None:
+    """Rank 5 named alone, then rank 4 alone (rank 5's slowness dipped), then their host: one fault,
+    one incident listed; rank 4's stays stored as merged into it, and rank 4 named alone later goes on with it."""
+    from rankscope.collector.diagnosis.incidents import Finding, Ledger
+
+    def alone(rank: int, host: str = "node2") -> Finding:
+        return Finding("straggler", f"straggler:rank={rank}", "warning", (rank,), (host,), 10 + rank, 20, f"rank {rank} slower",
+                       absorbs=(f"straggler:host={host}",))  # fmt: skip
+
+    host = Finding("straggler", "straggler:host=node2", "warning", (4, 5), ("node2",), 12, 30, "host node2: ranks 4, 5 are all slower",
+                   absorbs=("straggler:rank=5", "straggler:rank=4"))  # fmt: skip
+    ledger = Ledger("run")
+    ledger.update([alone(5)])
+    ledger.update([alone(4)])
+    stored, new = ledger.update([host])
+    assert new == [] and sorted((i.incident_id, i.status, i.finding.evidence.get("merged_into")) for i in stored) == [
+        ("straggler:rank=4", "merged", "straggler:rank=5"), ("straggler:rank=5", "open", None)]  # fmt: skip
+    stored, new = ledger.update([alone(4)])
+    assert new == [] and [(i.incident_id, i.status, i.finding.ranks) for i in stored] == [("straggler:rank=5", "open", (4,))]
+    # Two ranks of a host of three named alone in one pass: each keeps its own incident, none is lost.
+    ledger = Ledger("run")
+    ledger.update([replace(host, key="straggler:host=node7", absorbs=())])
+    stored, new = ledger.update([alone(1, "node7"), alone(2, "node7")])
+    assert sorted(i.incident_id for i in stored if i.status == "open") == ["straggler:host=node7", "straggler:rank=2"]
+    assert [i.incident_id for i in new] == ["straggler:rank=2"]
 
 
 def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_stored(migrated: Store) -> None:  # noqa: F811

@@ -386,15 +386,12 @@ class _Timelines:
     ranks: a path mostly stays inside one data-parallel replica, so a few queries read all it visits.
     """
 
-    def __init__(self, query: Query, params: dict[str, object], groups: Mapping[str, list[int]] | None = None) -> None:
+    def __init__(self, query: Query, params: dict[str, object], groups: GroupIndex | None = None) -> None:
         self.query = query
         self.params = params
         self.items: dict[int, list[Item]] = {}
         self.queries = 0
         self._groups = groups
-        self._small: list[list[int]] = []
-        self._groups_of: dict[int, list[int]] | None = None
-        self._members: dict[str, list[int]] = {}
         #: (group, seq, rank, peer, is a send) -> issue time, of every operation read
         self._issued: dict[tuple[str, int, int, int, bool], int] = {}
         #: (group, seq) -> (rank, issue time) of the second-latest member to arrive at a collective
@@ -404,8 +401,6 @@ class _Timelines:
         missing = sorted({int(r) for r in ranks} - self.items.keys())
         if not missing:
             return
-        if self._groups_of is None:
-            self._load_groups()
         for r in missing:
             self.items[r] = []
         cols = self.query(TIMELINE_SQL, {**self.params, "ranks": missing}).to_pydict()
@@ -427,7 +422,7 @@ class _Timelines:
                 if (op.group, op.seq, op.peer, op.rank, not _is_send(op.name)) not in self._issued and op.peer not in self.items:
                     ask_p2p.add((op.group, op.seq))
             elif (op.group, op.seq) not in last:
-                members = self._members.get(op.group)
+                members = self.groups.members.get(op.group)
                 if members and all(m in self.items for m in members):
                     issued = [(self._issued.get((op.group, op.seq, m, -1, False)), m) for m in members]
                     if all(i is not None for i, _ in issued):
@@ -458,25 +453,24 @@ class _Timelines:
 
     def neighbourhood(self, rank: int) -> list[int]:
         """``rank`` and the ranks it shares small groups with, transitively (at most ``NEIGHBOURHOOD``)."""
-        if self._groups_of is None:
-            self._load_groups()
-        assert self._groups_of is not None
+        groups = self.groups
         seen, frontier = {rank}, [rank]
         while frontier and len(seen) < NEIGHBOURHOOD:
-            reached = {m for r in frontier for g in self._groups_of.get(r, ()) for m in self._small[g]} - seen
+            reached = {m for r in frontier for g in groups.groups_of.get(r, ()) for m in groups.small[g]} - seen
             if len(seen) + len(reached) > NEIGHBOURHOOD:
                 break
             seen |= reached
             frontier = list(reached)
         return sorted(seen)
 
-    def _load_groups(self) -> None:
-        groups = self._groups
-        if groups is None:
+    @property
+    def groups(self) -> GroupIndex:
+        """The run's groups: as given, else read once."""
+        if self._groups is None:
             table = self.query(GROUPS_SQL, {"run": self.params["run"]}).to_pydict()
-            groups = dict(zip(table["name"], table["ranks"]))
+            self._groups = GroupIndex.of(dict(zip(table["name"], table["ranks"])))
             self.queries += 1
-        self._members, self._small, self._groups_of = _group_index(groups)
+        return self._groups
 
     def __getitem__(self, rank: int) -> list[Item]:
         if rank not in self.items:
@@ -484,25 +478,36 @@ class _Timelines:
         return self.items[rank]
 
 
-#: the index of the last groups given (a live pass walks several steps of a run with the same groups)
-_GROUP_INDEX: list[tuple[Mapping[str, list[int]], tuple[dict[str, list[int]], list[list[int]], dict[int, list[int]]]]] = []
+@dataclass(frozen=True)
+class GroupIndex:
+    """A run's groups as a critical path walks them; built once per run's groups and handed down
+    (the live diagnosis builds it once a pass): 100,000 ranks are in about 20,000 groups."""
+
+    #: group name -> its member ranks
+    members: dict[str, list[int]]
+    #: the groups of 2 to ``SMALL_GROUP`` members (tensor and pipeline parallel)
+    small: list[list[int]]
+    #: rank -> the indexes in ``small`` of its small groups
+    groups_of: dict[int, list[int]]
+
+    @classmethod
+    def of(cls, groups: Mapping[str, list[int]]) -> GroupIndex:
+        members = {name: list(m) for name, m in groups.items()}
+        small = [m for m in members.values() if 1 < len(m) <= SMALL_GROUP]
+        groups_of: dict[int, list[int]] = defaultdict(list)
+        for g, ranks in enumerate(small):
+            for r in ranks:
+                groups_of[r].append(g)
+        return cls(members, small, dict(groups_of))
 
 
-def _group_index(groups: Mapping[str, list[int]]) -> tuple[dict[str, list[int]], list[list[int]], dict[int, list[int]]]:
-    """(members of each group, the small groups, rank -> its small groups' indexes), kept for the
-    groups object last given: 100,000 ranks are in about 20,000 groups."""
-    with _PATHS_LOCK:
-        if _GROUP_INDEX and _GROUP_INDEX[0][0] is groups:
-            return _GROUP_INDEX[0][1]
-    members = {name: list(m) for name, m in groups.items()}
-    small = [m for m in members.values() if 1 < len(m) <= SMALL_GROUP]
-    groups_of: dict[int, list[int]] = defaultdict(list)
-    for g, ranks in enumerate(small):
-        for r in ranks:
-            groups_of[r].append(g)
-    with _PATHS_LOCK:
-        _GROUP_INDEX[:] = [(groups, (members, small, groups_of))]
-    return members, small, groups_of
+def by_rank(values: Mapping[int, int], size: int = 0, missing: int = -1) -> np.ndarray:
+    """Per rank (the index, up to ``size`` or the highest rank in ``values``), its value; ``missing``
+    where it has none. A dense array: a stage of a 100,000-rank job is selected by a comparison."""
+    ranks = np.fromiter(values.keys(), dtype=np.int64, count=len(values))
+    out = np.full(max(size, int(ranks.max(initial=-1)) + 1), missing, dtype=np.int64)
+    out[ranks] = np.fromiter(values.values(), dtype=np.int64, count=len(values))
+    return out
 
 
 def _is_send(op: str) -> bool:
@@ -511,12 +516,12 @@ def _is_send(op: str) -> bool:
 
 def critical_path(
     query: Query, run_id: str, step: int, *, attempt: int | None = None, costs: bool = True, frame: Mapping[str, Any] | None = None,
-    groups: Mapping[str, list[int]] | None = None,
+    groups: GroupIndex | None = None,
 ) -> CriticalPath | None:  # fmt: skip
     """The critical path of ``step`` (of its latest attempt unless ``attempt``); None when the step has no data.
 
     ``frame``: the step's row of ``FRAME_SQL`` when already read; ``groups``: the run's groups
-    (``GROUPS_SQL``) when already read.
+    (``GROUPS_SQL``) when already read and indexed.
     """
     f = frame if frame is not None else step_frame(query, run_id, step, attempt)
     if f is None:
@@ -653,9 +658,7 @@ def _segment_totals(table: pa.Table, stages: Mapping[int, int]) -> dict[str, tup
     """Segment -> (ranks, their stages (-1: unknown), their totals in ns) from ``TOTALS_SQL``'s rows."""
     names = table.column("name").cast(pa.string()).combine_chunks().dictionary_encode()
     code, ranks, ns = names.indices.to_numpy(), table.column("rank").to_numpy().astype(np.int64), table.column("ns").to_numpy().astype(float)
-    known = np.fromiter(stages.keys(), dtype=np.int64, count=len(stages))
-    lookup = np.full(max(int(known.max(initial=-1)), int(ranks.max(initial=-1))) + 1, -1, dtype=np.int64)
-    lookup[known] = np.fromiter(stages.values(), dtype=np.int64, count=len(stages))
+    lookup = by_rank(stages, int(ranks.max(initial=-1)) + 1)
     out = {}
     for i, name in enumerate(names.dictionary.to_pylist()):
         rows = code == i
@@ -752,7 +755,7 @@ _PATHS_LOCK = threading.Lock()
 
 
 def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterable[int], *, attempt: int | None = None,
-                  kinds: Iterable[str] | None = None, groups: Mapping[str, list[int]] | None = None) -> dict[str, Any] | None:  # fmt: skip
+                  kinds: Iterable[str] | None = None, groups: GroupIndex | None = None) -> dict[str, Any] | None:  # fmt: skip
     """What the links of ``ranks`` (of ``kinds``) cost the steps ``steps`` on their critical paths, for an
     incident: {steps, share (the median over the steps of cost / step length), cost_ms (their median),
     text, per_step: [{step, step_ms, cost_ms, share, links}]}; None when none of the steps has a timeline.
@@ -784,7 +787,7 @@ def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterab
     }
 
 
-def _kept_path(query: Query, run_id: str, step: int, attempt: int | None, groups: Mapping[str, list[int]] | None) -> CriticalPath | None:
+def _kept_path(query: Query, run_id: str, step: int, attempt: int | None, groups: GroupIndex | None) -> CriticalPath | None:
     key = (run_id, -1 if attempt is None else attempt, step)
     try:
         frame = step_frame(query, run_id, step, attempt)

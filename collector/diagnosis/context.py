@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -9,6 +10,8 @@ from typing import Any
 
 import pyarrow as pa
 from clickhouse_connect.driver.binding import format_bind_value
+
+from rankscope.collector.anatomy.path import GroupIndex
 
 #: ``query(sql, params) -> pyarrow.Table``: a collector client, a store reader, or the collector's own store
 Query = Callable[[str, Mapping[str, object]], pa.Table]
@@ -38,10 +41,10 @@ class Settings:
     #: ... and this share of the step: a segment that costs the step less is no straggler worth a
     #: look, and a small wall-time-only segment (data loading) on a busy host is mostly the scheduler
     straggler_step_share: float = 0.01
-    #: where CPU time is compared, wall time too, slower by at least this share at every step of the
-    #: window: a rank starved of CPU computes no slower, it waits to run. Wall time on shared cores
-    #: is noisy: 8 ranks on 2 cores showed three steps in a row 1.5-1.9x their stage's median with
-    #: steady CPU time
+    #: where CPU time is compared, wall time too (a step's compute as a whole), slower by at least
+    #: this share at every step of the window but one: a rank starved of CPU computes no slower, it
+    #: waits to run. Wall time on shared cores is noisy: 8 ranks on 2 cores showed three steps in a
+    #: row 1.5-1.9x their stage's median with steady CPU time
     straggler_wall_excess: float = 1.0
     #: slow link: a pair's transfer time this many times the median of comparable pairs ...
     slow_link_ratio: float = 4.0
@@ -101,6 +104,11 @@ class RunContext:
         ).to_pylist():
             ctx.groups[g["name"]] = list(g["ranks"])
         return ctx
+
+    @functools.cached_property
+    def group_index(self) -> GroupIndex:
+        """``groups`` indexed for the critical paths of incidents' costs: once a pass, not once a path."""
+        return GroupIndex.of(self.groups)
 
     def whole_hosts(self, ranks: set[int] | dict[int, Any]) -> set[str]:
         """The hosts of two or more ranks all of which are among ``ranks``: a host fault, not a rank's."""

@@ -50,7 +50,7 @@ class Incident:
 
     run_id: str
     finding: Finding
-    status: str  # "open" or "closed"
+    status: str  # "open", "closed" or "merged" (into another incident of the same fault: evidence.merged_into)
     version: int
 
     @property
@@ -89,20 +89,24 @@ class Ledger:
 
         Open incidents not found again are closed. ``final``: the run is over, close everything.
         """
+        findings = list(findings)
         changed: list[Incident] = []
         new: list[Incident] = []
-        seen = set()
+        seen: set[str] = set()
+        taken = {f.key for f in findings}  # a finding's own incident is its own, whatever another absorbs
         for finding in findings:
-            finding = replace(finding, key=self._incident_id(finding))
-            seen.add(finding.key)
-            before = self.incidents.get(finding.key)
+            key, merged = self._incident_id(finding, taken | seen)
+            changed += merged
+            finding = replace(finding, key=key)
+            seen.add(key)
+            before = self.incidents.get(key)
             if before is not None:  # keep the first sighting of a fault that is seen again
                 finding = replace(finding, first_seen_ns=min(finding.first_seen_ns, before.finding.first_seen_ns))
             status = "closed" if final else "open"
             if before is not None and before.finding == finding and before.status == status:
                 continue
             incident = Incident(self.run_id, finding, status, _next_version(before))
-            self.incidents[finding.key] = incident
+            self.incidents[key] = incident
             changed.append(incident)
             if before is None:
                 new.append(incident)
@@ -113,13 +117,32 @@ class Ledger:
                 changed.append(closed)
         return changed, new
 
-    def _incident_id(self, finding: Finding) -> str:
-        """The finding's own key, or that of the incident it absorbed when it first appeared."""
+    def _incident_id(self, finding: Finding, taken: set[str]) -> tuple[str, list[Incident]]:
+        """The finding's incident: its own, or the one it continues (the first incident among what it
+        absorbs, when it first appeared), unless ``taken`` (another finding of the pass has it). The
+        other incidents it absorbs then are the same fault seen in parts: returned merged into it."""
+        merged: list[Incident] = []
         if finding.key not in self._continues and finding.key not in self.incidents:
-            absorbed = [k for k in finding.absorbs if k in self.incidents]
+            absorbed = list(dict.fromkeys(k for k in map(self._resolved, finding.absorbs) if k in self.incidents))
             if absorbed:
                 self._continues[finding.key] = absorbed[0]
-        return self._continues.get(finding.key, finding.key)
+                for key in absorbed[1:]:
+                    merged.append(self._merge(key, absorbed[0]))
+        key = self._continues.get(finding.key, finding.key)
+        return (finding.key if key != finding.key and key in taken else key), merged
+
+    def _resolved(self, key: str) -> str:
+        """The incident a finding's key stands for: the one it continued, if it did."""
+        return self._continues.get(key, key)
+
+    def _merge(self, key: str, into: str) -> Incident:
+        """Incident ``key`` becomes part of incident ``into``: its row stays, as "merged" (not listed
+        as an incident of its own), and a finding of ``key`` later continues ``into``."""
+        before = self.incidents[key]
+        finding = replace(before.finding, evidence={**before.finding.evidence, "merged_into": into})
+        self.incidents[key] = merged = Incident(self.run_id, finding, "merged", _next_version(before))
+        self._continues[key] = into
+        return merged
 
 
 def _next_version(before: Incident | None) -> int:
@@ -190,7 +213,7 @@ def _evidence(text: str) -> dict[str, Any]:
 INCIDENTS_SQL = (
     "SELECT run_id, incident_id, kind, severity, status, ranks, hosts, toUnixTimestamp64Nano(first_seen) AS first_seen_ns, "
     "toUnixTimestamp64Nano(last_seen) AS last_seen_ns, summary, evidence, sql, version "
-    "FROM incidents FINAL WHERE run_id = {run:String} ORDER BY first_seen, incident_id"
+    "FROM incidents FINAL WHERE run_id = {run:String} AND status != 'merged' ORDER BY first_seen, incident_id"
 )
 
 

@@ -13,10 +13,15 @@ middle values); in a cell of four ranks or fewer of a stage, with the median of 
 point would pull a small median towards itself). The ratio is capped at 1 where the excess is too
 small to matter. A rank's segment is slow at a step when its ratio reaches its threshold:
 1 + max(excess, 3 robust standard deviations (1.4826 MAD) of its stage's recent ratios), so that a
-busy host's noise does not read as a straggler while a real one still stands out. In a stage of up
+busy host's noise does not read as a straggler while a real one still stands out; at a step where
+the stage's ratios scatter more than that (``STEP_NOISE_FROM`` other ranks or more), that scatter. In a stage of up
 to ``LEAVE_ONE_OUT_UP_TO`` ranks the noise is that of the other ranks (a quarter of a four-rank
 stage's points are the straggler's own, which would raise its bar); in a larger stage one rank's
 share moves the MAD little. "Recent": each rank's newest ``window`` points, wherever they lie.
+
+Wall time is compared on a step's compute as a whole (``STEP_COMPUTE``: its segments summed per
+rank), not segment by segment: a CPU quota throttles in bursts, so a starved rank's single segment
+sometimes runs in a period with quota to spare, while the step as a whole waits every time.
 """
 
 from __future__ import annotations
@@ -27,12 +32,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from rankscope.collector.anatomy.path import by_rank
 from rankscope.collector.diagnosis.context import RunContext
 
 #: the kinds of segment that measure a rank's own work
 KINDS = "('compute', 'data', 'optimizer')"
+#: the series of a step's compute segments summed, compared in wall time
+STEP_COMPUTE = "step compute"
 #: stages of up to this many ranks measure a rank's noise on the other ranks' points
 LEAVE_ONE_OUT_UP_TO = 16
+#: a step's own scatter raises its bar where this many other ranks of the stage have a point there
+STEP_NOISE_FROM = 5
 #: a stage cell of up to this many ranks compares each point with the median of the others
 SMALL_CELL = 4
 
@@ -80,6 +90,10 @@ class Cell:
         return self.medians[wall]
 
 
+#: one series' (name, steps, points, medians, in wall time): points and medians are steps x ranks
+_Matrix = tuple[str, np.ndarray, np.ndarray, np.ndarray, bool]
+
+
 @dataclass
 class Series:
     """A (rank, segment) that was slow at ``min_steps`` or more steps of the window."""
@@ -88,8 +102,8 @@ class Series:
     segment: str
     threshold: float
     wall_only: bool
-    #: (step, ratio, ns, median ns), by step
-    points: list[tuple[int, float, float, float]]
+    #: (step, ratio, ns, median ns, the ratio it is slow from at that step), by step
+    points: list[tuple[int, float, float, float, float]]
 
 
 @dataclass
@@ -143,12 +157,12 @@ class SegmentWindow:
 
     def slow_series(self, stage: dict[int, int], *, wall: bool, min_excess_ns: float, excess: float, window: int,
                     min_steps: int) -> list[Series]:  # fmt: skip
-        """The (rank, segment) series slow at ``min_steps`` or more steps; ``stage``: rank -> pipeline
-        stage (0 where unknown). Each segment is measured in CPU time where every piece of it in the
-        window had it, unless ``wall``."""
+        """The slow series, slow at ``min_steps`` or more steps; ``stage``: rank -> pipeline stage (0
+        where unknown). Each segment, measured in CPU time where every piece of it in the window had
+        it; with ``wall``, the step's compute as a whole (``STEP_COMPUTE``), in wall time."""
         if not self.cells:
             return []
-        stages = _stages(stage, max(len(c.wall) for c in self.cells.values()))
+        stages = np.maximum(by_rank(stage, max(len(c.wall) for c in self.cells.values()), missing=0), 0)
         if not np.array_equal(stages, self.stages):  # a rank registered since: the medians are of other stages
             self.stages = stages
             for cell in self.cells.values():
@@ -157,37 +171,61 @@ class SegmentWindow:
         # the ranks ordered by stage: a stage is a slice of columns (a view, not a copy)
         order = np.concatenate(list(stage_cols.values()))
         edges = np.cumsum([0, *(len(cols) for cols in stage_cols.values())])
+        series = [self._step_compute(len(stages), order, edges)] if wall else self._segments(len(stages), order, stage_cols)
         found: list[Series] = []
-        for name in sorted({n for n, _ in self.cells}):
-            steps = sorted(s for n, s in self.cells if n == name)
-            cells = [self.cells[(name, s)] for s in steps]
-            wall_only = wall or any(c.cpu is None for c in cells)
-            ns = np.vstack([_padded(c.wall if wall_only else c.cpu, len(stages))[order] for c in cells])  # type: ignore[arg-type]
-            median = np.vstack([_padded(c.median(wall_only, stage_cols), len(stages))[order] for c in cells])
-            for x in _slow(name, np.asarray(steps), ns, median, edges, wall_only=wall_only, min_excess_ns=min_excess_ns, excess=excess,
+        for name, steps, ns, median, wall_only in series:
+            for x in _slow(name, steps, ns, median, edges, wall_only=wall_only, min_excess_ns=min_excess_ns, excess=excess,
                            window=window, min_steps=min_steps):  # fmt: skip
                 x.rank = int(order[x.rank])
                 found.append(x)
         return found
 
+    @property
+    def names(self) -> list[str]:
+        """The segments the window holds."""
+        return sorted({n for n, _ in self.cells})
+
+    def _segments(self, size: int, order: np.ndarray, stage_cols: dict[int, np.ndarray]) -> list[_Matrix]:
+        """Per segment: its steps and its points and medians (steps x ranks in ``order``), in CPU time
+        where every piece of it had that measured."""
+        out = []
+        for name in self.names:
+            steps = sorted(s for n, s in self.cells if n == name)
+            cells = [self.cells[(name, s)] for s in steps]
+            wall_only = any(c.cpu is None for c in cells)
+            ns = np.vstack([_padded(c.wall if wall_only else c.cpu, size)[order] for c in cells])  # type: ignore[arg-type]
+            median = np.vstack([_padded(c.median(wall_only, stage_cols), size)[order] for c in cells])
+            out.append((name, np.asarray(steps), ns, median, wall_only))
+        return out
+
+    def _step_compute(self, size: int, order: np.ndarray, edges: np.ndarray) -> _Matrix:
+        """Every rank's wall time in all the compute segments of each step, with its stage's medians
+        (a rank with no point in a step has none; one missing some segment of it has the sum of the rest)."""
+        steps = sorted({s for _, s in self.cells})
+        at = {s: i for i, s in enumerate(steps)}
+        total = np.zeros((len(steps), size))
+        seen = np.zeros((len(steps), size), dtype=bool)
+        for (_, s), cell in self.cells.items():
+            wall = _padded(cell.wall, size)
+            total[at[s]] += np.nan_to_num(wall)
+            seen[at[s]] |= ~np.isnan(wall)
+        total[~seen] = np.nan
+        ns = total[:, order]
+        median = np.hstack([_stage_medians(ns[:, lo:hi]) for lo, hi in zip(edges[:-1], edges[1:])])
+        return STEP_COMPUTE, np.asarray(steps), ns, median, True
+
     def started(self, ctx: RunContext, first: int, last: int, ranks: Iterable[int]) -> dict[tuple[int, str, int], int]:
         """(rank, segment, step) -> when the segment began (ns), for ``ranks`` over steps ``first``..``last``."""
         params = {"run": ctx.run_id, "first_step": first, "last_step": last, "ranks": sorted(set(ranks))}
         table = ctx.query(STARTED_SQL, params).to_pydict()
-        return {(r, n, s): t for n, s, r, t in zip(table["name"], table["step"], table["rank"], table["started"])}
+        started = {(r, n, s): t for n, s, r, t in zip(table["name"], table["step"], table["rank"], table["started"])}
+        for (r, _, s), t in list(started.items()):  # a step's compute began with its first segment
+            started[(r, STEP_COMPUTE, s)] = min(t, started.get((r, STEP_COMPUTE, s), t))
+        return started
 
 
 def _padded(values: np.ndarray, size: int) -> np.ndarray:
     return values if len(values) == size else np.concatenate([values, np.full(size - len(values), np.nan)])
-
-
-def _stages(stage: dict[int, int], size: int) -> np.ndarray:
-    """Per rank (the index) up to ``size``, its stage (0 where unknown)."""
-    ranks = np.fromiter(stage.keys(), dtype=np.int64, count=len(stage))
-    pps = np.fromiter(stage.values(), dtype=np.int64, count=len(stage))
-    out = np.zeros(max(size, int(ranks.max()) + 1 if len(ranks) else 0), dtype=np.int64)
-    out[ranks] = np.maximum(pps, 0)
-    return out
 
 
 def _slow(name: str, steps: np.ndarray, ns: np.ndarray, median: np.ndarray, edges: np.ndarray, *, wall_only: bool,
@@ -204,15 +242,18 @@ def _slow(name: str, steps: np.ndarray, ns: np.ndarray, median: np.ndarray, edge
         np.minimum(ratio, 1.0, out=ratio, where=ns - median < min_excess_ns)
     valid = ~np.isnan(ratio)
     recent &= valid
-    threshold = np.empty(ns.shape[1])
+    threshold = np.empty(ns.shape[1])  # per rank, from the noise of the recent steps
+    bar = np.empty(ns.shape)  # per point: that, or higher at a step whose stage is scattered
     for lo, hi in zip(edges[:-1], edges[1:]):
         widest = int(counted[:, lo:hi].sum(axis=1).max())
-        threshold[lo:hi] = 1 + np.maximum(excess, 3 * 1.4826 * _noise(ratio[:, lo:hi], recent[:, lo:hi], widest))
-    slow_steps = (ratio >= threshold).sum(axis=0)
+        noise = _noise(ratio[:, lo:hi], recent[:, lo:hi], widest)
+        threshold[lo:hi] = 1 + np.maximum(excess, 3 * 1.4826 * noise)
+        bar[:, lo:hi] = 1 + np.maximum(excess, 3 * 1.4826 * np.fmax(noise[None, :], _step_noise(ratio[:, lo:hi])))
+    slow_steps = (ratio >= bar).sum(axis=0)
     out = []
     for rank in np.flatnonzero(slow_steps >= min_steps):
         at = np.flatnonzero(valid[:, rank])
-        points = [(int(steps[i]), float(ratio[i, rank]), float(ns[i, rank]), float(median[i, rank])) for i in at]
+        points = [(int(steps[i]), float(ratio[i, rank]), float(ns[i, rank]), float(median[i, rank]), float(bar[i, rank])) for i in at]
         out.append(Series(int(rank), name, float(threshold[rank]), wall_only, points))
     return out
 
@@ -232,6 +273,30 @@ def _stage_medians(ns: np.ndarray) -> np.ndarray:
         for j, col in enumerate(cols):
             out[i, col] = np.median(np.delete(values, j))
     out[~present] = np.nan
+    return out
+
+
+def _step_noise(ratio: np.ndarray) -> np.ndarray:
+    """Per point of one stage (steps x ranks), the scatter of the other ranks' ratios at its step: half
+    their interquartile range (the MAD of a symmetric spread; a stage split in two groups of unequal
+    size has a MAD of 0); NaN where fewer than ``STEP_NOISE_FROM`` others have one. A step where the
+    stage splits (some of a busy machine's ranks run slower for a while) is no evidence against one."""
+    others = (~np.isnan(ratio)).sum(axis=1, keepdims=True) - ~np.isnan(ratio)
+    if ratio.shape[1] <= LEAVE_ONE_OUT_UP_TO:
+        out = np.column_stack([_half_iqr(np.delete(ratio, j, axis=1)) for j in range(ratio.shape[1])])
+    else:  # one rank moves the quartiles of thousands little
+        out = np.repeat(_half_iqr(ratio)[:, None], ratio.shape[1], axis=1)
+    out[others < STEP_NOISE_FROM] = np.nan
+    return out
+
+
+def _half_iqr(values: np.ndarray) -> np.ndarray:
+    """Half the interquartile range of each row's values (NaN: no value; a row of none gives NaN)."""
+    out = np.full(values.shape[0], np.nan)
+    some = (~np.isnan(values)).any(axis=1)
+    if some.any():
+        q1, q3 = np.nanpercentile(values[some], [25, 75], axis=1)
+        out[some] = (q3 - q1) / 2
     return out
 
 

@@ -122,7 +122,7 @@ def _finding(ctx: RunContext, found: list[dict], step_s: float, last_step: int) 
     summary += f", {worst['median'] / max(typical, 1.0):.0f}x the {typical / 1e6:.1f} ms of other pairs moving {worst['nbytes']} bytes"
     # what the link's communication on the critical paths of the latest steps cost them (collector/anatomy)
     steps = range(max(1, last_step - INCIDENT_STEPS + 1), last_step + 1)
-    cost = incident_cost(ctx.query, ctx.run_id, steps, (src, dst), attempt=ctx.attempt, kinds=("comm", "p2p"), groups=ctx.groups or None)
+    cost = incident_cost(ctx.query, ctx.run_id, steps, (src, dst), attempt=ctx.attempt, kinds=("comm", "p2p"), groups=ctx.group_index)
     if cost is not None:
         summary += f"; {cost['text']}"
     return Finding(

@@ -414,7 +414,7 @@ TABLES: tuple[Table, ...] = (
             Column("incident_id", "String"),
             Column("kind", NAME),
             Column("severity", NAME),
-            Column("status", NAME, comment="open or closed"),
+            Column("status", NAME, comment="open, closed, or merged into the incident named by evidence.merged_into"),
             Column("ranks", "Array(UInt32)"),
             Column("hosts", f"Array({NAME})"),
             Column("first_seen", TIME),
