@@ -79,7 +79,8 @@ def rows(table: str, n: int, **columns: Any) -> pa.Table:
 
 
 def write_faults(store: Store, end_ns: int) -> None:
-    """The faults, as agents would send them in the run's last seconds."""
+    """The faults, as agents would send them in the run's last seconds (from the ranks' own host and
+    device: the history's ``any`` and the rollup's ``anyLast`` pick from what a rank sent)."""
     t = [end_ns + 1_000_000 * i for i in range(4)]
     # rank 3 in flight in a tp all-reduce (and waiting in it), said twice; rank 4 said an older state later
     store.insert_arrow("heartbeats", rows(
@@ -89,7 +90,7 @@ def write_faults(store: Store, end_ns: int) -> None:
         inflight_issue=[[t[0]], [t[0], t[1]], []], inflight_waiting=[[1], [1, 0], []]))  # fmt: skip
     throttle, ecc, xid = "hw.gpu.throttle.hw_thermal", "hw.errors.ecc_uncorrected", "hw.gpu.xid.79"
     store.insert_arrow("metrics", rows(
-        "metrics", 5, run_id=RUN, rank=[5, 5, 6, 6, 1], host="node-0", device="cuda:0", time=[t[0], t[1], t[0], t[2], t[3]],
+        "metrics", 5, run_id=RUN, rank=[5, 5, 6, 6, 1], host="node-0", device=synthetic.DEVICE, time=[t[0], t[1], t[0], t[2], t[3]],
         name=[throttle, throttle, ecc, ecc, xid], value=[1.0, 1.0, 0.0, 2.0, 1.0]))  # fmt: skip
     # the last stage reports a second loss, 1000, at one step (the step's median jumps); at NAN_STEP a
     # rank's outputs are not finite, and it reports a NaN loss

@@ -32,6 +32,8 @@ FIRST_OP = 3
 #: the GPU gauges a rank reports with ``signals`` (the agent's names; the last two are what the gpu detector reads)
 GPU_GAUGES = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.temperature", "hw.power", "hw.gpu.throttle.hw_thermal", "hw.errors.ecc_uncorrected")
 GPU_EVERY = 5
+#: the device every simulated rank reports
+DEVICE = "cuda:0 (simulated)"
 
 
 def model(topo: Topology, *, microbatches: int = 4, step_time_s: float = 1.0, seed: int = 0,
@@ -179,7 +181,7 @@ def _with_signals(tables: dict[str, pa.Table], topo: Topology, step: Step, run_i
         on = np.repeat(ranks, g)
         out["metrics"] = pa.table({
             "run_id": _strings([run_id], np.zeros(k * g)), "rank": on.astype(np.int32), "host": pc.take(hosts, pa.array(on)),
-            "device": _strings(["cuda:0 (simulated)"], np.zeros(k * g)), "time": np.full(k * g, mid, np.int64),
+            "device": _strings([DEVICE], np.zeros(k * g)), "time": np.full(k * g, mid, np.int64),
             "name": _strings(GPU_GAUGES, np.tile(np.arange(g), k)), "value": np.tile([0.9, 6e10, 65.0, 500.0, 0.0, 0.0], k),
             "attempt": np.full(k * g, attempt, np.uint16),
         }, schema=arrow_schema(BY_NAME["metrics"]))  # fmt: skip
@@ -198,7 +200,7 @@ def _topology(store: Store, topo: Topology, run_id: str, start_ns: int, prefix: 
         "run_id": _strings([run_id], np.zeros(k)), "rank": ranks.astype(np.uint32),
         "host": _strings([f"node-{h}" for h in range(-(-k // topo.ranks_per_host))], ranks // topo.ranks_per_host),
         "pid": np.full(k, 1, np.uint32), "local_rank": (ranks % topo.ranks_per_host).astype(np.int32),
-        "device": _strings(["cuda:0 (simulated)"], np.zeros(k)), "tp_rank": topo.coords[:, 0].astype(np.int32),
+        "device": _strings([DEVICE], np.zeros(k)), "tp_rank": topo.coords[:, 0].astype(np.int32),
         "pp_rank": topo.coords[:, 1].astype(np.int32), "dp_rank": topo.coords[:, 2].astype(np.int32),
         "clock_offset_ns": np.zeros(k, np.int64), "agent_version": _strings(["simulated"], np.zeros(k)),
         "registered": np.full(k, start_ns, np.int64), "attempt": np.zeros(k, np.uint16), "world": _strings([""], np.zeros(k)),
