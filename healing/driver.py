@@ -52,6 +52,14 @@ PRODUCTIVE_SQL = (
 )
 
 
+#: incidents a pause of the workers causes by itself: they go silent and stop advancing
+PAUSE_SILENCES = ("lost_rank", "lost_host", "hang")
+#: a silence that began this long before a pause began may be the pause's (the last heartbeat before it)
+PAUSE_MARGIN_NS = 5_000_000_000
+#: how long after a pause its silences have to end (heartbeats back, a diagnosis pass) before they count
+PAUSE_SETTLE_NS = 8_000_000_000
+
+
 class Job(Protocol):
     """The running job: whether its launchers have all ended, and how."""
 
@@ -94,6 +102,8 @@ class Driver:
     _active: list[str] = field(default_factory=list)
     _outbox: list[ingest_pb2.Batch] = field(default_factory=list)
     _warned: set[type] = field(default_factory=set)
+    #: (start, end) ns of each time the workers were paused for a self-check
+    _pauses: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._active = [h for h in self.fleet.hosts() if h not in self.spares]
@@ -150,6 +160,8 @@ class Driver:
 
     def _consider(self, incident: dict[str, Any]) -> None:
         key = incident["incident_id"]
+        if self._paused_silence(incident):
+            return
         step = self._current_step()
         opened = self._opened_at_step.setdefault(key, step)
         verdict, suspects, why = self.policy.verdict(incident["kind"], list(incident["hosts"]), step - opened, self.remaining)
@@ -165,12 +177,32 @@ class Driver:
         elif verdict is Verdict.CHECK:
             self._check(incident, suspects)
 
+    def _paused_silence(self, incident: dict[str, Any]) -> bool:
+        """Whether ``incident`` is a silence that began while the driver paused the workers: undecided
+        until the pause has settled, then ignored if it ended (the pause's doing), considered if not."""
+        if not self._pauses or incident["kind"] not in PAUSE_SILENCES:
+            return False
+        began = int(incident["first_seen_ns"])
+        pause = next(((start, end) for start, end in self._pauses if start - PAUSE_MARGIN_NS <= began <= end), None)
+        if pause is None:
+            return False
+        if time.time_ns() < pause[1] + PAUSE_SETTLE_NS:
+            return True  # asked again at the next poll
+        if incident["status"] == "open":
+            return False  # still silent after the workers went on: a real one
+        self._decided[incident["incident_id"]] = (incident["kind"], Verdict.IGNORE)
+        self._act("incident", list(incident["hosts"]), incident["incident_id"],
+                  "ignore: the ranks were silent while the driver paused the workers for a self-check, and are heard again",
+                  {"kind": incident["kind"], "summary": incident["summary"], "verdict": Verdict.IGNORE.value})  # fmt: skip
+        return True
+
     def _check(self, incident: dict[str, Any], suspects: list[str]) -> None:
         """Self-check every remaining host (the suspects judged against the others); evict the suspects that fail."""
         key = incident["incident_id"]
         # A straggler's hosts compute slowly: measure them without the job's load.
         paused = self.fleet.workers(self.remaining) if incident["kind"] == "straggler" else set()
         self.fleet.signal(paused, signal.SIGSTOP)
+        paused_at = time.time_ns()
         try:
             try:
                 report = check_hosts(self.remaining, self.fleet.runner, ranks=self.ranks_per_host, timeout_s=self.check_timeout_s)
@@ -187,6 +219,8 @@ class Driver:
                 self._act("kept", suspects, key, "the suspects passed their self-check: they stay in the job")
         finally:
             self.fleet.signal(paused, signal.SIGCONT)  # whatever happened, no worker stays stopped
+            if paused:
+                self._pauses.append((paused_at, time.time_ns()))
 
     def _evict(self, hosts: list[str], incident_id: str, why: str, *, restarted: bool = False) -> None:
         """Fence ``hosts`` and put spares in their place; unless the survivors ``restarted`` already,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,28 @@ def test_a_host_the_job_restarted_without_is_evicted_and_the_restarted_workers_a
     evict = next(a for a in cluster.actions if a[0] == "evict")
     assert "attempt 1 went on without it" in evict[2] and "code -9" in evict[2]
     assert not cluster.killed  # the survivors restarted by themselves: their workers are attempt 1's
+
+
+def test_silence_while_the_driver_paused_the_workers_is_not_a_lost_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A straggler's self-check pauses every worker: their ranks go silent and the diagnosis names
+    lost hosts. Those that are heard again once the pause settled are ignored; one still silent is evicted."""
+    monkeypatch.setattr(driver, "PAUSE_SETTLE_NS", 0)
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)], driver.CURRENT_STEP_SQL: [{"step": 5}]})
+    heal = _driver(cluster)
+    straggler = {"incident_id": "straggler:rank=5", "kind": "straggler", "hosts": ["node2"], "summary": "rank 5 slower",
+                 "first_seen_ns": time.time_ns(), "status": "open"}  # fmt: skip
+    cluster.rows[INCIDENTS_SQL] = [straggler]
+    heal.poll()
+    cluster.rows[driver.CURRENT_STEP_SQL] = [{"step": 9}]
+    heal.poll()  # checked: the workers were paused (the check itself cannot run here)
+    assert cluster.killed == {101, 102} and len(heal._pauses) == 1
+    during = heal._pauses[0][0] + 1
+    lost = [{"incident_id": f"lost:host={h}", "kind": "lost_host", "hosts": [h], "summary": f"every rank of {h} went silent",
+             "first_seen_ns": during, "status": status} for h, status in (("node0", "closed"), ("node1", "open"))]  # fmt: skip
+    cluster.rows[INCIDENTS_SQL] = [straggler, *lost]
+    heal.poll()
+    assert cluster.fenced == ["node1"]
+    assert any(a[0] == "incident" and a[1] == ["node0"] and "paused the workers" in a[2] for a in cluster.actions)
 
 
 @pytest.mark.slow
