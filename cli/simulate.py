@@ -32,6 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=count(1), default=2, help="worker processes, one Transport each (default: 2)")
     parser.add_argument("--batches-per-s", metavar="N", type=positive, default=300.0,
                         help="batches per second the collector is asked to take; sets the heartbeat and flush intervals (default: 300)")
+    parser.add_argument("--ranks-per-batch", metavar="N", type=count(1), default=64,
+                        help="ranks one batch speaks for (a heartbeat batch, a flush's span or collective batch; default: 64)")
     parser.add_argument("--heartbeat", metavar="SECONDS", type=seconds, help="seconds between a rank's heartbeats (default: from --batches-per-s)")
     parser.add_argument("--flush", metavar="SECONDS", type=seconds, help="seconds between a rank's data batches (default: twice the heartbeat)")
     parser.add_argument("--sample-every", metavar="N", type=count(1), default=10,
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     options = Options(
         tp=args.tp, pp=args.pp, dp=args.dp, steps=args.steps, step_time_s=args.step_time, microbatches=args.microbatches,
         inject=args.inject, collector=args.collector, run_id=args.run_id,
-        batches_per_s=args.batches_per_s, heartbeat_s=args.heartbeat, flush_s=args.flush, sample_every=args.sample_every,
+        batches_per_s=args.batches_per_s, ranks_per_batch=args.ranks_per_batch, heartbeat_s=args.heartbeat, flush_s=args.flush,
+        sample_every=args.sample_every,
         report_after_s=args.report_after, hold_s=args.hold, seed=args.seed,
     )  # fmt: skip
     try:

@@ -56,10 +56,12 @@ class TimeWindow:
 
 @dataclass(frozen=True)
 class Decoded:
-    """What one batch becomes: its payload kind and its rows, per table."""
+    """What one batch becomes: its payload kind, its rows per table, and the ranks it speaks for
+    (the envelope's, or those its rows name)."""
 
     kind: str
     parts: dict[str, pa.Table]
+    ranks: tuple[int, ...] = ()
 
 
 def _enum_names(enum: object, prefix: str) -> tuple[str, ...]:
@@ -80,13 +82,14 @@ _SCHEMAS: dict[str, pa.Schema] = {t.name: arrow_schema(t) for t in schema.TABLES
 TIMESTAMP = arrow_type("DateTime64(9)")
 
 
-def _table(name: str, columns: Mapping[str, object], attempt: int | None = None) -> pa.Table:
+def _table(name: str, columns: Mapping[str, object], attempt: int | np.ndarray | None = None) -> pa.Table:
     """An Arrow table for ``name`` from column name -> values (numpy, Arrow or list); a table with an
-    ``attempt`` column gets ``attempt`` (the batch's) in every row."""
+    ``attempt`` column gets ``attempt``: the batch's in every row, or one per row."""
     target = _SCHEMAS[name]
     if attempt is not None:
         rows = len(next(iter(columns.values())))
-        columns = {**columns, "attempt": np.full(rows, attempt, dtype=np.uint16)}
+        attempts = np.full(rows, attempt) if np.isscalar(attempt) else attempt
+        columns = {**columns, "attempt": np.asarray(attempts, dtype=np.uint16)}
     if set(columns) != set(target.names):
         raise AssertionError(f"{name}: columns {sorted(columns)} != {sorted(target.names)}")
     arrays = [_array(columns[f.name], f.type) for f in target]
@@ -296,14 +299,17 @@ class LastHeard:
         self.stale_ns = stale_ns
         self._heard: dict[tuple[str, int], dict[int, int]] = {}
 
-    def note(self, decoded: Decoded, rank: int, received_ns: int) -> None:
+    def note(self, decoded: Decoded, received_ns: int) -> None:
+        """Every rank with a heartbeat in ``decoded`` is heard, each by its own newest heartbeat."""
         beats = decoded.parts.get("heartbeats")
         if beats is None or beats.num_rows == 0:
             return
-        newest = max(beats["time"].cast(pa.int64()).to_pylist())
-        heard = received_ns if received_ns - newest <= self.stale_ns else newest
-        ranks = self._heard.setdefault((beats["run_id"][0].as_py(), beats["attempt"][0].as_py()), {})
-        ranks[rank] = max(ranks.get(rank, 0), heard)
+        run_id = beats["run_id"][0].as_py()
+        times = beats["time"].cast(pa.int64()).to_numpy()
+        for rank, attempt, newest in zip(beats["rank"].to_numpy(), beats["attempt"].to_numpy(), times):
+            heard = received_ns if received_ns - newest <= self.stale_ns else int(newest)
+            ranks = self._heard.setdefault((run_id, int(attempt)), {})
+            ranks[int(rank)] = max(ranks.get(int(rank), 0), heard)
 
     def of(self, run_id: str, attempt: int) -> dict[int, int]:
         """rank -> when it was last heard (ns, collector clock), for one attempt of a run."""
@@ -324,6 +330,9 @@ class _Context:
         self.run_id = batch.run_id
         self.rank = batch.rank
         self.attempt = batch.attempt
+        #: the ranks the rows speak for and each row's attempt, when rows name their ranks (``_row_ranks``)
+        self.ranks: tuple[int, ...] = ()
+        self.row_attempts: np.ndarray | None = None
         self.offset = batch.clock_offset_ns
         self.now_ns = now_ns
         self.lo = now_ns - int(window.past_s * 1e9)
@@ -339,6 +348,11 @@ class _Context:
             f" collector's clock {_iso(self.now_ns)}: fix the rank's clock or clock offset, or widen the"
             " collector's --time-window"
         )
+
+    @property
+    def attempts(self) -> int | np.ndarray:
+        """The rows' attempt: the batch's, or one per row where rows name their ranks."""
+        return self.attempt if self.row_attempts is None else self.row_attempts
 
     def time(self, what: str, value_ns: int) -> int:
         shifted = value_ns + self.offset
@@ -427,11 +441,28 @@ class _Columns:
             self.ctx.check_times(self._where(column), int(checked.min()), int(checked.max()))
         return pa.array(shifted, type=TIMESTAMP)
 
-    def run_rank(self) -> dict[str, object]:
-        return {
-            "run_id": pa.repeat(pa.scalar(self.ctx.run_id), self.count),
-            "rank": np.full(self.count, self.ctx.rank, dtype=np.uint32),
-        }
+    def run_rank(self, registry: RunRegistry) -> dict[str, object]:
+        """The run and rank columns: each row's rank from the ``rank`` column where the batch has one."""
+        if self.count and self.msg.rank:  # type: ignore[attr-defined]
+            ranks: np.ndarray = _row_ranks(self.ctx, registry, self.array("rank", "<i4"), self._where("rank"))
+        else:
+            ranks = np.full(self.count, self.ctx.rank, dtype=np.uint32)
+        return {"run_id": pa.repeat(pa.scalar(self.ctx.run_id), self.count), "rank": ranks}
+
+
+def _row_ranks(ctx: _Context, registry: RunRegistry, ranks: np.ndarray, where: str) -> np.ndarray:
+    """Check the ranks rows name (>= 0, inside the run's world once it is known) and note them in
+    ``ctx``: the batch speaks for them, and its rows take each rank's attempt (``_Context.row_attempts``)."""
+    world = registry.run(ctx.run_id).world_size
+    bad = ranks[(ranks < 0) | (ranks >= world)] if world else ranks[ranks < 0]
+    if bad.size:
+        inside = f"0 .. {world - 1} (the run's world)" if world else ">= 0"
+        raise IngestError(f"{where}: rank {bad[0]} outside {inside}")
+    run = registry.run(ctx.run_id)
+    unique, where_in = np.unique(ranks, return_inverse=True)
+    ctx.ranks = tuple(int(r) for r in unique)
+    ctx.row_attempts = np.array([run.attempt(r) for r in ctx.ranks], dtype=np.uint16)[where_in]
+    return ranks.astype(np.uint32)
 
 
 def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry) -> dict[str, pa.Table]:
@@ -504,33 +535,35 @@ def _runs_row(ctx: _Context, run: RunInfo, status: str, end_ns: int) -> pa.Table
 
 def _spans(ctx: _Context, msg: telemetry_pb2.SpanBatch, registry: RunRegistry) -> dict[str, pa.Table]:
     c = _Columns(ctx, msg)
+    who = c.run_rank(registry)
     return {
         "spans": _table(
             "spans",
             {
-                **c.run_rank(), "step": c.unsigned("step", "<i4"), "name": c.strings_at("name"),
+                **who, "step": c.unsigned("step", "<i4"), "name": c.strings_at("name"),
                 "kind": c.enum("kind", SPAN_KINDS), "start_time": c.times("start_ns"), "end_time": c.times("end_ns"),
                 "microbatch": c.array("microbatch", "<i4"), "attributes": c.strings_at("attributes", none_allowed=True),
                 "cpu_ns": c.optional("cpu_ns", "<i8", missing=-1),
             },
-            ctx.attempt,
+            ctx.attempts,
         )
     }
 
 
 def _collectives(ctx: _Context, msg: telemetry_pb2.CollectiveBatch, registry: RunRegistry) -> dict[str, pa.Table]:
     c = _Columns(ctx, msg)
+    who = c.run_rank(registry)
     return {
         "collectives": _table(
             "collectives",
             {
-                **c.run_rank(), "group_name": c.strings_at("group"), "seq": c.array("seq", "<i8"),
+                **who, "group_name": c.strings_at("group"), "seq": c.array("seq", "<i8"),
                 "op": c.strings_at("op"), "nbytes": c.unsigned("nbytes", "<i8"), "dtype": c.strings_at("dtype"),
                 "peer": c.array("peer", "<i4"), "issue_time": c.times("issue_ns"),
                 "start_time": c.times("start_ns", zero_is_unknown=True), "end_time": c.times("end_ns", zero_is_unknown=True),
                 "state": c.enum("state", COLLECTIVE_STATES), "step": c.unsigned("step", "<i4"),
             },
-            ctx.attempt,
+            ctx.attempts,
         )
     }
 
@@ -542,11 +575,18 @@ def _heartbeats(ctx: _Context, msg: telemetry_pb2.HeartbeatBatch, registry: RunR
             raise IngestError(f"heartbeats[{i}].step is {hb.step}: steps are numbered from 1 (0 outside any step)")
     times = [ctx.time(f"heartbeats[{i}].time_ns", hb.time_ns) for i, hb in enumerate(beats)]
     n = len(beats)
+    if msg.ranks:
+        if len(msg.ranks) != n:
+            raise IngestError(f"heartbeats.ranks: {len(msg.ranks)} ranks for {n} heartbeats: name one rank per heartbeat, or none")
+        ranks = _row_ranks(ctx, registry, np.array(msg.ranks, dtype=np.int64), "heartbeats.ranks").tolist()
+    else:
+        ranks = [ctx.rank] * n
+    hosts = registry.run(ctx.run_id).hosts
     return {
         "heartbeats": _table(
             "heartbeats",
             {
-                "run_id": [ctx.run_id] * n, "rank": [ctx.rank] * n, "host": [registry.host(ctx.run_id, ctx.rank)] * n,
+                "run_id": [ctx.run_id] * n, "rank": ranks, "host": [hosts.get(r, "") for r in ranks],
                 "time": times, "step": [hb.step for hb in beats], "phase": [hb.phase for hb in beats],
                 "status": [hb.status for hb in beats],
                 "last_progress": [hb.last_progress_ns + ctx.offset if hb.last_progress_ns else 0 for hb in beats],
@@ -558,7 +598,7 @@ def _heartbeats(ctx: _Context, msg: telemetry_pb2.HeartbeatBatch, registry: RunR
                 "inflight_waiting": [[int(op.waiting) for op in hb.in_flight] for hb in beats],
                 "events_dropped": [hb.events_dropped for hb in beats],
             },
-            ctx.attempt,
+            ctx.attempts,
         )
     }
 
@@ -581,14 +621,15 @@ def _metrics(ctx: _Context, msg: telemetry_pb2.MetricBatch, registry: RunRegistr
 
 def _step_metrics(ctx: _Context, msg: telemetry_pb2.StepMetricBatch, registry: RunRegistry) -> dict[str, pa.Table]:
     c = _Columns(ctx, msg)
+    who = c.run_rank(registry)
     return {
         "step_metrics": _table(
             "step_metrics",
             {
-                **c.run_rank(), "step": c.unsigned("step", "<i4"), "name": c.strings_at("name"),
+                **who, "step": c.unsigned("step", "<i4"), "name": c.strings_at("name"),
                 "value": c.array("value", "<f8"), "time": c.times("time_ns"),
             },
-            ctx.attempt,
+            ctx.attempts,
         )
     }
 
@@ -719,4 +760,5 @@ def decode(batch: ingest_pb2.Batch, registry: RunRegistry, now_ns: int, window: 
     ctx = _Context(batch, now_ns, window, kind)
     if kind not in RUN_LEVEL:
         ctx.attempt = registry.run(batch.run_id).attempt_of(batch)
-    return Decoded(kind, _PAYLOADS[kind](ctx, getattr(batch, kind), registry))
+    parts = _PAYLOADS[kind](ctx, getattr(batch, kind), registry)
+    return Decoded(kind, parts, ctx.ranks or (() if kind in RUN_LEVEL else (batch.rank,)))

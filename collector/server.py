@@ -26,7 +26,7 @@ from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2
 from .control import PendingCommands
 from .diagnosis.context import Settings
 from .diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
-from .ingest import RUN_LEVEL, IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
+from .ingest import IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
 from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
 from .store.base import Store, StoreError, open_store
 from .store.migrations import migrate
@@ -123,11 +123,11 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
     async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
         received_ns = time.time_ns()
         try:
-            written = await self._store(request, received_ns)
+            written, ranks = await self._store(request, received_ns)
         except _Refusal as refusal:
             await self.c.refuse(context, refusal)
-        if request.WhichOneof("payload") not in RUN_LEVEL:
-            self.c.telemetry.seen(request.run_id, request.rank)
+        for rank in ranks:
+            self.c.telemetry.seen(request.run_id, rank)
         return ingest_pb2.Ack(
             batch_id=request.batch_id,
             duplicate=not written,
@@ -136,7 +136,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             replied_ns=time.time_ns(),
         )
 
-    async def _store(self, batch: ingest_pb2.Batch, received_ns: int) -> bool:
+    async def _store(self, batch: ingest_pb2.Batch, received_ns: int) -> tuple[bool, tuple[int, ...]]:
+        """Decode and write ``batch``: whether it was written (not a duplicate), and the ranks it speaks for."""
         c = self.c
         try:
             check_envelope(batch)
@@ -159,9 +160,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         for table, rows in decoded.parts.items():
             c.telemetry.rows_received.labels(table).inc(rows.num_rows)
         key = BatchKey(batch.run_id, batch.rank, batch.batch_id, decoded.kind)
-        c.heard.note(decoded, batch.rank, received_ns)
+        c.heard.note(decoded, received_ns)
         try:
-            return await c.writer.write(decoded.parts, key)
+            return await c.writer.write(decoded.parts, key), decoded.ranks
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"batch not stored, send it again: {e}") from None
 

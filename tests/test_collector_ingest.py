@@ -295,6 +295,43 @@ def test_a_registration_made_before_the_ranks_end_but_delivered_after_it_is_stor
     assert registry.has_ended("r", 0)
 
 
+def test_one_batch_speaks_for_several_ranks_when_its_rows_name_them() -> None:
+    """A sender for many ranks (the simulator) names each row's rank: each row gets its rank, its rank's
+    host and attempt; the collector hears every rank with a heartbeat in the batch; bad ranks are refused."""
+    from rankscope.collector.ingest import LastHeard
+
+    registry = RunRegistry()
+    for rank in range(4):
+        _decode(register("r", rank, 4, host=f"node-{rank // 2}", world="10.0.0.1:5000/4"), registry)
+    _decode(register("r", 3, 4, host="node-9", world="10.0.0.2:6000/4"), registry)  # rank 3 restarted: attempt 1
+    batch = spans("r", 0, 6)
+    batch.spans.rank = np.array([1, 1, 3, 3, 2, 1], "<i4").tobytes()
+    decoded = _decode(batch, registry)
+    rows = decoded.parts["spans"].to_pydict()
+    assert rows["rank"] == [1, 1, 3, 3, 2, 1] and rows["attempt"] == [0, 0, 1, 1, 0, 0]
+    assert decoded.ranks == (1, 2, 3)
+    assert _decode(spans("r", 2, 2), registry).ranks == (2,)  # no rank column: the envelope's rank
+    now = time.time_ns()
+    beats = [telemetry_pb2.Heartbeat(time_ns=now - k, step=1, phase="forward", status="running") for k in range(3)]
+    decoded = _decode(envelope("r", 0, heartbeats=telemetry_pb2.HeartbeatBatch(heartbeats=beats, ranks=[2, 0, 3])), registry)
+    table = decoded.parts["heartbeats"].to_pydict()
+    assert table["rank"] == [2, 0, 3] and table["host"] == ["node-1", "node-0", "node-9"] and table["attempt"] == [0, 0, 1]
+    heard = LastHeard(stale_ns=10**9)
+    heard.note(decoded, now + 5)
+    assert heard.of("r", 0) == {2: now + 5, 0: now + 5} and heard.of("r", 1) == {3: now + 5}
+    outside = spans("r", 0, 2)
+    outside.spans.rank = np.array([1, 4], "<i4").tobytes()
+    with pytest.raises(IngestError, match=r"spans.rank: rank 4 outside 0 .. 3 \(the run's world\)"):
+        _decode(outside, registry)
+    short = envelope("r", 0, heartbeats=telemetry_pb2.HeartbeatBatch(heartbeats=beats, ranks=[1]))
+    with pytest.raises(IngestError, match="heartbeats.ranks: 1 ranks for 3 heartbeats"):
+        _decode(short, registry)
+    negative = spans("r", 0, 1)
+    negative.spans.rank = np.array([-1], "<i4").tobytes()
+    with pytest.raises(IngestError, match="rank -1 outside >= 0"):
+        _decode(negative)
+
+
 def _corrupt(batch: ingest_pb2.Batch, field: str, value: object) -> ingest_pb2.Batch:
     setattr(getattr(batch, batch.WhichOneof("payload")), field, value)
     return batch

@@ -154,9 +154,9 @@ def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_sto
     heard = LastHeard(stale_ns=5 * 10**9)
     for rank in range(2):  # a heartbeat of each rank arrived just now, carrying a time of a moment ago
         fresh = beats.slice(rank, 1).set_column(beats.schema.get_field_index("time"), "time", pa.array([now - 10**9], pa.timestamp("ns")))
-        heard.note(Decoded("heartbeats", {"heartbeats": fresh}), rank, now)
+        heard.note(Decoded("heartbeats", {"heartbeats": fresh}), now)
     assert lost(heard) == []
     replayed = LastHeard(stale_ns=5 * 10**9)  # a spool replayed now, its heartbeats a minute old: no news
     for rank in range(2):
-        replayed.note(Decoded("heartbeats", {"heartbeats": beats.slice(rank, 1)}), rank, now)
+        replayed.note(Decoded("heartbeats", {"heartbeats": beats.slice(rank, 1)}), now)
     assert lost(replayed) == ["lost_host"]

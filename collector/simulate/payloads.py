@@ -1,7 +1,8 @@
-"""A simulated rank's telemetry as the agent's own wire messages (telemetry.proto), one rank at a time.
+"""Simulated ranks' telemetry as the agent's own wire messages (telemetry.proto).
 
 The columns come from ``rows`` already as numpy arrays; here they only become the packed
-little-endian ``bytes`` fields of one rank's batch.
+little-endian ``bytes`` fields of a batch. A data batch speaks for several ranks at once (its
+``rank`` column, heartbeats their ``ranks``); registrations and ends, one rank each.
 """
 
 from __future__ import annotations
@@ -30,52 +31,60 @@ def register(topo: Topology, rank: int, *, run_name: str, config_json: str, star
     )  # fmt: skip
 
 
-def spans(cols: dict[str, np.ndarray]) -> pb.SpanBatch:
+def spans(ranks: np.ndarray, cols: dict[str, np.ndarray]) -> pb.SpanBatch:
+    """One batch of the rows of several ranks (``ranks``: each row's)."""
     n = len(cols["name"])
     return pb.SpanBatch(
         count=n, strings=SPAN_NAMES, name=cols["name"].astype("<i4").tobytes(),
         kind=SPAN_KINDS[cols["name"]].tobytes(), step=cols["step"].astype("<i4").tobytes(),
         microbatch=cols["microbatch"].astype("<i4").tobytes(), start_ns=cols["start_ns"].astype("<i8").tobytes(),
         end_ns=cols["end_ns"].astype("<i8").tobytes(), attributes=np.full(n, -1, "<i4").tobytes(),
+        rank=ranks.astype("<i4").tobytes(),
     )  # fmt: skip
 
 
-def collectives(topo: Topology, rank: int, cols: dict[str, np.ndarray]) -> pb.CollectiveBatch:
-    """String table: the rank's tp, pp and dp group names, then ``OP_NAMES`` (indices as in ``rows``)."""
+def collectives(topo: Topology, ranks: np.ndarray, cols: dict[str, np.ndarray]) -> pb.CollectiveBatch:
+    """One batch of the rows of several ranks (``ranks``: each row's). ``rows`` indexes a rank's own
+    three groups, then ``OP_NAMES``; here the string table holds the groups of every rank of the
+    batch (three each, in rank order), then ``OP_NAMES``, and the indices are moved to match."""
     n = len(cols["seq"])
+    present = np.unique(ranks)
+    groups = len(GROUP_KINDS)
+    names = [name for r in present for name in topo.group_names(int(r))]
+    group = groups * np.searchsorted(present, ranks) + cols["group"]
+    shift = len(names) - groups  # OP_NAMES came after one rank's groups; now after all of them
     issue = cols["issue_ns"].astype("<i8").tobytes()
     return pb.CollectiveBatch(
-        count=n, strings=[*topo.group_names(rank), *OP_NAMES], group=cols["group"].astype("<i4").tobytes(),
-        seq=cols["seq"].astype("<i8").tobytes(), op=cols["op"].astype("<i4").tobytes(),
-        nbytes=cols["nbytes"].astype("<i8").tobytes(), dtype=np.full(n, BF16, "<i4").tobytes(),
+        count=n, strings=[*names, *OP_NAMES], group=group.astype("<i4").tobytes(),
+        seq=cols["seq"].astype("<i8").tobytes(), op=(cols["op"] + shift).astype("<i4").tobytes(),
+        nbytes=cols["nbytes"].astype("<i8").tobytes(), dtype=np.full(n, BF16 + shift, "<i4").tobytes(),
         peer=cols["peer"].astype("<i4").tobytes(), issue_ns=issue, start_ns=issue,
         end_ns=cols["end_ns"].astype("<i8").tobytes(), state=np.zeros(n, "u1").tobytes(),
-        step=cols["step"].astype("<i4").tobytes(),
+        step=cols["step"].astype("<i4").tobytes(), rank=ranks.astype("<i4").tobytes(),
     )  # fmt: skip
 
 
-def step_metrics(steps: np.ndarray, values: np.ndarray, times: np.ndarray) -> pb.StepMetricBatch:
-    """``values``: (steps, len(STEP_METRICS)) of one rank; ``times``: (steps,)."""
+def step_metrics(ranks: np.ndarray, steps: np.ndarray, values: np.ndarray, times: np.ndarray) -> pb.StepMetricBatch:
+    """``values``: (rows, len(STEP_METRICS)), one row per (rank, step); ``ranks``, ``steps``, ``times``: (rows,)."""
     rows, names = values.shape
     return pb.StepMetricBatch(
         count=rows * names, strings=STEP_METRICS, step=np.repeat(steps, names).astype("<i4").tobytes(),
         name=np.tile(np.arange(names), rows).astype("<i4").tobytes(), value=values.astype("<f8").tobytes(),
-        time_ns=np.repeat(times, names).astype("<i8").tobytes(),
+        time_ns=np.repeat(times, names).astype("<i8").tobytes(), rank=np.repeat(ranks, names).astype("<i4").tobytes(),
     )  # fmt: skip
 
 
 def heartbeat(
     topo: Topology, rank: int, *, time_ns: int, step: int, phase: str, stalled: bool, last_progress_ns: int,
     in_flight: Sequence[Flight] = (),
-) -> pb.HeartbeatBatch:
+) -> pb.Heartbeat:
     names = [*topo.group_names(rank), *OP_NAMES]
     flights = [
         pb.InFlight(group=names[f.group], seq=f.seq, op=names[f.op], peer=f.peer, issue_ns=f.issue_ns, waiting=f.waiting)
         for f in in_flight[:IN_FLIGHT_LIMIT]
     ]
-    beat = pb.Heartbeat(time_ns=time_ns, step=step, phase=phase, status="stalled" if stalled else "running",
+    return pb.Heartbeat(time_ns=time_ns, step=step, phase=phase, status="stalled" if stalled else "running",
                         last_progress_ns=last_progress_ns, in_flight=flights)  # fmt: skip
-    return pb.HeartbeatBatch(heartbeats=[beat])
 
 
 def end(time_ns: int, reason: int, *, signal: int = 0, message: str = "") -> pb.EndOfRank:

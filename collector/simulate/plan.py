@@ -1,12 +1,12 @@
 """What one simulation is: the job, its faults, and how much of it is sent, how often.
 
-The collector's limit at scale is not rows but batches: every batch carries one rank (the wire
-contract's envelope), costs the collector about a millisecond of CPU whatever its size, and is
-acknowledged only once written. So the cadence is derived from a budget of batches per second
-(``Cadence.for_world``): each rank beats every ``heartbeat_s`` and sends its recorded steps every
-``flush_s`` (one span batch and one collective batch); a rank that has made no progress for
-``report_after_s`` beats at once, so the state of a hung job reaches the collector within seconds
-whatever the heartbeat interval.
+The collector's limit at scale is batches: a batch costs the collector about a millisecond of CPU
+whatever its size, and is acknowledged only once written. So the simulator's batches speak for up
+to ``ranks_per_batch`` ranks each (rows name their rank), and the cadence is derived from a budget
+of batches per second (``Cadence.for_world``): each rank beats every ``heartbeat_s`` and sends its
+recorded steps every ``flush_s``; a rank that has made no progress for ``report_after_s`` beats at
+once, so the state of a hung job reaches the collector within seconds whatever the heartbeat
+interval.
 """
 
 from __future__ import annotations
@@ -34,19 +34,25 @@ class Cadence:
     report_after_s: float = 5.0
     #: a heartbeat says "stalled" after this long without progress (the agent's RANKSCOPE_STALL_S)
     stall_s: float = 20.0
+    #: ranks one batch speaks for (a heartbeat batch, a flush's span or collective batch)
+    ranks_per_batch: int = 64
 
     @classmethod
     def for_world(
-        cls, world_size: int, batches_per_s: float, heartbeat_s: float | None = None, flush_s: float | None = None, **rest: Any
+        cls, world_size: int, batches_per_s: float, heartbeat_s: float | None = None, flush_s: float | None = None,
+        ranks_per_batch: int = 64, **rest: Any,
     ) -> Cadence:
-        """A heartbeat every ``heartbeat_s`` (by default 2 s at least, 2 * world / batches_per_s) and a flush (two
-        batches) every ``flush_s`` (by default every other heartbeat); ``rest``: the other fields."""
-        heartbeat = heartbeat_s or max(2.0, 2 * world_size / batches_per_s)
-        return cls(heartbeat_s=heartbeat, flush_s=flush_s or 2 * heartbeat, **rest)
+        """A heartbeat every ``heartbeat_s`` (by default 2 s at least, two heartbeat batches' worth of the
+        budget per rank: 2 * world / ranks_per_batch / batches_per_s) and a flush every ``flush_s`` (by
+        default every other heartbeat); ``rest``: the other fields."""
+        batches = -(-world_size // ranks_per_batch)
+        heartbeat = heartbeat_s or max(2.0, 2 * batches / batches_per_s)
+        return cls(heartbeat_s=heartbeat, flush_s=flush_s or 2 * heartbeat, ranks_per_batch=ranks_per_batch, **rest)
 
     def batches_per_s(self, world_size: int, reporters: int) -> float:
         """Steady-state batches per second (heartbeats, spans, collectives, step scalars of the reporters)."""
-        return world_size / self.heartbeat_s + (2 * world_size + reporters) / self.flush_s
+        batches, reporting = -(-world_size // self.ranks_per_batch), -(-reporters // self.ranks_per_batch)
+        return batches / self.heartbeat_s + (2 * batches + reporting) / self.flush_s
 
 
 @dataclass(frozen=True)

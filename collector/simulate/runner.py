@@ -53,6 +53,7 @@ class Options:
     seed: int
     noise: float = 0.02
     ranks_per_host: int = 8
+    ranks_per_batch: int = 64
 
 
 @dataclass
@@ -82,7 +83,7 @@ def make_plan(options: Options) -> Plan:
         fault.check_ranks(topo.world_size, options.steps)
     if sum(f.kind in ("hang", "crash") for f in faults) > 1:
         raise FaultSpecError("at most one hang or crash per simulation")
-    cadence = Cadence.for_world(topo.world_size, options.batches_per_s, options.heartbeat_s, options.flush_s,
+    cadence = Cadence.for_world(topo.world_size, options.batches_per_s, options.heartbeat_s, options.flush_s, options.ranks_per_batch,
                                 sample_every=options.sample_every, report_after_s=options.report_after_s)  # fmt: skip
     run_id = options.run_id or f"sim-{uuid.uuid4().hex[:8]}"
     return Plan(topo, run_id, f"simulated {options.tp}x{options.pp}x{options.dp}", options.collector, "", options.steps,

@@ -4,7 +4,8 @@ The worker registers its ranks, waits for the common start time, then follows th
 job as they end in real time (every worker computes the same world from the same seed and keeps
 only its slice). Ranks are visited in turn: heartbeats cycle through them every ``heartbeat_s``,
 flushes cycle through cohorts of neighbouring ranks every ``flush_s``, so the load on the
-collector is even instead of arriving in bursts at step boundaries.
+collector is even instead of arriving in bursts at step boundaries. What is due together travels
+together: one batch per ``ranks_per_batch`` ranks, its rows naming their rank.
 """
 
 from __future__ import annotations
@@ -132,8 +133,7 @@ class Worker:
         while not stop.is_set() and not self.ended.all():
             now = time.time_ns()
             self._advance(now)
-            for i in beats.due(now):
-                self._beat(i, now)
+            self._send_beats([self._beat(i, now) for i in beats.due(now)])
             if self.frozen is not None:
                 self._report_blocked(now)
             for j in flushes.due(now):
@@ -177,14 +177,15 @@ class Worker:
 
     # --- heartbeats ----------------------------------------------------------------------------
 
-    def _beat(self, i: int, now: int) -> None:
+    def _beat(self, i: int, now: int) -> tuple[int, pb.Heartbeat] | None:
+        """Local rank ``i``'s heartbeat now (None: it has ended or exited)."""
         if self.ended[i]:
-            return
+            return None
         rank, fz = self.lo + i, self.frozen
         stall_ns = int(self.plan.cadence.stall_s * 1e9)
         if fz is not None and now >= fz.since_ns[rank]:
             if rank == fz.root and self.plan.stop.kind == "crash":  # type: ignore[union-attr]
-                return  # it has exited
+                return None  # it has exited
             since = int(fz.since_ns[rank])
             self.reported[i] = True  # the collector hears of the blocked state now: no report needed
             beat = payloads.heartbeat(self.topo, rank, time_ns=now, step=fz.step, phase=PHASES[fz.phase[rank]],
@@ -192,7 +193,15 @@ class Worker:
         else:
             step, phase = (self.step.number, self._phase(rank, now)) if self.step is not None else (self.plan.steps, "idle")
             beat = payloads.heartbeat(self.topo, rank, time_ns=now, step=step, phase=phase, stalled=False, last_progress_ns=now)
-        self._send(beat, rank, "heartbeats", 1)
+        return rank, beat
+
+    def _send_beats(self, beats: list[tuple[int, pb.Heartbeat] | None]) -> None:
+        """Heartbeats of several ranks, ``ranks_per_batch`` to a batch."""
+        due = [b for b in beats if b is not None]
+        per = self.plan.cadence.ranks_per_batch
+        for k in range(0, len(due), per):
+            ranks, part = zip(*due[k : k + per])
+            self._send(pb.HeartbeatBatch(heartbeats=part, ranks=ranks), ranks[0], "heartbeats", len(part))
 
     def _phase(self, rank: int, now: int) -> str:
         """The segment ``rank`` is in at ``now`` during the current step."""
@@ -214,15 +223,16 @@ class Worker:
         """
         since = self.frozen.since_ns[self.lo : self.lo + self.n]  # type: ignore[union-attr]
         due = np.flatnonzero(~self.reported & (now - since >= int(self.plan.cadence.report_after_s * 1e9)))
-        room = max(0, self.window - self._backlog())
-        for i in due[np.argsort(since[due], kind="stable")][:room]:
-            self._beat(int(i), now)
-            self.reported[i] = True  # also for a crashed rank, which has nothing left to say
+        room = max(0, self.window - self._backlog()) * self.plan.cadence.ranks_per_batch
+        first = due[np.argsort(since[due], kind="stable")][:room]
+        self._send_beats([self._beat(int(i), now) for i in first])
+        self.reported[first] = True  # also for a crashed rank, which has nothing left to say
 
     # --- flushes -------------------------------------------------------------------------------
 
     def _flush(self, cohort: int, *, force: bool = False) -> None:
-        """Send the steps cohort ``cohort``'s ranks recorded since its last flush: one batch per rank and kind.
+        """Send the steps cohort ``cohort``'s ranks recorded since its last flush: a span and a collective
+        batch per ``ranks_per_batch`` ranks, and the step scalars of its reporters.
 
         While the collector is behind (more batches unacknowledged than fit in flight), the steps
         wait for the cohort's next turn: fewer, larger batches instead of a growing queue that
@@ -232,18 +242,24 @@ class Worker:
         if not new or not force and self._backlog() > self.window:
             return
         self.sent[cohort] = new[-1].step
-        a, b = int(self.bounds[cohort]), int(self.bounds[cohort + 1])
-        for i, cols in _per_rank([blk.spans.take(a, b) for blk in new], a):
-            self._send(payloads.spans(cols), self.lo + i, "spans", len(cols["name"]))
-        for i, cols in _per_rank([blk.collectives.take(a, b) for blk in new], a):
-            self._send(payloads.collectives(self.topo, self.lo + i, cols), self.lo + i, "collectives", len(cols["seq"]))
+        per = self.plan.cadence.ranks_per_batch
+        first, last = int(self.bounds[cohort]), int(self.bounds[cohort + 1])
+        for a in range(first, last, per):
+            b = min(a + per, last)
+            ranks, cols = _rows_of([blk.spans.take(a, b) for blk in new], self.lo + a)
+            if len(ranks):
+                self._send(payloads.spans(ranks, cols), int(ranks[0]), "spans", len(ranks))
+            ranks, cols = _rows_of([blk.collectives.take(a, b) for blk in new], self.lo + a)
+            if len(ranks):
+                self._send(payloads.collectives(self.topo, ranks, cols), int(ranks[0]), "collectives", len(ranks))
+        mine = [k for k, i in enumerate(self.slice.reporters) if first <= i < last]
         with_metrics = [blk for blk in new if blk.metrics is not None]
-        for k, i in enumerate(self.slice.reporters):
-            if a <= i < b and with_metrics:
-                values = np.stack([blk.metrics[0][k] for blk in with_metrics])  # type: ignore[index]
-                times = np.array([blk.metrics[1][k] for blk in with_metrics])  # type: ignore[index]
-                steps = np.array([blk.step for blk in with_metrics])
-                self._send(payloads.step_metrics(steps, values, times), self.lo + int(i), "step_metrics", values.size)
+        if mine and with_metrics:
+            values = np.concatenate([blk.metrics[0][mine] for blk in with_metrics])  # type: ignore[index]
+            times = np.concatenate([blk.metrics[1][mine] for blk in with_metrics])  # type: ignore[index]
+            steps = np.repeat([blk.step for blk in with_metrics], len(mine))
+            ranks = np.tile(self.lo + np.asarray(self.slice.reporters)[mine], len(with_metrics))
+            self._send(payloads.step_metrics(ranks, steps, values, times), int(ranks[0]), "step_metrics", values.size)
         oldest = int(self.sent.min())
         self.blocks = [blk for blk in self.blocks if blk.step > oldest]
 
@@ -292,15 +308,10 @@ class Worker:
         return self.submitted - stats.acked - stats.dropped
 
 
-def _per_rank(parts: list[tuple[dict[str, np.ndarray], np.ndarray]], first: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """(local rank, its rows) from per-step pieces of consecutive ranks ``first``..., steps kept in order."""
-    counts = np.sum([c for _, c in parts], axis=0)
-    ranks = np.concatenate([np.repeat(np.arange(len(c)), c) for _, c in parts])
-    order = np.argsort(ranks, kind="stable")
-    columns = {k: np.concatenate([cols[k] for cols, _ in parts])[order] for k in parts[0][0]}
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    for i in np.flatnonzero(counts):
-        yield first + int(i), {k: v[offsets[i] : offsets[i + 1]] for k, v in columns.items()}
+def _rows_of(parts: list[tuple[dict[str, np.ndarray], np.ndarray]], first: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Each row's rank and the rows, from per-step pieces of consecutive ranks ``first``... (``Rows.take``)."""
+    ranks = np.concatenate([np.repeat(np.arange(first, first + len(c)), c) for _, c in parts])
+    return ranks, {k: np.concatenate([cols[k] for cols, _ in parts]) for k in parts[0][0]}
 
 
 def main(plan: Plan, lo: int, hi: int, window: int, inbox: mp.Queue, report: mp.Queue, stop: mp.synchronize.Event) -> None:

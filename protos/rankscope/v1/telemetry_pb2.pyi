@@ -80,7 +80,7 @@ class Register(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., run_name: _Optional[str] = ..., config_json: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., agent_version: _Optional[str] = ..., time_ns: _Optional[int] = ..., world: _Optional[str] = ...) -> None: ...
 
 class SpanBatch(_message.Message):
-    __slots__ = ("count", "strings", "name", "kind", "step", "microbatch", "start_ns", "end_ns", "attributes", "cpu_ns")
+    __slots__ = ("count", "strings", "name", "kind", "step", "microbatch", "start_ns", "end_ns", "attributes", "cpu_ns", "rank")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     STRINGS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class SpanBatch(_message.Message):
     END_NS_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     CPU_NS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     count: int
     strings: _containers.RepeatedScalarFieldContainer[str]
     name: bytes
@@ -101,10 +102,11 @@ class SpanBatch(_message.Message):
     end_ns: bytes
     attributes: bytes
     cpu_ns: bytes
-    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., name: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., attributes: _Optional[bytes] = ..., cpu_ns: _Optional[bytes] = ...) -> None: ...
+    rank: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., name: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., step: _Optional[bytes] = ..., microbatch: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., attributes: _Optional[bytes] = ..., cpu_ns: _Optional[bytes] = ..., rank: _Optional[bytes] = ...) -> None: ...
 
 class CollectiveBatch(_message.Message):
-    __slots__ = ("count", "strings", "group", "seq", "op", "nbytes", "dtype", "peer", "issue_ns", "start_ns", "end_ns", "state", "step")
+    __slots__ = ("count", "strings", "group", "seq", "op", "nbytes", "dtype", "peer", "issue_ns", "start_ns", "end_ns", "state", "step", "rank")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     STRINGS_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class CollectiveBatch(_message.Message):
     END_NS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     count: int
     strings: _containers.RepeatedScalarFieldContainer[str]
     group: bytes
@@ -131,7 +134,8 @@ class CollectiveBatch(_message.Message):
     end_ns: bytes
     state: bytes
     step: bytes
-    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., group: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., op: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., dtype: _Optional[bytes] = ..., peer: _Optional[bytes] = ..., issue_ns: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., state: _Optional[bytes] = ..., step: _Optional[bytes] = ...) -> None: ...
+    rank: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., group: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., op: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., dtype: _Optional[bytes] = ..., peer: _Optional[bytes] = ..., issue_ns: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., state: _Optional[bytes] = ..., step: _Optional[bytes] = ..., rank: _Optional[bytes] = ...) -> None: ...
 
 class InFlight(_message.Message):
     __slots__ = ("group", "seq", "op", "peer", "issue_ns", "waiting")
@@ -168,10 +172,12 @@ class Heartbeat(_message.Message):
     def __init__(self, time_ns: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., status: _Optional[str] = ..., last_progress_ns: _Optional[int] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., events_dropped: _Optional[int] = ...) -> None: ...
 
 class HeartbeatBatch(_message.Message):
-    __slots__ = ("heartbeats",)
+    __slots__ = ("heartbeats", "ranks")
     HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     heartbeats: _containers.RepeatedCompositeFieldContainer[Heartbeat]
-    def __init__(self, heartbeats: _Optional[_Iterable[_Union[Heartbeat, _Mapping]]] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, heartbeats: _Optional[_Iterable[_Union[Heartbeat, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MetricBatch(_message.Message):
     __slots__ = ("count", "strings", "time_ns", "name", "device", "value")
@@ -190,20 +196,22 @@ class MetricBatch(_message.Message):
     def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., time_ns: _Optional[bytes] = ..., name: _Optional[bytes] = ..., device: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class StepMetricBatch(_message.Message):
-    __slots__ = ("count", "strings", "step", "name", "value", "time_ns")
+    __slots__ = ("count", "strings", "step", "name", "value", "time_ns", "rank")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     STRINGS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     count: int
     strings: _containers.RepeatedScalarFieldContainer[str]
     step: bytes
     name: bytes
     value: bytes
     time_ns: bytes
-    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., step: _Optional[bytes] = ..., name: _Optional[bytes] = ..., value: _Optional[bytes] = ..., time_ns: _Optional[bytes] = ...) -> None: ...
+    rank: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., step: _Optional[bytes] = ..., name: _Optional[bytes] = ..., value: _Optional[bytes] = ..., time_ns: _Optional[bytes] = ..., rank: _Optional[bytes] = ...) -> None: ...
 
 class StackDump(_message.Message):
     __slots__ = ("time_ns", "reason", "method", "text")
