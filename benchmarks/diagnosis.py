@@ -1,6 +1,6 @@
 """Diagnosis, right and fast: 8 real ranks, then 12,288 simulated ones.
 
-    python benchmarks/diagnosis.py [--skip-scenarios] [--tp 8 --pp 16 --dp 96] [--batches-per-s 300]
+    python benchmarks/diagnosis.py [--skip-scenarios] [--tp 8 --pp 16 --dp 96] [--batches-per-s 300] [--step-time 2]
 
 (a) every built-in fault scenario (collector/diagnosis/scenarios.py) on a real 8-rank training run
     with the agent and a real collector: passed (right kind, rank and host, nothing else), seconds
@@ -35,7 +35,6 @@ from rankscope.collector.orchestration import CLI, start, start_collector, stop
 
 STRAGGLER = (3000, 1.3, 4)  # rank, factor, from step
 HANG_RANK = 7777
-STEP_TIME_S = 2.0
 HANG_AFTER_S = 30.0
 FIRST_WRITTEN_SQL = (
     "SELECT kind, ranks, hosts, any(summary) AS summary, toUnixTimestamp64Nano(min(first_seen)) AS first_seen_ns, "
@@ -85,7 +84,7 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     world = args.tp * args.pp * args.dp
     cadence = Cadence.for_world(world, args.batches_per_s)
     # A rank's data arrives once per flush interval: the hang comes after the straggler's first flush.
-    hang_step = int(cadence.flush_s / STEP_TIME_S) + 15
+    hang_step = int(cadence.flush_s / args.step_time) + 15
     silent_after = 3 * cadence.heartbeat_s
     run_id = f"bench-{world}"
     store = work / "store"
@@ -97,12 +96,12 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     inject = f"straggler:rank={STRAGGLER[0]},factor={STRAGGLER[1]},from_step={STRAGGLER[2]};hang:rank={HANG_RANK},step={hang_step}"
     sim_log = work / "simulate.log"
     sim = start([*CLI, "simulate", "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--steps", str(hang_step + 20),
-                 "--step-time", str(STEP_TIME_S), "--inject", inject, "--collector", address, "--run-id", run_id,
+                 "--step-time", str(args.step_time), "--sample-every", str(args.sample_every), "--inject", inject, "--collector", address, "--run-id", run_id,
                  "--batches-per-s", str(args.batches_per_s), "--hold", "900"], sim_log, os.environ)  # fmt: skip
     log(f"(b) simulating {world:,} ranks, {inject}; collector {address}, hang after {HANG_AFTER_S:g} s, silent after {silent_after:.0f} s")
     client = Client(address, timeout_s=300)
     try:
-        found = wait_for_incidents(client, run_id, hang_step * STEP_TIME_S + 600, sim, sim_log, log)
+        found = wait_for_incidents(client, run_id, hang_step * args.step_time + 600, sim, sim_log, log)
         straggler_start = client.query(FAULT_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
     finally:
         client.close()
@@ -193,6 +192,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=16)
     parser.add_argument("--dp", type=int, default=96)
     parser.add_argument("--batches-per-s", type=float, default=300.0, help="the simulator's budget (default: 300)")
+    parser.add_argument("--step-time", type=float, default=2.0, help="the simulated step's seconds (default: 2)")
+    parser.add_argument("--sample-every", type=int, default=10, help="every N-th step is sent in full (default: 10)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     log = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731

@@ -153,6 +153,10 @@ class RunInfo:
     worlds: dict[str, int] = field(default_factory=dict)
     #: (rank, agent instance) -> the attempt of the world that process registered in
     processes: dict[tuple[int, bytes], int] = field(default_factory=dict)
+    #: group name -> (description, members) as this collector last stored it: every rank's
+    #: registration carries its groups, which need storing once, not once per member (at 100,000
+    #: ranks, a data-parallel group of 782 members would be written 782 times)
+    groups: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
     def merge(self, other: RunInfo) -> None:
         """Fill what this record lacks from ``other`` (an older record read back from the store)."""
@@ -239,16 +243,27 @@ class RunRegistry:
         run = self._runs.get(run_id)
         return bool(run) and rank in run.exits
 
-    def needs_load(self, run_id: str, rank: int, now_s: float) -> bool:
-        """Whether the store should be asked about this run before decoding (monotonic ``now_s``)."""
+    def needs_load(self, run_id: str, rank: int, now_s: float, registering: bool = False) -> bool:
+        """Whether the store should be asked about this run before decoding (monotonic ``now_s``): once,
+        and again for a rank it does not know, unless that rank is registering (it brings its host
+        itself; while 100,000 ranks register, each reload would read the whole run again)."""
         loaded = self._loaded_at.get(run_id)
         if loaded is None:
             return True
-        return rank not in self.run(run_id).hosts and now_s - loaded > self.RELOAD_AFTER_S
+        return not registering and rank not in self.run(run_id).hosts and now_s - loaded > self.RELOAD_AFTER_S
 
     def merge_loaded(self, run_id: str, stored: RunInfo, now_s: float) -> None:
         self.run(run_id).merge(stored)
         self._loaded_at[run_id] = now_s
+
+    def stored(self, run_id: str, decoded: Decoded) -> None:
+        """``decoded`` is in the store now: its groups need not be written again (a batch refused or
+        failed before this is decoded again in full when it is sent again)."""
+        groups = decoded.parts.get("groups")
+        if groups is not None and groups.num_rows:
+            known = self.run(run_id).groups
+            for row in groups.select(["name", "description", "ranks"]).to_pylist():
+                known[row["name"]] = (row["description"], tuple(row["ranks"]))
 
 
 def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str) -> RunInfo:
@@ -485,6 +500,7 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
         return {}  # an older registration than the rank's newest (or than its end), delivered late
     # Rows versioned by when the agent registered, not by arrival: the newest stands whatever the order.
     at = pa.scalar(version, type=TIMESTAMP)
+    groups = [g for g in reg.groups if run.groups.get(g.name) != (g.description, tuple(g.ranks))]
     parts = {
         "ranks": _table(
             "ranks",
@@ -499,9 +515,9 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
         "groups": _table(
             "groups",
             {
-                "run_id": [ctx.run_id] * len(reg.groups), "name": [g.name for g in reg.groups],
-                "description": [g.description for g in reg.groups], "ranks": [list(g.ranks) for g in reg.groups],
-                "registered": pa.array([at] * len(reg.groups), type=TIMESTAMP),
+                "run_id": [ctx.run_id] * len(groups), "name": [g.name for g in groups],
+                "description": [g.description for g in groups], "ranks": [list(g.ranks) for g in groups],
+                "registered": pa.array([at] * len(groups), type=TIMESTAMP),
             },
         ),
     }

@@ -108,10 +108,10 @@ class Collector:
         await context.abort(refusal.code, str(refusal))
         raise AssertionError("abort returned")  # abort always raises
 
-    async def know_run(self, run_id: str, rank: int) -> None:
+    async def know_run(self, run_id: str, rank: int, registering: bool = False) -> None:
         """Read what the store knows about a run this process has not seen (after a restart)."""
         now = time.monotonic()
-        if self.runs.needs_load(run_id, rank, now):
+        if self.runs.needs_load(run_id, rank, now, registering):
             stored = await asyncio.to_thread(read_run, self.store.query_arrow, run_id)
             self.runs.merge_loaded(run_id, stored, now)
 
@@ -140,8 +140,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         """Decode and write ``batch``: whether it was written (not a duplicate), and the ranks it speaks for."""
         c = self.c
         try:
-            check_envelope(batch)
-            await c.know_run(batch.run_id, batch.rank)
+            kind = check_envelope(batch)
+            await c.know_run(batch.run_id, batch.rank, registering=kind == "register")
             decoded = decode(batch, c.runs, received_ns, c.options.time_window)
         except UnsupportedSchemaVersion as e:
             raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
@@ -162,9 +162,11 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         key = BatchKey(batch.run_id, batch.rank, batch.batch_id, decoded.kind)
         c.heard.note(decoded, received_ns)
         try:
-            return await c.writer.write(decoded.parts, key), decoded.ranks
+            written = await c.writer.write(decoded.parts, key)
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"batch not stored, send it again: {e}") from None
+        c.runs.stored(batch.run_id, decoded)
+        return written, decoded.ranks
 
 
 class QueryService(query_pb2_grpc.QueryServicer):

@@ -332,6 +332,27 @@ def test_one_batch_speaks_for_several_ranks_when_its_rows_name_them() -> None:
         _decode(negative)
 
 
+def test_a_group_is_stored_once_not_once_per_member_and_again_when_its_members_change() -> None:
+    registry = RunRegistry()
+    first = _decode(register("r", 0, 3), registry)
+    assert first.parts["groups"]["name"].to_pylist() == ["world"]
+    assert _decode(register("r", 1, 3), registry).parts["groups"].num_rows == 1  # the first is not stored yet
+    registry.stored("r", first)
+    assert _decode(register("r", 2, 3), registry).parts["groups"].num_rows == 0
+    grown = _decode(register("r", 0, 4, world="10.0.0.2:6000/4"), registry)  # a new world of four ranks
+    assert grown.parts["groups"]["ranks"].to_pylist() == [[0, 1, 2, 3]]
+
+
+def test_a_run_is_read_from_the_store_once_and_again_for_an_unknown_rank_unless_it_registers() -> None:
+    from rankscope.collector.ingest import RunInfo
+
+    registry = RunRegistry()
+    assert registry.needs_load("r", 0, 0.0, registering=True)  # never read: a restarted collector reads it first
+    registry.merge_loaded("r", RunInfo(hosts={0: "node-0"}), 0.0)
+    assert not registry.needs_load("r", 0, 100.0) and not registry.needs_load("r", 5, 5.0)
+    assert registry.needs_load("r", 5, 100.0) and not registry.needs_load("r", 5, 100.0, registering=True)
+
+
 def _corrupt(batch: ingest_pb2.Batch, field: str, value: object) -> ingest_pb2.Batch:
     setattr(getattr(batch, batch.WhichOneof("payload")), field, value)
     return batch

@@ -162,7 +162,7 @@ class SegmentWindow:
         it; with ``wall``, the step's compute as a whole (``STEP_COMPUTE``), in wall time."""
         if not self.cells:
             return []
-        stages = np.maximum(by_rank(stage, max(len(c.wall) for c in self.cells.values()), missing=0), 0)
+        stages = by_rank(stage, max(len(c.wall) for c in self.cells.values()), missing=0)  # pp ranks are >= 0 (context)
         if not np.array_equal(stages, self.stages):  # a rank registered since: the medians are of other stages
             self.stages = stages
             for cell in self.cells.values():
