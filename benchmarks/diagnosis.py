@@ -112,7 +112,10 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
     rows += _incident_rows(found, straggler_start)
     # Each detector over the stored run, nothing else running: the collector again, without diagnosis.
-    collector, address = start_collector(store, work / "collector-2.log", "--no-diagnosis", "--nice", "0")
+    # Without the query limits: the live diagnosis reads the store directly, this client reads a
+    # million rows and more at 100,000 ranks (the straggler's window).
+    collector, address = start_collector(store, work / "collector-2.log", "--no-diagnosis", "--nice", "0",
+                                         "--query-max-rows", str(10**10), "--query-max-bytes", str(2**40))  # fmt: skip
     try:
         rows += _pass_rows(address, run_id, silent_after, args.repeats)
     finally:
@@ -162,8 +165,8 @@ def _pass_rows(address: str, run_id: str, silent_after: float, repeats: int) -> 
     settings = Settings(hang_after_s=HANG_AFTER_S, silent_after_s=silent_after)
     with Client(address, timeout_s=300) as client:
         query = lambda sql, params: client.query(sql, params)  # noqa: E731
-        now_ns = int(query(engine.LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"])
         ctx = RunContext.load(run_id, query, settings)
+        now_ns = int(ctx.query(engine.LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"])  # ctx.query binds the attempt
         passes: dict[str, Callable[[], object]] = {
             "run context (ranks, hosts, groups)": lambda: RunContext.load(run_id, query, settings),
             "straggler.detect": lambda: straggler.detect(ctx),

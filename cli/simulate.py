@@ -32,8 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=count(1), default=2, help="worker processes, one Transport each (default: 2)")
     parser.add_argument("--batches-per-s", metavar="N", type=positive, default=300.0,
                         help="batches per second the collector is asked to take; sets the heartbeat and flush intervals (default: 300)")
-    parser.add_argument("--ranks-per-batch", metavar="N", type=count(1), default=64,
-                        help="ranks one batch speaks for (a heartbeat batch, a flush's span or collective batch; default: 64)")
+    parser.add_argument("--ranks-per-batch", metavar="N", type=count(1), default=256,
+                        help="ranks one batch speaks for (a heartbeat batch, a flush's span or collective batch; default: 256)")
     parser.add_argument("--heartbeat", metavar="SECONDS", type=seconds, help="seconds between a rank's heartbeats (default: from --batches-per-s)")
     parser.add_argument("--flush", metavar="SECONDS", type=seconds, help="seconds between a rank's data batches (default: twice the heartbeat)")
     parser.add_argument("--sample-every", metavar="N", type=count(1), default=10,

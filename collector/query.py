@@ -291,12 +291,45 @@ def params_to_wire(params: Mapping[str, object] | None) -> dict[str, str]:
     return {name: json.dumps(value) for name, value in (params or {}).items()}
 
 
-def params_from_wire(params: Mapping[str, str]) -> dict[str, object]:
-    """The values ``params_to_wire`` encoded; raises QueryRefused for a value that is not JSON."""
+#: a ``{name:Type}`` placeholder of a statement
+_PLACEHOLDER = re.compile(r"\{(\w+):([^{}]+)\}")
+
+
+def params_from_wire(params: Mapping[str, str], sql: str = "") -> dict[str, object]:
+    """The values ``params_to_wire`` encoded, tuples again where ``sql``'s placeholder types say Tuple
+    (JSON has only lists, and the engine reads ``[['tp[0]', 3]]`` as no Array(Tuple(String, Int64)));
+    raises QueryRefused for a value that is not JSON."""
+    types = dict(_PLACEHOLDER.findall(sql))
     try:
-        return {name: json.loads(text) for name, text in params.items()}
+        return {name: _typed(json.loads(text), types.get(name, "")) for name, text in params.items()}
     except json.JSONDecodeError as e:
         raise QueryRefused(f"parameter values travel JSON-encoded: {e}") from None
+
+
+def _typed(value: object, type_: str) -> object:
+    """``value`` with its lists made tuples where ClickHouse type ``type_`` has a Tuple."""
+    type_ = type_.strip()
+    inner = type_[type_.find("(") + 1 : -1] if type_.endswith(")") else ""
+    if type_.startswith(("Nullable(", "LowCardinality(")):
+        return _typed(value, inner)
+    if not isinstance(value, list):
+        return value
+    if type_.startswith("Array("):
+        return [_typed(v, inner) for v in value]
+    if type_.startswith("Tuple("):
+        return tuple(_typed(v, t) for v, t in zip(value, _top_level(inner)))
+    return value
+
+
+def _top_level(types: str) -> list[str]:
+    """The comma-separated types of a Tuple's inside, commas inside parentheses left alone."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(types):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(types[start:i])
+            start = i + 1
+    return [*parts, types[start:]]
 
 
 def to_ipc(table: pa.Table) -> bytes:

@@ -178,7 +178,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         c = self.c
         try:
             table = await asyncio.to_thread(
-                run_read_only, c.store, c.guard, request.sql, params_from_wire(request.params), c.options.limits, request.max_rows
+                run_read_only, c.store, c.guard, request.sql, params_from_wire(request.params, request.sql), c.options.limits, request.max_rows
             )
             data = await asyncio.to_thread(to_ipc, table)
         except QueryRefused as e:

@@ -8,7 +8,6 @@ that says what is wrong. Every parser of the ``rankscope`` command (the trainer'
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import NoReturn
 
 __all__ = ["Parser"]

@@ -91,6 +91,22 @@ def test_table_functions_of_the_engine_are_refused_unless_they_stay_in_the_store
     assert {"file", "url", "s3", "python", "filesystem"} <= guard.refused_functions
 
 
+def test_tuples_come_back_as_tuples_where_the_statement_says_tuple(tmp_path) -> None:
+    """JSON has only lists: the critical path's ``(group_name, seq) IN {pairs:Array(Tuple(String, Int64))}``
+    reached the engine as ``[['dp[0]', 16]]`` through the Query service and was refused."""
+    from rankscope.collector.store.chdb import EmbeddedStore
+
+    sql = ("SELECT count() AS n FROM (SELECT 'dp[0]' AS g, toInt64(16) AS s) WHERE (g, s) IN {pairs:Array(Tuple(String, Int64))}"
+           " AND tupleElement({t:Tuple(String, Array(Tuple(UInt8, String)))}, 1) = 'a' AND 1 IN {ranks:Array(UInt32)}")  # fmt: skip
+    params = {"pairs": [("dp[0]", 16), ("tp[1]", 3)], "t": ("a", [(1, "b")]), "ranks": [1, 2]}
+    assert params_from_wire(params_to_wire(params), sql) == params
+    store = EmbeddedStore(tmp_path / "store")
+    try:
+        assert store.query_arrow(sql, params_from_wire(params_to_wire(params), sql)).to_pylist() == [{"n": 1}]
+    finally:
+        store.close()
+
+
 def test_params_travel_json_encoded_and_come_back_as_given() -> None:
     params = {"s": "a'b", "n": 3, "f": 0.5, "b": True, "ranks": [1, 2], "names": ["x", "it's"]}
     assert params_from_wire(params_to_wire(params)) == params

@@ -59,6 +59,43 @@ def test_hang_leaves_every_other_rank_waiting_on_the_chain_to_the_root() -> None
     assert (sends["op"] == SEND).sum() == boundaries * microbatches * directions * pipelines
 
 
+def test_a_batch_of_several_ranks_keeps_each_rows_rank_group_and_op() -> None:
+    """The worker's batches speak for many ranks: decoded by the collector, every row names its own
+    rank, its own groups (the string table holds every rank's) and op, as a one-rank batch would."""
+    import os
+
+    import numpy as np
+
+    from rankscope.collector.ingest import RunRegistry, decode
+    from rankscope.collector.simulate import payloads
+    from rankscope.collector.simulate.rows import OP_NAMES
+    from rankscope.collector.simulate.worker import _rows_of
+    from rankscope.protos.rankscope.v1 import ingest_pb2
+
+    topo = build(2, 4, 2)
+    model = StepModel(topo, Timing.for_step(1.0, 4, 4), 4, seed=0, factors=[])
+    start = time.time_ns()
+    step = model.step(1, start)
+    spans, collectives = Slice(model, 0, topo.world_size).full(step)
+    registry = RunRegistry()
+
+    def decoded(rank: int, **payload: object) -> dict:
+        batch = ingest_pb2.Batch(schema_version=1, run_id="r", rank=rank, batch_id=os.urandom(16), **payload)
+        return decode(batch, registry, start).parts
+
+    for rank in range(topo.world_size):
+        decoded(rank, register=payloads.register(topo, rank, run_name="r", config_json="", start_ns=start, pid=1))
+    ranks, cols = _rows_of([collectives.take(3, 11)], 3)
+    rows = decoded(3, collectives=payloads.collectives(topo, ranks, cols))["collectives"].to_pydict()
+    assert sorted(set(rows["rank"])) == list(range(3, 11))
+    expected = [topo.group_names(r)[g] for r, g in zip(ranks, cols["group"])]
+    assert rows["group_name"] == expected and rows["op"] == [OP_NAMES[o - 3] for o in cols["op"]]
+    assert set(rows["dtype"]) == {"bfloat16"}
+    ranks, cols = _rows_of([spans.take(0, 16)], 0)
+    rows = decoded(0, spans=payloads.spans(ranks, cols))["spans"].to_pydict()
+    assert rows["rank"] == ranks.tolist() and np.array_equal(np.bincount(rows["rank"]), np.diff(spans.offsets))
+
+
 @pytest.fixture
 def collector(proc_runner, tmp_path: Path) -> str:
     return start_collector(proc_runner, tmp_path / "store", "--hang-after", "8", "--silent-after", "30", "--diagnose-every", "1",

@@ -86,6 +86,8 @@ class LiveDiagnosis:
     passed over while nothing of it was stored since its last pass, until ``recheck_s`` (what
     only time reveals, such as ranks gone silent all at once, and what other collectors of the
     same store wrote); its topology is read again after a rank registered, or ``recheck_s``.
+    A pass longer than ``interval_s`` (a run of 100,000 ranks) is followed by a rest as long as
+    itself: the passes hold the interpreter half the time at most, and ingest keeps up.
     """
 
     def __init__(
@@ -124,7 +126,8 @@ class LiveDiagnosis:
                 await asyncio.to_thread(self.pass_once)
             except Exception as e:  # diagnosis must never take the collector down
                 self._warn_once("pass", f"rankscope diagnosis: a pass failed: {e}")
-            delay = max(0.1, self.interval_s - (time.monotonic() - started))
+            took = time.monotonic() - started
+            delay = max(0.1, self.interval_s - took, took)  # a long pass is followed by as long a rest: ingest gets its turn
             try:
                 await asyncio.wait_for(stop.wait(), delay)
             except asyncio.TimeoutError:

@@ -20,40 +20,8 @@ import numpy as np
 from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.collector.diagnosis.transfer_window import TransferWindow
 
-TRANSFERS_SQL = """
-WITH p2p AS (
-    SELECT rank, group_name, seq, op, peer, nbytes, step, issue_time, end_time
-    FROM collectives
-    WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0 AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}
-      AND end_time > toDateTime64(0, 9)
-),
-arrived AS (
-    SELECT c.rank AS rank, c.group_name AS group_name, c.seq AS seq, c.op AS op, c.peer AS peer, c.nbytes AS nbytes,
-           c.step AS step, c.end_time AS end_time,
-           if(s.end_time >= c.issue_time, least(s.start_time, c.issue_time), c.issue_time) AS arrival
-    FROM p2p AS c
-    ASOF LEFT JOIN (
-        SELECT rank, start_time, end_time FROM spans
-        WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND kind = 'comm' AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}
-    ) AS s ON c.rank = s.rank AND c.issue_time >= s.start_time
-)
-SELECT snd.rank AS src, rcv.rank AS dst, snd.nbytes AS nbytes, snd.step AS step,
-       toUnixTimestamp64Nano(rcv.end_time) - greatest(toUnixTimestamp64Nano(snd.arrival), toUnixTimestamp64Nano(rcv.arrival)) AS transfer_ns,
-       toUnixTimestamp64Nano(rcv.end_time) AS end_ns
-FROM (SELECT * FROM arrived WHERE positionCaseInsensitive(op, 'send') > 0) AS snd
-INNER JOIN (SELECT * FROM arrived WHERE positionCaseInsensitive(op, 'recv') > 0) AS rcv
-    ON snd.group_name = rcv.group_name AND snd.seq = rcv.seq AND snd.rank = rcv.peer AND snd.peer = rcv.rank
-"""
-# Per pair: its transfers (clamped at 0), their exact median (np.median's: the mean of the two
-# middle values), when they ended; and how many steps the transfers span. Aggregated in the
-# store: a 12,288-rank job has hundreds of thousands of transfers in the window.
-PAIRS_SQL = f"""
-SELECT src, dst, nbytes, count() AS transfers, (quantileExactLow(0.5)(t) + quantileExactHigh(0.5)(t)) / 2 AS median_ns,
-       min(end_ns) AS first_ns, max(end_ns) AS last_ns, any(steps) AS steps
-FROM (SELECT *, greatest(transfer_ns, 0) AS t, uniqExact(step) OVER () AS steps FROM ({TRANSFERS_SQL}))
-GROUP BY src, dst, nbytes HAVING transfers >= 2
-"""
 MIN_STEPS = 3
 NEWEST_SQL = (
     "SELECT max(step) AS newest FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0 "
@@ -79,11 +47,10 @@ def detect(ctx: RunContext) -> list[Finding]:
     first_step = max(2, last_step - 10)
     if last_step - first_step + 1 < MIN_STEPS:
         return []
-    window = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step}
     step_s = ctx.median_step_s(first_step, last_step)
     if not step_s:
         return []
-    pairs = {(r["src"], r["dst"], r["nbytes"]): r for r in ctx.query(PAIRS_SQL, window).to_pylist()}
+    pairs = TransferWindow.of(ctx).pairs_of(ctx, first_step, last_step)
     steps = next(iter(pairs.values()))["steps"] if pairs else 1
     min_cost_s = max(s.slow_link_min_s, s.slow_link_step_share * step_s)
     medians = {pair: r["median_ns"] for pair, r in pairs.items()}

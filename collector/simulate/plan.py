@@ -21,6 +21,9 @@ from rankscope.trainer.faults import Fault
 
 #: fault kinds the simulator plays (the trainer's grammar has more)
 SUPPORTED = ("straggler", "hang", "crash")
+#: heartbeats a second over all ranks, at most, by default: a heartbeat is decoded row by row (its
+#: in-flight lists), and at 100,000 ranks more would take most of one collector's interpreter
+BEATS_PER_S = 10_000
 
 
 @dataclass(frozen=True)
@@ -35,18 +38,19 @@ class Cadence:
     #: a heartbeat says "stalled" after this long without progress (the agent's RANKSCOPE_STALL_S)
     stall_s: float = 20.0
     #: ranks one batch speaks for (a heartbeat batch, a flush's span or collective batch)
-    ranks_per_batch: int = 64
+    ranks_per_batch: int = 256
 
     @classmethod
     def for_world(
         cls, world_size: int, batches_per_s: float, heartbeat_s: float | None = None, flush_s: float | None = None,
-        ranks_per_batch: int = 64, **rest: Any,
+        ranks_per_batch: int = 256, **rest: Any,
     ) -> Cadence:
         """A heartbeat every ``heartbeat_s`` (by default 2 s at least, two heartbeat batches' worth of the
-        budget per rank: 2 * world / ranks_per_batch / batches_per_s) and a flush every ``flush_s`` (by
-        default every other heartbeat); ``rest``: the other fields."""
+        budget per rank: 2 * world / ranks_per_batch / batches_per_s, and no more than ``BEATS_PER_S``
+        heartbeats a second in all) and a flush every ``flush_s`` (by default every other heartbeat);
+        ``rest``: the other fields."""
         batches = -(-world_size // ranks_per_batch)
-        heartbeat = heartbeat_s or max(2.0, 2 * batches / batches_per_s)
+        heartbeat = heartbeat_s or max(2.0, 2 * batches / batches_per_s, world_size / BEATS_PER_S)
         return cls(heartbeat_s=heartbeat, flush_s=flush_s or 2 * heartbeat, ranks_per_batch=ranks_per_batch, **rest)
 
     def batches_per_s(self, world_size: int, reporters: int) -> float:

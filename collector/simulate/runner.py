@@ -53,7 +53,7 @@ class Options:
     seed: int
     noise: float = 0.02
     ranks_per_host: int = 8
-    ranks_per_batch: int = 64
+    ranks_per_batch: int = 256
 
 
 @dataclass
