@@ -410,6 +410,9 @@ class Transport:
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and (delay_ms := _retry_after_ms(done.future)) is not None:
             self._requeue(out)
             self._paused_until = max(self._paused_until, time.monotonic() + delay_ms / 1000)
+        elif code is grpc.StatusCode.CANCELLED:  # an overloaded server drops calls it cannot serve: never the batch's fault
+            self._requeue(out)
+            self._paused_until = max(self._paused_until, time.monotonic() + BACKOFF_FIRST_S)
         elif code in _REFUSED or out.attempts >= MAX_ATTEMPTS:  # RESOURCE_EXHAUSTED here: too large
             warn_once(f"drop:{name}", f"the collector refused a {out.kind} batch ({name}: {details}); such batches are dropped")
             self._give_up(out)

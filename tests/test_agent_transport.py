@@ -401,11 +401,12 @@ def test_back_pressure_waits_and_retries(proc_runner: ProcRunner, tmp_path: Path
 
 
 class _LosingProxy(ingest_pb2_grpc.IngestServicer):
-    """Forwards every batch to the real collector; answers the first one with UNAVAILABLE anyway."""
+    """Forwards every batch to the real collector; answers the first ``failures`` with ``code`` anyway."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE, failures: int = 1) -> None:
         self.channel = grpc.insecure_channel(target)
         self.stub = ingest_pb2_grpc.IngestStub(self.channel)
+        self.code, self.failures = code, failures
         self.seen: list[bytes] = []
         self.acks: list[ingest_pb2.Ack] = []
 
@@ -413,21 +414,47 @@ class _LosingProxy(ingest_pb2_grpc.IngestServicer):
         ack = self.stub.Send(request, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30)
         self.seen.append(request.batch_id)
         self.acks.append(ack)
-        if len(self.seen) == 1:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "acknowledgement lost on the way")
+        if len(self.seen) <= self.failures:
+            context.abort(self.code, "acknowledgement lost on the way")
         return ack
+
+
+def _serve(proxy: _LosingProxy) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    ingest_pb2_grpc.add_IngestServicer_to_server(proxy, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
 
 
 @pytest.fixture
 def losing_proxy(collector: Collector) -> Iterator[tuple[_LosingProxy, str]]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     proxy = _LosingProxy(collector.address)
-    ingest_pb2_grpc.add_IngestServicer_to_server(proxy, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield proxy, f"127.0.0.1:{port}"
+    server, address = _serve(proxy)
+    yield proxy, address
     server.stop(0)
     proxy.channel.close()
+
+
+def test_a_call_the_overloaded_collector_cancelled_is_sent_again_however_often(collector: Collector, tmp_path: Path) -> None:
+    """A gRPC server short of CPU cancels calls it cannot serve: never the batch's fault, so never dropped
+    (other failures are given up after MAX_ATTEMPTS)."""
+    from rankscope.agent.transport import MAX_ATTEMPTS
+
+    proxy = _LosingProxy(collector.address, grpc.StatusCode.CANCELLED, failures=MAX_ATTEMPTS + 2)
+    server, address = _serve(proxy)
+    try:
+        run_id = run_name()
+        t = Transport(agent_config(address, tmp_path / "spool"), run_id, 0)
+        t.start()
+        t.submit(span_batch(1))
+        wait_until(lambda: t.stats().acked >= 1, 30, "the batch's ack after the cancellations")
+        t.close(timeout_s=30)
+    finally:
+        server.stop(0)
+        proxy.channel.close()
+    assert t.stats().dropped == 0 and t.stats().errors == {"CANCELLED": MAX_ATTEMPTS + 2}
+    assert collector.count("spans", run_id) == EVENTS
 
 
 def test_lost_acknowledgement_resent_and_written_once(collector: Collector, losing_proxy: tuple[_LosingProxy, str], tmp_path: Path) -> None:

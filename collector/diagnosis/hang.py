@@ -11,7 +11,7 @@ nobody: the root of the hang, the rank to look at (its stack dump is requested a
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.incidents import Finding
@@ -48,11 +48,14 @@ EVIDENCE_SQL = (
 
 #: roots named one by one in a summary; the evidence lists all of them
 MAX_NAMED = 8
+#: waiting ranks the evidence details (what each waits for and in): all of them up to this many,
+#: else those waiting on a root directly; at 100,000 ranks the rest would be megabytes in every version
+EVIDENCE_RANKS = 64
 #: a rank is heard as stuck when its heartbeat says nothing ended for this long (or a quarter of hang-after)
 QUIET_S = 5.0
 
-@dataclass(frozen=True)
-class Wait:
+
+class Wait(NamedTuple):
     """A rank blocked in an operation: collective ``seq`` of ``group``, or a point-to-point with ``peer``."""
 
     group: str
@@ -95,13 +98,14 @@ def detect(ctx: RunContext) -> list[Finding]:
     if not roots:
         return []
     waiting = sorted(r for r, out in edges.items() if out)
+    direct = [r for r in waiting if edges[r] & roots]
     root_list = sorted(roots)
     at = {r: f"in {states[r]['phase']} at step {states[r]['step']}" for r in root_list[:MAX_NAMED]}
     where = ", ".join(f"{ctx.who(r)} {at[r]}" for r in at)
     if len(root_list) > MAX_NAMED:
         where += f" and {len(root_list) - MAX_NAMED} more ranks"
     # Where the ranks waiting directly on a root are blocked: the operations the root never entered.
-    blocked_in = sorted({f"{w.group} #{w.seq}" for r in waiting if edges[r] & roots for w in waits[r]})[:6]
+    blocked_in = sorted({f"{w.group} #{w.seq}" for r in direct for w in waits[r]})[:6]
     what = "is" if len(root_list) == 1 else "are"
     hosts = ctx.whole_hosts(silent)
     if len(hosts) == 1 and silent == roots:  # a whole host stopped answering: name the host
@@ -116,12 +120,15 @@ def detect(ctx: RunContext) -> list[Finding]:
         f"hang: {where} {what} {state}; {len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on "
         f"{'it' if len(root_list) == 1 else 'them'} ({', '.join(blocked_in)}) since step {step}"
     )
+    shown = waiting if len(waiting) <= EVIDENCE_RANKS else direct[:EVIDENCE_RANKS]
     evidence = {
         "step": step,
         "stalled_for_s": round((last_heartbeat - advanced) / 1e9, 1),
         "roots": root_list,
-        "waits_for": {str(r): sorted(out) for r, out in edges.items() if out},
-        "blocked_in": {str(r): [f"{w.op} {w.group} #{w.seq}" + (f" peer {w.peer}" if w.peer >= 0 else "") for w in waits[r]] for r in waiting},
+        "waiting": len(waiting),
+        "waiting_on_roots": len(direct),
+        "waits_for": {str(r): sorted(edges[r]) for r in shown},
+        "blocked_in": {str(r): [f"{w.op} {w.group} #{w.seq}" + (f" peer {w.peer}" if w.peer >= 0 else "") for w in waits[r]] for r in shown},
         "root_phase": {str(r): states[r]["phase"] for r in root_list},
         "silent_roots": sorted(silent),
         "not_heard_since_stall": len(alive - heard),
@@ -147,11 +154,8 @@ def _waits(state: dict) -> list[Wait]:
     it wait in none, every operation it has in flight. DDP's reducer waits for its gradient
     all-reduces in C++, and on a GPU the thread blocks later, in a synchronisation: either way
     none of those operations completed while the rank made no progress."""
-    ops = [
-        (Wait(g, int(seq), op, int(peer)), bool(waiting))
-        for g, seq, op, peer, waiting in zip(state["groups"], state["seqs"], state["ops"], state["peers"], state["waiting"])
-    ]
-    return [w for w, waiting in ops if waiting] or [w for w, _ in ops]
+    ops = [Wait(g, seq, op, peer) for g, seq, op, peer in zip(state["groups"], state["seqs"], state["ops"], state["peers"])]
+    return [w for w, waiting in zip(ops, state["waiting"]) if waiting] or ops
 
 
 def _entered(ctx: RunContext, states: dict[int, dict], groups: list[str]) -> dict[tuple, int]:
