@@ -175,7 +175,8 @@ def _pass_rows(address: str, run_id: str, silent_after: float, repeats: int) -> 
             "nan.detect": lambda: nan.detect(ctx),
             "slow_link.detect": lambda: slow_link.detect(ctx),
             "gpu.detect": lambda: gpu.detect(ctx),
-            "diagnose() (all of the above)": lambda: engine.diagnose(run_id, query, settings, now_ns=now_ns),
+            # on the context kept between passes, as the live loop does (a fresh one reads the windows again)
+            "diagnose() (all of the above)": lambda: engine.diagnose(run_id, query, settings, now_ns=now_ns, ctx=ctx),
         }
         rows = []
         for name, call in passes.items():
