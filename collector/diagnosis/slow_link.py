@@ -50,23 +50,25 @@ def detect(ctx: RunContext) -> list[Finding]:
     step_s = ctx.median_step_s(first_step, last_step)
     if not step_s:
         return []
-    pairs = TransferWindow.of(ctx).pairs_of(ctx, first_step, last_step)
-    steps = next(iter(pairs.values()))["steps"] if pairs else 1
+    pairs, steps = TransferWindow.of(ctx).pairs_of(ctx, first_step, last_step)
+    if pairs.empty:
+        return []
     min_cost_s = max(s.slow_link_min_s, s.slow_link_step_share * step_s)
-    medians = {pair: r["median_ns"] for pair, r in pairs.items()}
-    typical_of = _typical(medians)
+    median = pairs["median_ns"].to_numpy(dtype=np.float64)
+    typical, compared = _typical(pairs["nbytes"].to_numpy(), median)
+    cost_per_step_s = (median - typical) / 1e9 * pairs["transfers"].to_numpy() / max(steps, 1)
+    with np.errstate(invalid="ignore"):  # NaN: fewer than two other pairs to compare with
+        slow_rows = (median >= s.slow_link_ratio * np.maximum(typical, 1.0)) & (cost_per_step_s >= min_cost_s)
     slow: dict[tuple[str, ...], list[dict]] = defaultdict(list)  # the pair of hosts (or ranks) -> its slow rank pairs
-    for (src, dst, nbytes), median in medians.items():
-        if (src, dst, nbytes) not in typical_of:
-            continue  # fewer than two other pairs to compare with
-        typical, compared = typical_of[(src, dst, nbytes)]
-        pair = pairs[(src, dst, nbytes)]
-        cost_per_step_s = (median - typical) / 1e9 * pair["transfers"] / max(steps, 1)
-        if median < s.slow_link_ratio * max(typical, 1.0) or cost_per_step_s < min_cost_s:
-            continue
+    column = {name: pairs[name].to_numpy() for name in ("src", "dst", "nbytes", "transfers", "first_ns", "last_ns")}
+    for i in np.flatnonzero(slow_rows):  # a few pairs of the window's hundreds of thousands
+        src, dst = int(column["src"][i]), int(column["dst"][i])
         hosts = ctx.hosts_of((src, dst))
-        slow[hosts if len(hosts) == 2 else (str(src), str(dst))].append(
-            {**pair, "median": median, "typical": typical, "compared": compared, "cost_per_step_s": cost_per_step_s})
+        slow[hosts if len(hosts) == 2 else (str(src), str(dst))].append({
+            "src": src, "dst": dst, "nbytes": int(column["nbytes"][i]), "transfers": int(column["transfers"][i]),
+            "first_ns": int(column["first_ns"][i]), "last_ns": int(column["last_ns"][i]), "median": float(median[i]),
+            "typical": float(typical[i]), "compared": int(compared[i]), "cost_per_step_s": float(cost_per_step_s[i]),
+        })  # fmt: skip
     return [_finding(ctx, found, step_s, last_step) for found in slow.values()]
 
 
@@ -111,31 +113,31 @@ def _finding(ctx: RunContext, found: list[dict], step_s: float, last_step: int) 
     )
 
 
-def _typical(medians: dict[tuple[int, int, int], float]) -> dict[tuple[int, int, int], tuple[float, int]]:
-    """pair -> (median of the other pairs' medians moving the same bytes, how many others), for pairs with two or more.
+def _typical(sizes: np.ndarray, medians: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per pair, the median of the other pairs' medians moving the same bytes, and how many others;
+    NaN and 0 for a pair with fewer than two others.
 
-    Exactly ``np.median`` of the others, from one sort per size: a 12,288-rank job has tens of
-    thousands of pairs, and a list of the others per pair is quadratic (about a minute).
+    Exactly ``np.median`` of the others, from one sort per size: a 100,000-rank job has hundreds of
+    thousands of pairs, and a list of the others per pair is quadratic.
     """
-    by_size: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    for pair in medians:
-        by_size[pair[2]].append(pair)
-    out: dict[tuple[int, int, int], tuple[float, int]] = {}
-    for pairs in by_size.values():
-        others = len(pairs) - 1
+    typical = np.full(len(medians), np.nan)
+    compared = np.zeros(len(medians), dtype=np.int64)
+    for size in np.unique(sizes):
+        members = np.flatnonzero(sizes == size)
+        others = len(members) - 1
         if others < 2:
             continue
-        values = np.array([medians[p] for p in pairs], dtype=np.float64)
+        values = medians[members]
         order = np.argsort(values, kind="stable")
         ranked = values[order]
-        position = np.empty(len(pairs), dtype=np.int64)
-        position[order] = np.arange(len(pairs))
+        position = np.empty(len(members), dtype=np.int64)
+        position[order] = np.arange(len(members))
 
         def kth_other(k: int) -> np.ndarray:
             """The k-th smallest of the others, for every pair (leaving out its own place in ``ranked``)."""
             return np.where(k < position, ranked[k], ranked[k + 1])
 
         middle = others // 2
-        typical = kth_other(middle) if others % 2 else (kth_other(middle - 1) + kth_other(middle)) / 2
-        out.update((pair, (float(t), others)) for pair, t in zip(pairs, typical))
-    return out
+        typical[members] = kth_other(middle) if others % 2 else (kth_other(middle - 1) + kth_other(middle)) / 2
+        compared[members] = others
+    return typical, compared

@@ -53,6 +53,11 @@ clamped at 0. A rank arrives when it enters the comm span around the operation, 
 operation's issue time."""
 
 
+#: the pairs of a window: src, dst, nbytes, transfers (at least 2), median_ns (exact, np.median's),
+#: first_ns and last_ns (when the first and last ended)
+PAIR_COLUMNS = ("src", "dst", "nbytes", "transfers", "median_ns", "first_ns", "last_ns")
+
+
 @dataclass
 class TransferWindow:
     """Per step: the store's count of its rows when read, and its transfers (a DataFrame of src, dst,
@@ -61,7 +66,8 @@ class TransferWindow:
     counts: dict[int, int] = field(default_factory=dict)
     transfers: dict[int, pd.DataFrame] = field(default_factory=dict)
     window: tuple[int, int, tuple[tuple[int, int], ...]] | None = None
-    pairs: dict[tuple[int, int, int], dict] = field(default_factory=dict)
+    pairs: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PAIR_COLUMNS))
+    steps: int = 0
 
     @classmethod
     def of(cls, ctx: RunContext) -> TransferWindow:
@@ -71,9 +77,9 @@ class TransferWindow:
             window = ctx.seen["slow_link.window"] = cls()
         return window  # type: ignore[no-any-return]
 
-    def pairs_of(self, ctx: RunContext, first_step: int, last_step: int) -> dict[tuple[int, int, int], dict]:
-        """(src, dst, nbytes) -> its transfers (count, at least 2), their exact median (np.median's),
-        when the first and last ended, and how many steps of the window have transfers at all."""
+    def pairs_of(self, ctx: RunContext, first_step: int, last_step: int) -> tuple[pd.DataFrame, int]:
+        """The pairs of steps ``first_step`` .. ``last_step`` (``PAIR_COLUMNS``, a row per (src, dst,
+        nbytes) with two transfers or more), and how many of those steps have transfers at all."""
         window = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step}
         counts = {int(r["step"]): int(r["n"]) for r in ctx.query(COUNTS_SQL, window).to_pylist()}
         stale = sorted(s for s, n in counts.items() if self.counts.get(s) != n)
@@ -87,25 +93,14 @@ class TransferWindow:
             self.counts.pop(step, None)
         key = (first_step, last_step, tuple(sorted(counts.items())))
         if key != self.window:
-            self.window, self.pairs = key, _pairs([t for s, t in sorted(self.transfers.items()) if len(t)])
-        return self.pairs
+            parts = [t for _, t in sorted(self.transfers.items()) if len(t)]
+            self.window, self.pairs, self.steps = key, _pairs(parts), len(parts)
+        return self.pairs, self.steps
 
 
-def _pairs(parts: list[pd.DataFrame]) -> dict[tuple[int, int, int], dict]:
+def _pairs(parts: list[pd.DataFrame]) -> pd.DataFrame:
     if not parts:
-        return {}
-    steps = len(parts)
-    table = pd.concat(parts, ignore_index=True)
-    grouped = table.groupby(["src", "dst", "nbytes"], sort=False).agg(
+        return pd.DataFrame(columns=PAIR_COLUMNS)
+    grouped = pd.concat(parts, ignore_index=True).groupby(["src", "dst", "nbytes"], sort=False).agg(
         transfers=("t", "size"), median_ns=("t", "median"), first_ns=("end_ns", "min"), last_ns=("end_ns", "max"))
-    grouped = grouped[grouped["transfers"] >= 2]
-    out = {}
-    for (src, dst, nbytes), transfers, median, first, last in zip(
-        grouped.index, grouped["transfers"].to_numpy(), grouped["median_ns"].to_numpy(), grouped["first_ns"].to_numpy(),
-        grouped["last_ns"].to_numpy()):  # fmt: skip
-        out[(int(src), int(dst), int(nbytes))] = {
-            "src": int(src), "dst": int(dst), "nbytes": int(nbytes), "transfers": int(transfers), "median_ns": float(median),
-            "first_ns": int(first), "last_ns": int(last), "steps": steps,
-        }  # fmt: skip
-    return out
-
+    return grouped[grouped["transfers"] >= 2].reset_index()
