@@ -13,8 +13,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rankscope.cli.args import seconds
+
+if TYPE_CHECKING:
+    from rankscope.agent.config import AgentConfig
 
 HELP = "replay telemetry that agents spooled to disk while the collector was unreachable"
 
@@ -33,8 +37,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.agent.config import load_config
-    from rankscope.agent.spool import leftovers
-    from rankscope.agent.transport import replay_leftovers
 
     if not args.dir.is_dir():
         print(f"rankscope spool: {args.dir} is not a directory", file=sys.stderr)
@@ -47,9 +49,19 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(settings)
     if config is None:  # load_config said which value is wrong
         return 2
-    stats = replay_leftovers(config, args.timeout)
-    left = leftovers(args.dir)
+    return 0 if replay(config, args.timeout, "rankscope spool") else 1
+
+
+def replay(config: AgentConfig, timeout_s: float, who: str) -> bool:
+    """Send what ended processes left in ``config.spool_dir`` and say how it went; True when nothing is left."""
+    from rankscope.agent.spool import leftovers
+    from rankscope.agent.transport import replay_leftovers
+
+    stats = replay_leftovers(config, timeout_s)
+    left = leftovers(config.spool_dir)
     failed = f"; failed calls: {', '.join(f'{code} x{n}' for code, n in sorted(stats.errors.items()))}" if stats.errors else ""
-    print(f"rankscope spool: replayed {stats.replayed} batches ({stats.duplicates} already stored, "
-          f"{stats.dropped} refused) to {config.collector}; {len(left)} segment file(s) left in {args.dir}{failed}")
-    return 0 if not left else 1
+    print(f"{who}: replayed {stats.replayed} batches ({stats.duplicates} already stored, "
+          f"{stats.dropped} refused) to {config.collector}; {len(left)} segment file(s) left in {config.spool_dir}{failed}")
+    if left:
+        print(f"{who}: `rankscope spool replay {config.spool_dir}` sends them once the collector can take them", file=sys.stderr)
+    return not left

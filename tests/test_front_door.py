@@ -8,8 +8,10 @@ with its default flags on a temporary store.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ProcRunner, incidents, start_collector
+
+from rankscope.agent.spool import leftovers
 
 from rankscope.collector.diagnosis.engine import CONCLUDE_AFTER_S, DIAGNOSE_EVERY_S
 
@@ -49,6 +53,41 @@ def test_the_readme_straggler_drill_is_diagnosed(proc_runner: ProcRunner, tmp_pa
     log = f"trained in {trained_s:.0f} s; incidents: {named}\n{collector.proc.output()}"
     assert named == [("straggler", [6], [socket.gethostname()])], log
 
+
+
+TINY = ["--nproc", "2", "--tp", "1", "--pp", "1", "--dp", "2", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+        "--vocab", "64", "--micro-batch", "2", "--global-batch", "4", "--steps", "3"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_rankscope_train_sends_what_its_ranks_left_in_the_spool(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """A collector frozen for the whole job (as a starved one is: it acknowledges nothing in time): the ranks
+    train on, spool everything and exit; `rankscope train` sends it once the collector runs again, so the
+    run is whole in the store when the command returns."""
+    collector = start_collector(proc_runner, tmp_path / "store")
+    spool = tmp_path / "spool"
+    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(spool)}
+    os.killpg(collector.proc.popen.pid, signal.SIGSTOP)
+    try:
+        training = proc_runner.start([str(Path(sys.executable).parent / "rankscope"), "train", *TINY], env=env, cwd=tmp_path, name="train")
+        training.wait_for("sending them to", timeout=300)
+        assert "step     3/3 | loss" in training.stdout, training.output()  # the job ran while nothing was acknowledged
+        assert leftovers(spool), training.output()
+    finally:
+        os.killpg(collector.proc.popen.pid, signal.SIGCONT)
+    assert training.wait(180) == 0, training.output()
+    assert re.search(r"rankscope train: replayed [1-9]\d* batches .*; 0 segment file\(s\) left", training.stdout), training.output()
+    assert leftovers(spool) == []
+
+    from rankscope.collector.client import Client
+
+    with Client(collector.target) as client:
+        runs = client.query("SELECT run_id, argMax(status, updated) AS status FROM runs GROUP BY run_id").to_pylist()
+        assert [r["status"] for r in runs] == ["finished"], runs
+        steps = client.query("SELECT rank, groupUniqArray(step) AS steps FROM step_metrics WHERE run_id = {run:String} GROUP BY rank "
+                             "ORDER BY rank", {"run": runs[0]["run_id"]}).to_pylist()  # fmt: skip
+    assert [(r["rank"], sorted(r["steps"])) for r in steps] == [(0, [1, 2, 3]), (1, [1, 2, 3])], steps
 
 # --- the errors a new user meets: one clear line on stderr, a non-zero exit -------------------------
 
