@@ -468,12 +468,12 @@ class _Columns:
 def _row_ranks(ctx: _Context, registry: RunRegistry, ranks: np.ndarray, where: str) -> np.ndarray:
     """Check the ranks rows name (>= 0, inside the run's world once it is known) and note them in
     ``ctx``: the batch speaks for them, and its rows take each rank's attempt (``_Context.row_attempts``)."""
-    world = registry.run(ctx.run_id).world_size
+    run = registry.run(ctx.run_id)
+    world = run.world_size
     bad = ranks[(ranks < 0) | (ranks >= world)] if world else ranks[ranks < 0]
     if bad.size:
         inside = f"0 .. {world - 1} (the run's world)" if world else ">= 0"
         raise IngestError(f"{where}: rank {bad[0]} outside {inside}")
-    run = registry.run(ctx.run_id)
     unique, where_in = np.unique(ranks, return_inverse=True)
     ctx.ranks = tuple(int(r) for r in unique)
     ctx.row_attempts = np.array([run.attempt(r) for r in ctx.ranks], dtype=np.uint16)[where_in]

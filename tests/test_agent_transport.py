@@ -27,7 +27,7 @@ import pytest
 from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import AgentConfig, load_config
 from rankscope.agent.spool import leftovers
-from rankscope.agent.transport import Transport
+from rankscope.agent.transport import MAX_ATTEMPTS, Transport
 from rankscope.collector.client import Client
 from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 
@@ -113,7 +113,7 @@ def spool_producer(runner: ProcRunner, spool: Path, run_id: str, batches: int) -
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_agent_transport import agent_config, register, span_batch
-        from rankscope.agent.transport import Transport
+        from rankscope.agent.transport import MAX_ATTEMPTS, Transport
         t = Transport(agent_config("127.0.0.1:{free_port()}", __import__("pathlib").Path({str(spool)!r})), {run_id!r}, 0)
         t.start()
         t.submit(register())
@@ -221,7 +221,7 @@ def test_unreachable_collector_one_warning_fast_submit(proc_runner: ProcRunner, 
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from pathlib import Path
         from test_agent_transport import agent_config
-        from rankscope.agent.transport import Transport
+        from rankscope.agent.transport import MAX_ATTEMPTS, Transport
         from rankscope.protos.rankscope.v1 import telemetry_pb2
         for address in (sys.argv[1], "no-such-host.invalid:7777"):
             t = Transport(agent_config(address, Path({str(tmp_path)!r}) / address), "run", 0)
@@ -419,52 +419,44 @@ class _LosingProxy(ingest_pb2_grpc.IngestServicer):
         return ack
 
 
-def _serve(proxy: _LosingProxy) -> tuple[grpc.Server, str]:
+@pytest.fixture
+def losing_proxy(collector: Collector, request: pytest.FixtureRequest) -> Iterator[tuple[_LosingProxy, str]]:
+    """A proxy to the collector; ``request.param``: (code, failures), UNAVAILABLE once when not given."""
+    proxy = _LosingProxy(collector.address, *getattr(request, "param", ()))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     ingest_pb2_grpc.add_IngestServicer_to_server(proxy, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    return server, f"127.0.0.1:{port}"
-
-
-@pytest.fixture
-def losing_proxy(collector: Collector) -> Iterator[tuple[_LosingProxy, str]]:
-    proxy = _LosingProxy(collector.address)
-    server, address = _serve(proxy)
-    yield proxy, address
+    yield proxy, f"127.0.0.1:{port}"
     server.stop(0)
     proxy.channel.close()
 
 
-def test_a_call_the_overloaded_collector_cancelled_is_sent_again_however_often(collector: Collector, tmp_path: Path) -> None:
+def _send_one(address: str, tmp_path: Path) -> tuple[Transport, str]:
+    """One batch of a new run sent through ``address`` until acknowledged; the transport closed."""
+    run_id = run_name()
+    t = Transport(agent_config(address, tmp_path / "spool"), run_id, 0)
+    t.start()
+    t.submit(span_batch(1))
+    wait_until(lambda: t.stats().acked >= 1, 30, "the batch's ack")
+    t.close(timeout_s=30)
+    return t, run_id
+
+
+@pytest.mark.parametrize("losing_proxy", [(grpc.StatusCode.CANCELLED, MAX_ATTEMPTS + 2)], indirect=True)
+def test_a_call_the_overloaded_collector_cancelled_is_sent_again_however_often(
+    collector: Collector, losing_proxy: tuple[_LosingProxy, str], tmp_path: Path
+) -> None:
     """A gRPC server short of CPU cancels calls it cannot serve: never the batch's fault, so never dropped
     (other failures are given up after MAX_ATTEMPTS)."""
-    from rankscope.agent.transport import MAX_ATTEMPTS
-
-    proxy = _LosingProxy(collector.address, grpc.StatusCode.CANCELLED, failures=MAX_ATTEMPTS + 2)
-    server, address = _serve(proxy)
-    try:
-        run_id = run_name()
-        t = Transport(agent_config(address, tmp_path / "spool"), run_id, 0)
-        t.start()
-        t.submit(span_batch(1))
-        wait_until(lambda: t.stats().acked >= 1, 30, "the batch's ack after the cancellations")
-        t.close(timeout_s=30)
-    finally:
-        server.stop(0)
-        proxy.channel.close()
+    t, run_id = _send_one(losing_proxy[1], tmp_path)
     assert t.stats().dropped == 0 and t.stats().errors == {"CANCELLED": MAX_ATTEMPTS + 2}
     assert collector.count("spans", run_id) == EVENTS
 
 
 def test_lost_acknowledgement_resent_and_written_once(collector: Collector, losing_proxy: tuple[_LosingProxy, str], tmp_path: Path) -> None:
     proxy, address = losing_proxy
-    run_id = run_name()
-    t = Transport(agent_config(address, tmp_path / "spool"), run_id, 0)
-    t.start()
-    t.submit(span_batch(1))
-    wait_until(lambda: t.stats().acked >= 1, 30, "the resent batch's ack")
-    t.close(timeout_s=30)
+    t, run_id = _send_one(address, tmp_path)
     # The batch went twice under one id; the collector wrote it once and said so the second time.
     assert proxy.seen[0] == proxy.seen[1] and len(proxy.seen) == 2
     assert [a.duplicate for a in proxy.acks] == [False, True]
@@ -527,7 +519,7 @@ def test_forked_child_sends_nothing(collector: Collector, proc_runner: ProcRunne
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from pathlib import Path
         from test_agent_transport import agent_config, register, span_batch
-        from rankscope.agent.transport import Transport
+        from rankscope.agent.transport import MAX_ATTEMPTS, Transport
         t = Transport(agent_config({collector.address!r}, Path({str(tmp_path / "spool")!r})), {run_id!r}, 0)
         t.start()
         t.submit(register())

@@ -6,12 +6,21 @@ group G waits for the members of G that have not entered n yet; a rank blocked i
 waits for its sender (and a send for its receiver) when the peer has not posted the matching
 operation. Following these edges across tp, pp and dp groups leads to the rank(s) waiting on
 nobody: the root of the hang, the rank to look at (its stack dump is requested and attached).
+
+At 100,000 ranks every rank waits in something: the pass works on tables, an operation in flight
+a row (pandas), and on ranks as arrays, not on a Python object per rank (2.4 s a pass that way).
+Roots need no walk: every waiting rank is a start, so the ranks reached are exactly the ranks
+waited on, and the roots those of them that wait on nobody.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.incidents import Finding
@@ -73,39 +82,42 @@ def detect(ctx: RunContext) -> list[Finding]:
     advanced = int(ctx.query(ADVANCED_SQL, {"run": ctx.run_id, "step": step}).to_pylist()[0]["ns"] or last_heartbeat)
     if (last_heartbeat - advanced) / 1e9 < s.hang_after_s:
         return []
-    states = {r["rank"]: r for r in ctx.query(STATE_SQL, {"run": ctx.run_id}).to_pylist()}
-    alive = {r for r, st in states.items() if (last_heartbeat - st["time_ns"]) / 1e9 < s.silent_after_s}
+    st = _States(ctx.query(STATE_SQL, {"run": ctx.run_id}))
+    alive = (last_heartbeat - st.time_ns) / 1e9 < s.silent_after_s
     # What a rank said before the stall, or while it was still making progress, is no evidence of
     # where it is stuck: at scale heartbeats are sparse (a minute apart) and the stalled ranks
     # report one by one. Only the ranks heard from since the stall, quiet for a while by their own
     # account (no span or collective ended), wait or can be named; the others are not heard yet.
     quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
-    heard = {r for r in alive if states[r]["time_ns"] > advanced and states[r]["time_ns"] - states[r]["progress_ns"] >= quiet_ns}
-    waits = {r: _waits(states[r]) for r in heard}
-    entered = _entered(ctx, states, sorted({w.group for ws in waits.values() for w in ws}))
-    behind: dict[tuple[str, int], set[int]] = {}  # shared: thousands of ranks wait in the same collective
-    edges = {r: _blockers(ctx, r, ws, entered, behind) for r, ws in waits.items()}
-    roots = _roots(edges)
+    heard = alive & (st.time_ns > advanced) & (st.time_ns - st.progress_ns >= quiet_ns)
+    waits = _waits(st, heard)
+    entered = _entered(ctx, st, sorted({st.names[g] for g in np.unique(waits["group"])}))
+    edges = pd.concat([_collective_edges(ctx, st, waits, entered), _p2p_edges(waits, entered)]).drop_duplicates()
+    waiting = np.unique(edges["rank"].to_numpy())
+    reached = np.unique(edges["on"].to_numpy())
+    found = np.setdiff1d(reached, waiting)  # waited on, waiting on nobody
+    roots = {int(r) for r in (found if found.size or not reached.size else reached)}  # none: a cycle, all of it
     # A root gone silent while the others wait on it (no exit came) stopped answering: a frozen
     # process or host, or one cut off the network. A rank not heard since the stall but not
     # silent may be blocked too: its report is not in yet.
-    silent = {r for r in roots - alive if r in states}
+    silent = {r for r in roots if r in st.row and not alive[st.row[r]]}
     if silent:
         exits = {r["rank"]: r["time_ns"] for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
-        if silent & set(exits) or died_at(min(states[r]["time_ns"] for r in silent), exits.values(), s):
+        if silent & set(exits) or died_at(min(int(st.time_ns[st.row[r]]) for r in silent), exits.values(), s):
             return []  # a root that ended or died is a crash or a lost host (the crash detector's)
-    roots = (roots & heard) | silent
+    roots = {r for r in roots if r in st.row and heard[st.row[r]]} | silent
     if not roots:
         return []
-    waiting = sorted(r for r, out in edges.items() if out)
-    direct = [r for r in waiting if edges[r] & roots]
     root_list = sorted(roots)
-    at = {r: f"in {states[r]['phase']} at step {states[r]['step']}" for r in root_list[:MAX_NAMED]}
+    on_roots = edges[edges["on"].isin(root_list)]
+    direct = np.unique(on_roots["rank"].to_numpy())
+    at = {r: f"in {st.phase(r)} at step {st.step(r)}" for r in root_list[:MAX_NAMED]}
     where = ", ".join(f"{ctx.who(r)} {at[r]}" for r in at)
     if len(root_list) > MAX_NAMED:
         where += f" and {len(root_list) - MAX_NAMED} more ranks"
     # Where the ranks waiting directly on a root are blocked: the operations the root never entered.
-    blocked_in = sorted({f"{w.group} #{w.seq}" for r in direct for w in waits[r]})[:6]
+    in_direct = waits[waits["rank"].isin(direct)][["group", "seq"]].drop_duplicates()
+    blocked_in = sorted(f"{st.names[g]} #{q}" for g, q in zip(in_direct["group"], in_direct["seq"]))[:6]
     what = "is" if len(root_list) == 1 else "are"
     hosts = ctx.whole_hosts(silent)
     if len(hosts) == 1 and silent == roots:  # a whole host stopped answering: name the host
@@ -114,24 +126,24 @@ def detect(ctx: RunContext) -> list[Finding]:
         what = "is"
     state = "not in any collective the others wait in"
     if silent:
-        quiet_s = (last_heartbeat - max(states[r]["time_ns"] for r in silent)) / 1e9
+        quiet_s = (last_heartbeat - max(int(st.time_ns[st.row[r]]) for r in silent)) / 1e9
         state = f"silent for {quiet_s:.0f} s (frozen, stopped or cut off), {state}"
     summary = (
         f"hang: {where} {what} {state}; {len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on "
         f"{'it' if len(root_list) == 1 else 'them'} ({', '.join(blocked_in)}) since step {step}"
     )
-    shown = waiting if len(waiting) <= EVIDENCE_RANKS else direct[:EVIDENCE_RANKS]
+    shown = [int(r) for r in (waiting if len(waiting) <= EVIDENCE_RANKS else direct[:EVIDENCE_RANKS])]
     evidence = {
         "step": step,
         "stalled_for_s": round((last_heartbeat - advanced) / 1e9, 1),
         "roots": root_list,
         "waiting": len(waiting),
         "waiting_on_roots": len(direct),
-        "waits_for": {str(r): sorted(edges[r]) for r in shown},
-        "blocked_in": {str(r): [f"{w.op} {w.group} #{w.seq}" + (f" peer {w.peer}" if w.peer >= 0 else "") for w in waits[r]] for r in shown},
-        "root_phase": {str(r): states[r]["phase"] for r in root_list},
+        "waits_for": _waits_for(edges, shown),
+        "blocked_in": _blocked_in(st, waits, shown),
+        "root_phase": {str(r): st.phase(r) for r in root_list},
         "silent_roots": sorted(silent),
-        "not_heard_since_stall": len(alive - heard),
+        "not_heard_since_stall": int(alive.sum() - heard.sum()),
     }
     return [
         Finding(
@@ -149,71 +161,129 @@ def detect(ctx: RunContext) -> list[Finding]:
     ]
 
 
-def _waits(state: dict) -> list[Wait]:
-    """What a quiet rank is blocked in: the operations its thread waits in, or, when the agent saw
+class _States:
+    """Every rank's newest state (a row per rank: ``row`` maps a rank to it) and every operation in
+    flight (``ops``: a row each, with its rank's row, its group's code in ``names`` and its direction)."""
+
+    IN_FLIGHT = ("groups", "seqs", "ops", "peers", "waiting")
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.rank = table["rank"].to_numpy()
+        self.row = {int(r): i for i, r in enumerate(self.rank)}
+        self.time_ns = table["time_ns"].fill_null(0).to_numpy().astype(np.int64)
+        self.progress_ns = table["progress_ns"].fill_null(0).to_numpy().astype(np.int64)
+        self.names: list[str] = []
+        self._codes: dict[str, int] = {}
+        lists = [table[c].combine_chunks() for c in self.IN_FLIGHT]
+        # the lists of a row go together; a row whose lists differ in length keeps what all of them have
+        lengths = np.min([pc.list_value_length(x).fill_null(0).to_numpy() for x in lists], axis=0)
+        flat = []
+        for x in lists:
+            own = pc.list_value_length(x).fill_null(0).to_numpy()
+            position = np.arange(own.sum()) - np.repeat(np.cumsum(own) - own, own)
+            values = pc.list_flatten(x)
+            flat.append(values.filter(pa.array(position < np.repeat(lengths, own))))
+        groups, seqs, ops, peers, waiting = flat
+        op_codes = pc.dictionary_encode(ops)
+        sends = np.array([_direction(op) == "send" for op in op_codes.dictionary.to_pylist()], dtype=bool)
+        self.ops = pd.DataFrame({
+            "row": np.repeat(np.arange(len(self.rank)), lengths),
+            "group": self.codes(groups),
+            "seq": seqs.to_numpy(zero_copy_only=False).astype(np.int64),
+            "op": op_codes.indices.to_numpy(zero_copy_only=False),
+            "peer": peers.to_numpy(zero_copy_only=False).astype(np.int64),
+            "waiting": waiting.to_numpy(zero_copy_only=False).astype(bool),
+            "sends": sends[op_codes.indices.to_numpy(zero_copy_only=False)] if len(sends) else np.zeros(0, dtype=bool),
+        })  # fmt: skip
+        self.ops["rank"] = self.rank[self.ops["row"].to_numpy()]
+        self.op_names = op_codes.dictionary.to_pylist()
+
+    def codes(self, names: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        """Each name's code (new names get the next ones)."""
+        encoded = pc.dictionary_encode(names.combine_chunks() if isinstance(names, pa.ChunkedArray) else names)
+        lookup = np.array([self._code(n) for n in encoded.dictionary.to_pylist()], dtype=np.int64)
+        return lookup[encoded.indices.to_numpy(zero_copy_only=False)] if len(lookup) else np.zeros(len(names), dtype=np.int64)
+
+    def _code(self, name: str) -> int:
+        if name not in self._codes:
+            self._codes[name] = len(self.names)
+            self.names.append(name)
+        return self._codes[name]
+
+    def phase(self, rank: int) -> str:
+        return self.table["phase"][self.row[rank]].as_py()
+
+    def step(self, rank: int) -> int:
+        return self.table["step"][self.row[rank]].as_py()
+
+
+def _waits(st: _States, heard: np.ndarray) -> pd.DataFrame:
+    """What each quiet rank is blocked in: the operations its thread waits in, or, when the agent saw
     it wait in none, every operation it has in flight. DDP's reducer waits for its gradient
     all-reduces in C++, and on a GPU the thread blocks later, in a synchronisation: either way
     none of those operations completed while the rank made no progress."""
-    ops = [Wait(g, seq, op, peer) for g, seq, op, peer in zip(state["groups"], state["seqs"], state["ops"], state["peers"])]
-    return [w for w, waiting in zip(ops, state["waiting"]) if waiting] or ops
+    ops = st.ops[heard[st.ops["row"].to_numpy()]]
+    some_waiting = ops.groupby("row")["waiting"].transform("any")
+    return ops[ops["waiting"] | ~some_waiting]
 
 
-def _entered(ctx: RunContext, states: dict[int, dict], groups: list[str]) -> dict[tuple, int]:
-    """Highest sequence entered: (rank, group) for collectives, (rank, group, op kind, peer) for point-to-point.
+def _entered(ctx: RunContext, st: _States, groups: list[str]) -> pd.DataFrame:
+    """Highest sequence entered per (rank, group, peer, sends): peer -1 (and sends False) for a
+    collective, the peer and direction for a point-to-point. From the store for ``groups`` only
+    (those waited in); in flight, for every group."""
+    rows = ctx.query(ENTERED_SQL, {"run": ctx.run_id, "groups": groups})
+    stored = pd.DataFrame({
+        "rank": rows["rank"].to_numpy().astype(np.int64), "group": st.codes(rows["group_name"]),
+        "peer": rows["peer"].to_numpy().astype(np.int64), "sends": rows["sends"].to_numpy().astype(bool),
+        "seq": rows["seq"].to_numpy().astype(np.int64),
+    })  # fmt: skip
+    both = pd.concat([stored, st.ops[["rank", "group", "peer", "sends", "seq"]]], ignore_index=True)
+    both.loc[both["peer"] < 0, "sends"] = False
+    return both.groupby(["rank", "group", "peer", "sends"], as_index=False)["seq"].max()
 
-    From the store for ``groups`` only (those waited in); in flight, for every group.
-    """
-    entered: dict[tuple, int] = defaultdict(int)
 
-    def note(rank: int, group: str, peer: int, sends: bool, seq: int) -> None:
-        key = (rank, group) if peer < 0 else (rank, group, "send" if sends else "recv", peer)
-        entered[key] = max(entered[key], seq)
+def _collective_edges(ctx: RunContext, st: _States, waits: pd.DataFrame, entered: pd.DataFrame) -> pd.DataFrame:
+    """(rank, on): a rank blocked in collective n of a group waits on the members that have not entered n."""
+    blocked = waits[waits["peer"] < 0][["rank", "group", "seq"]]
+    keys = blocked[["group", "seq"]].drop_duplicates()
+    codes = np.unique(keys["group"].to_numpy())
+    sizes = [len(ctx.groups.get(st.names[g], ())) for g in codes]
+    members = pd.DataFrame({
+        "group": np.repeat(codes, sizes),
+        "on": np.fromiter((m for g in codes for m in ctx.groups.get(st.names[g], ())), dtype=np.int64, count=sum(sizes)),
+    })  # fmt: skip
+    has = entered[entered["peer"] < 0][["rank", "group", "seq"]].rename(columns={"rank": "on", "seq": "has"})
+    behind = keys.merge(members, on="group").merge(has, on=["on", "group"], how="left")
+    behind = behind[behind["has"].fillna(0).to_numpy() < behind["seq"].to_numpy()][["group", "seq", "on"]]
+    edges = blocked.merge(behind, on=["group", "seq"])
+    return edges[edges["rank"] != edges["on"]][["rank", "on"]]
 
-    rows = ctx.query(ENTERED_SQL, {"run": ctx.run_id, "groups": groups}).to_pydict()
-    for rank, group, peer, sends, seq in zip(rows["rank"], rows["group_name"], rows["peer"], rows["sends"], rows["seq"]):
-        note(rank, group, peer, sends, seq)
-    for rank, st in states.items():  # in flight counts as entered, waiting or launched
-        for g, seq, op, peer in zip(st["groups"], st["seqs"], st["ops"], st["peers"]):
-            note(rank, g, int(peer), _direction(op) == "send", int(seq))
-    return entered
+
+def _p2p_edges(waits: pd.DataFrame, entered: pd.DataFrame) -> pd.DataFrame:
+    """(rank, on): a rank blocked in a send waits on its receiver, a receive on its sender, until the
+    peer has posted the matching operation (sequence numbers count per direction and pair)."""
+    blocked = waits[waits["peer"] >= 0][["rank", "group", "seq", "peer", "sends"]].assign(opposite=lambda w: ~w["sends"])
+    posted = entered[entered["peer"] >= 0].rename(columns={"rank": "peer", "peer": "rank", "sends": "opposite", "seq": "has"})
+    joined = blocked.merge(posted, on=["peer", "group", "rank", "opposite"], how="left")
+    late = joined[joined["has"].fillna(0).to_numpy() < joined["seq"].to_numpy()]
+    return late[["rank", "peer"]].rename(columns={"peer": "on"})
+
+
+def _waits_for(edges: pd.DataFrame, ranks: list[int]) -> dict[str, list[int]]:
+    some = edges[edges["rank"].isin(ranks)]
+    out = {str(r): [] for r in ranks}
+    for r, on in some.groupby("rank")["on"]:
+        out[str(r)] = sorted(int(x) for x in on)
+    return out
+
+
+def _blocked_in(st: _States, waits: pd.DataFrame, ranks: list[int]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {str(r): [] for r in ranks}
+    for w in waits[waits["rank"].isin(ranks)].itertuples():
+        out[str(w.rank)].append(f"{st.op_names[w.op]} {st.names[w.group]} #{w.seq}" + (f" peer {w.peer}" if w.peer >= 0 else ""))
+    return out
 
 
 def _direction(op: str) -> str:
     return "send" if "send" in op.rsplit(":", 1)[-1] else "recv"
-
-
-def _blockers(
-    ctx: RunContext, rank: int, waits: list[Wait], entered: dict[tuple, int], behind: dict[tuple[str, int], set[int]]
-) -> set[int]:
-    """The ranks that have not entered an operation ``rank`` is blocked in.
-
-    ``behind`` caches, per collective (group, seq), the members that have not entered it.
-    """
-    out: set[int] = set()
-    for w in waits:
-        if w.peer >= 0:
-            opposite = "recv" if _direction(w.op) == "send" else "send"
-            if entered.get((w.peer, w.group, opposite, rank), 0) < w.seq:
-                out.add(w.peer)
-            continue
-        key = (w.group, w.seq)
-        if key not in behind:
-            behind[key] = {m for m in ctx.groups.get(w.group, []) if entered.get((m, w.group), 0) < w.seq}
-        out |= behind[key] - {rank}
-    return out
-
-
-def _roots(edges: dict[int, set[int]]) -> set[int]:
-    """Ranks reached from the waiting ranks that wait on nobody (or, in a cycle, the whole cycle)."""
-    reached: set[int] = set()
-    stack = [r for r, out in edges.items() if out]
-    while stack:
-        r = stack.pop()
-        for nxt in edges.get(r, set()):
-            if nxt not in reached:
-                reached.add(nxt)
-                stack.append(nxt)
-    roots = {r for r in reached if not edges.get(r)}
-    if roots or not reached:
-        return roots
-    return reached  # everybody reached waits on somebody: a cycle

@@ -73,11 +73,11 @@ def detect(ctx: RunContext) -> list[Finding]:
     for x, wall in series:
         info = _slow_episode(x, wall, started, s)
         if info is not None and (x.rank not in slow or info["ratio"] > slow[x.rank]["ratio"]):
-            slow[x.rank] = info
+            slow[x.rank] = {**info, "segments": window.names if x.segment == STEP_COMPUTE else [x.segment]}
     if not slow:
         return []
     arrivals = _arrivals(ctx, first_step, sorted(slow))
-    return _findings(ctx, slow, arrivals, window.names)
+    return _findings(ctx, slow, arrivals)
 
 
 def _slow_series(ctx: RunContext, window: SegmentWindow, first_step: int, last_step: int, *, wall: bool) -> list[tuple[Series, bool]]:
@@ -101,7 +101,8 @@ def _min_steps(s: Settings, wall: bool) -> int:
 
 def _slow_episode(x: Series, wall: bool, started: dict[tuple[int, str, int], int], s: Settings) -> dict | None:
     """The series' slow episode if it is slow lately: {segment, measure, ratio, threshold, since_step,
-    since_ns, last_ns, steps}; None when it was not slow often enough lately, or is no longer."""
+    since_ns, last_ns, steps} (``detect`` adds the segments it sums); None when it was not slow often
+    enough lately, or is no longer."""
     min_steps = _min_steps(s, wall)
     recent = x.points[-s.straggler_window :]
     slow = [p for p in recent if p[1] >= p[4]]
@@ -142,7 +143,7 @@ def _arrivals(ctx: RunContext, first_step: int, ranks: list[int]) -> dict[int, t
     return {r: (n, last) for r, n, last in zip(table["rank"], table["collectives"], table["last"])}
 
 
-def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[int, int]], names: list[str]) -> list[Finding]:
+def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[int, int]]) -> list[Finding]:
     slow_hosts = ctx.whole_hosts(slow)
     findings: list[Finding] = []
     for host in sorted(slow_hosts):
@@ -151,23 +152,21 @@ def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[
         info = slow[worst]
         summary = (f"host {host}: ranks {', '.join(map(str, ranks))} are all slower than their stage peers; "
                    f"{ctx.who(worst)} {info['segment']} {_pct(info['ratio'])} slower since step {info['since_step']}")  # fmt: skip
-        found = _finding(ctx, f"straggler:host={host}", ranks, info, arrivals, summary, names)
+        found = _finding(ctx, f"straggler:host={host}", ranks, info, arrivals, summary)
         findings.append(replace(found, absorbs=tuple(f"straggler:rank={r}" for r in sorted(ranks, key=lambda r: slow[r]["since_step"]))))
     for rank in sorted(r for r in slow if ctx.host.get(r) not in slow_hosts):
         info = slow[rank]
         summary = f"{ctx.who(rank)}: {info['segment']} {_pct(info['ratio'])} slower than its stage peers since step {info['since_step']}"
-        found = _finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary, names)
+        found = _finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary)
         # a rank of a host named before, alone now (its host-mate's slowness dipped): the same fault
         host = ctx.host.get(rank)
         findings.append(replace(found, absorbs=(f"straggler:host={host}",)) if host else found)
     return findings
 
 
-def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: dict[int, tuple[int, int]], summary: str,
-             names: list[str]) -> Finding:  # fmt: skip
-    """``names``: the segments of the window (what a ``STEP_COMPUTE`` series sums)."""
+def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: dict[int, tuple[int, int]], summary: str) -> Finding:
     stage_ranks = sorted(r for r, st in ctx.stage.items() if st == ctx.stage.get(ranks[0], 0))
-    segments = names if info["segment"] == STEP_COMPUTE else [info["segment"]]
+    segments = info["segments"]
     evidence = {
         "segment": info["segment"],
         "segments": segments,

@@ -10,6 +10,7 @@ together: one batch per ``ranks_per_batch`` ranks, its rows naming their rank.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -244,14 +245,13 @@ class Worker:
         self.sent[cohort] = new[-1].step
         per = self.plan.cadence.ranks_per_batch
         first, last = int(self.bounds[cohort]), int(self.bounds[cohort + 1])
+        payload_of = {"spans": payloads.spans, "collectives": functools.partial(payloads.collectives, self.topo)}
         for a in range(first, last, per):
             b = min(a + per, last)
-            ranks, cols = _rows_of([blk.spans.take(a, b) for blk in new], self.lo + a)
-            if len(ranks):
-                self._send(payloads.spans(ranks, cols), int(ranks[0]), "spans", len(ranks))
-            ranks, cols = _rows_of([blk.collectives.take(a, b) for blk in new], self.lo + a)
-            if len(ranks):
-                self._send(payloads.collectives(self.topo, ranks, cols), int(ranks[0]), "collectives", len(ranks))
+            for kind, payload in payload_of.items():  # a block holds each kind's rows under that name
+                ranks, cols = _rows_of([getattr(blk, kind).take(a, b) for blk in new], self.lo + a)
+                if len(ranks):
+                    self._send(payload(ranks, cols), int(ranks[0]), kind, len(ranks))
         mine = [k for k, i in enumerate(self.slice.reporters) if first <= i < last]
         with_metrics = [blk for blk in new if blk.metrics is not None]
         if mine and with_metrics:
