@@ -50,7 +50,8 @@ def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: 
     """
     after_hang_ns = hang.first_seen_ns if hang is not None else None
     exits = {r["rank"]: r for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
-    last_beat = {r["rank"]: r["last_ns"] for r in ctx.query(HEARTBEATS_SQL, {"run": ctx.run_id}).to_pylist()}
+    beats = ctx.query(HEARTBEATS_SQL, {"run": ctx.run_id}).to_pydict()  # a row per rank: columns, not 100,000 dicts
+    last_beat = dict(zip(beats["rank"], beats["last_ns"]))
     for rank, heard_ns in (heard or {}).items():
         last_beat[rank] = max(last_beat.get(rank, 0), heard_ns)
     abnormal = sorted((r for r in exits.values() if r["reason"] != "normal"), key=lambda r: r["time_ns"])
