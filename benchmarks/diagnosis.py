@@ -27,11 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from rankscope.collector.diagnosis.scenarios import FAULT_START_SQL
-from rankscope.collector.orchestration import CLI, start, start_collector, stop
+from rankscope.collector.orchestration import CLI, free_port, start, start_collector, stop
 
 STRAGGLER = (3000, 1.3, 4)  # rank, factor, from step
 HANG_RANK = 7777
@@ -90,9 +91,10 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     store = work / "store"
     # The cadence the published numbers were measured with (the defaults were 1 s and 2 s then), and
     # full priority: the simulator stands in for a cluster, the collector for a machine of its own.
+    metrics_port = free_port()
     collector, address = start_collector(store, work / "collector.log", "--hang-after", str(HANG_AFTER_S),
                                          "--silent-after", f"{silent_after:.0f}", "--flush-interval", "1",
-                                         "--diagnose-every", "2", "--nice", "0")  # fmt: skip
+                                         "--diagnose-every", "2", "--nice", "0", "--metrics-port", str(metrics_port))  # fmt: skip
     inject = f"straggler:rank={STRAGGLER[0]},factor={STRAGGLER[1]},from_step={STRAGGLER[2]};hang:rank={HANG_RANK},step={hang_step}"
     sim_log = work / "simulate.log"
     sim = start([*CLI, "simulate", "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--steps", str(hang_step + 20),
@@ -103,6 +105,7 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     try:
         found = wait_for_incidents(client, run_id, hang_step * args.step_time + 600, sim, sim_log, log)
         straggler_start = client.query(FAULT_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
+        live_passes = _live_passes(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         client.close()
         stop(sim, 30)  # SIGTERM: the workers stop and print their totals
@@ -111,6 +114,7 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     rows = ["| measure | value |", "|---|---|"]
     rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
     rows += _incident_rows(found, straggler_start)
+    rows.append(f"| live diagnosis passes while it ran (the collector's rankscope_diagnosis_pass_seconds) | {live_passes} |")
     # Each detector over the stored run, nothing else running: the collector again, without diagnosis.
     # Without the query limits: the live diagnosis reads the store directly, this client reads a
     # million rows and more at 100,000 ranks (the straggler's window).
@@ -121,6 +125,18 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     finally:
         stop(collector, 60)
     return rows
+
+
+def _live_passes(metrics_url: str) -> str:
+    """How many live passes the collector made and how long they took: mean, and the bucket of the slowest."""
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rankscope_diagnosis_pass")}
+    count = values.get("rankscope_diagnosis_pass_seconds_count", 0.0)
+    if not count:
+        return "none"
+    buckets = sorted((float(key.split('le="')[1].rstrip('"}')), n) for key, n in values.items() if "_bucket{" in key)
+    slowest = next(le for le, n in buckets if n >= count)
+    return f"{count:.0f}, {values['rankscope_diagnosis_pass_seconds_sum'] / count:.1f} s on average, the slowest under {slowest:g} s"
 
 
 def _ingest_rows(sim_output: str, world: int, cadence: object) -> list[str]:

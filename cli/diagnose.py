@@ -3,13 +3,17 @@
 The same detectors the collector runs live, read through the collector (default), a ClickHouse
 server or an embedded store. ``--format json`` prints exactly one JSON array on stdout.
 Exit status: 0 (incidents or not), 1 when the data cannot be reached, 2 for an unknown run.
+Telemetry that ended processes left unsent in this host's spool (RANKSCOPE_SPOOL_DIR) is not in
+the store yet: a line on stderr says so, and how to send it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from rankscope.cli import source
 from rankscope.cli.args import add_thresholds, thresholds
@@ -32,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.collector.diagnosis.engine import diagnose
     from rankscope.collector.diagnosis.incidents import Ledger, headline
 
+    _warn_unsent()
     try:
         reader = source.open_reader(args)
         try:
@@ -72,3 +77,19 @@ def run(args: argparse.Namespace) -> int:
 def _latest(reader: object) -> str | None:
     rows = reader.query(LATEST_RUN_SQL, {}).to_pylist()  # type: ignore[attr-defined]
     return rows[0]["run_id"] if rows else None
+
+
+def _warn_unsent() -> None:
+    """One line on stderr when ended processes left telemetry in this host's spool (a collector that
+    was away or too busy to acknowledge): the run may be missing it."""
+    from rankscope.agent.config import default_spool_dir
+    from rankscope.agent.spool import leftovers
+
+    directory = Path(os.environ.get("RANKSCOPE_SPOOL_DIR") or default_spool_dir())
+    try:
+        left = leftovers(directory) if directory.is_dir() else []
+    except OSError:
+        return  # another user's directory, say: nothing to tell from here
+    if left:
+        print(f"rankscope diagnose: {len(left)} spool segment file(s) in {directory} hold telemetry not sent yet: "
+              f"runs may be missing it (`rankscope spool replay {directory}` sends it)", file=sys.stderr)  # fmt: skip

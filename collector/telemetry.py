@@ -65,6 +65,12 @@ class Telemetry:
             "rankscope_insert_seconds", "Duration of one insert into the store, per table.", ["table"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.diagnosis_seconds = Histogram(
+            "rankscope_diagnosis_pass_seconds",
+            "Duration of one live diagnosis pass over the active runs: a fault is named up to two of them after its evidence is "
+            "stored (a long pass is followed by as long a rest).",
+            buckets=(*_LATENCY_BUCKETS, 30.0, 60.0), registry=self.registry,
+        )  # fmt: skip
         connected = Gauge(
             "rankscope_connected_ranks", f"Distinct (run, rank) that sent a batch in the last {CONNECTED_WINDOW_S:.0f} s.",
             registry=self.registry,

@@ -327,6 +327,18 @@ def test_spool_replay_command_and_duplicates(collector: Collector, proc_runner: 
     assert leftovers(spool) == [] and leftovers(copy) == []
 
 
+
+def test_diagnose_says_when_telemetry_waits_in_this_hosts_spool(collector: Collector, proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """A run whose every batch is still in the spool is unknown to the store: diagnose says why it may be."""
+    run_id = run_name()
+    spool = tmp_path / "spool"
+    spool_producer(proc_runner, spool, run_id, batches=2)
+    command = [sys.executable, "-m", "rankscope.cli.main", "diagnose", "--run", run_id, "--collector", collector.address, "--token", TOKEN]
+    done = proc_runner.start(command, env={"RANKSCOPE_SPOOL_DIR": str(spool)}, name="diagnose")
+    assert done.wait(120) == 2, done.output()
+    assert f"spool segment file(s) in {spool} hold telemetry not sent yet" in done.stderr, done.output()
+    assert f"`rankscope spool replay {spool}` sends it" in done.stderr and f"no run {run_id!r}" in done.stderr, done.output()
+
 def test_spool_drops_oldest_first_when_full(collector: Collector, tmp_path: Path) -> None:
     run_id = run_name()
     spool = tmp_path / "spool"

@@ -83,7 +83,11 @@ def test_rankscope_train_sends_what_its_ranks_left_in_the_spool(proc_runner: Pro
     from rankscope.collector.client import Client
 
     with Client(collector.target) as client:
-        runs = client.query("SELECT run_id, argMax(status, updated) AS status FROM runs GROUP BY run_id").to_pylist()
+        status_sql = "SELECT run_id, argMax(status, updated) AS status FROM runs GROUP BY run_id"
+        runs, deadline = client.query(status_sql).to_pylist(), time.monotonic() + 30
+        while runs and runs[0]["status"] == "running" and time.monotonic() < deadline:  # the status follows the ends' flush
+            time.sleep(0.5)
+            runs = client.query(status_sql).to_pylist()
         assert [r["status"] for r in runs] == ["finished"], runs
         steps = client.query("SELECT rank, groupUniqArray(step) AS steps FROM step_metrics WHERE run_id = {run:String} GROUP BY rank "
                              "ORDER BY rank", {"run": runs[0]["run_id"]}).to_pylist()  # fmt: skip
@@ -112,8 +116,9 @@ PLAIN_ERRORS = [
 def _one_line(argv: list[str], status: int, says: str, tmp_path: Path, timeout_s: float = 60) -> None:
     import subprocess
 
+    env = {**os.environ, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool")}  # not this machine's: diagnose would mention what is left there
     done = subprocess.run([str(Path(sys.executable).parent / "rankscope"), *argv], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=timeout_s, stdin=subprocess.DEVNULL)  # fmt: skip
+                          cwd=tmp_path, timeout=timeout_s, stdin=subprocess.DEVNULL, env=env)  # fmt: skip
     lines = done.stderr.splitlines()
     assert done.returncode == status and len(lines) == 1, (done.returncode, done.stdout, done.stderr)
     assert re.search(says, lines[0]) and lines[0].startswith("rankscope"), lines

@@ -88,6 +88,7 @@ class LiveDiagnosis:
     same store wrote); its topology is read again after a rank registered, or ``recheck_s``.
     A pass longer than ``interval_s`` (a run of 100,000 ranks) is followed by a rest as long as
     itself: the passes hold the interpreter half the time at most, and ingest keeps up.
+    ``on_pass(seconds)`` hears how long each pass took (the collector's metrics).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class LiveDiagnosis:
         webhook: str | None = None,
         stored: Callable[[str], tuple[int, int]] | None = None,
         heard: LastHeard | None = None,
+        on_pass: Callable[[float], None] | None = None,
     ) -> None:
         self.query = query
         self.write = write
@@ -110,6 +112,7 @@ class LiveDiagnosis:
         self.webhook = webhook
         self.stored = stored
         self.heard = heard
+        self.on_pass = on_pass
         self.recheck_s = max(interval_s, settings.silent_after_s / 3)
         self.ledgers: dict[str, Ledger] = {}
         self._passed: dict[str, tuple[tuple[int, int], float]] = {}  # run -> stored() and time.monotonic() at its last pass
@@ -127,6 +130,11 @@ class LiveDiagnosis:
             except Exception as e:  # diagnosis must never take the collector down
                 self._warn_once("pass", f"rankscope diagnosis: a pass failed: {e}")
             took = time.monotonic() - started
+            if self.on_pass is not None:
+                self.on_pass(took)
+            if took > self.interval_s:
+                self._warn_once("slow", f"rankscope diagnosis: a pass took {took:.1f} s, more than the {self.interval_s:g} s between "
+                                "passes; faults are named later (rankscope_diagnosis_pass_seconds on --metrics-port tracks it)")  # fmt: skip
             delay = max(0.1, self.interval_s - took, took)  # a long pass is followed by as long a rest: ingest gets its turn
             try:
                 await asyncio.wait_for(stop.wait(), delay)
