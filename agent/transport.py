@@ -458,11 +458,9 @@ class Transport:
             self._down_since = time.monotonic()
             self._outage = (self._stats.spooled, self._stats.dropped)
             self._backoff_s = BACKOFF_FIRST_S
-            warn_once(
-                f"down:{self.config.collector}:{code}",
-                f"cannot reach the collector at {self.config.collector} ({code}: {details}); "
-                f"training goes on, telemetry is spooled to {self.config.spool_dir} and replayed when it is back",
-            )
+            then = (f"training goes on, telemetry is spooled to {self.config.spool_dir} and replayed when it is back" if self.run_id
+                    else f"what is not sent stays in {self.config.spool_dir}")  # a replay of leftovers: no run of its own  # fmt: skip
+            warn_once(f"down:{self.config.collector}:{code}", f"cannot reach the collector at {self.config.collector} ({code}: {details}); {then}")
         else:
             self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
         self._next_probe = time.monotonic() + self._backoff_s * random.uniform(0.5, 1.0)
