@@ -129,14 +129,16 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
 
 def _live_passes(metrics_url: str) -> str:
     """How many live passes the collector made and how long they took: mean, and the bucket of the slowest."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rankscope_diagnosis_pass")}
-    count = values.get("rankscope_diagnosis_pass_seconds_count", 0.0)
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "rankscope_diagnosis_pass_seconds")
+    values = {(x.name, x.labels.get("le")): x.value for x in family.samples}
+    count = values[("rankscope_diagnosis_pass_seconds_count", None)]
     if not count:
         return "none"
-    buckets = sorted((float(key.split('le="')[1].rstrip('"}')), n) for key, n in values.items() if "_bucket{" in key)
-    slowest = next(le for le, n in buckets if n >= count)
-    return f"{count:.0f}, {values['rankscope_diagnosis_pass_seconds_sum'] / count:.1f} s on average, the slowest under {slowest:g} s"
+    slowest = min(float(le) for (name, le), n in values.items() if name.endswith("_bucket") and n >= count)
+    return f"{count:.0f}, {values[('rankscope_diagnosis_pass_seconds_sum', None)] / count:.1f} s on average, the slowest under {slowest:g} s"
 
 
 def _ingest_rows(sim_output: str, world: int, cadence: object) -> list[str]:

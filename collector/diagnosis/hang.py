@@ -176,14 +176,13 @@ class _States:
         self.names: list[str] = []
         self._codes: dict[str, int] = {}
         lists = [table[c].combine_chunks() for c in self.IN_FLIGHT]
+        own = [pc.list_value_length(x).fill_null(0).to_numpy() for x in lists]
         # the lists of a row go together; a row whose lists differ in length keeps what all of them have
-        lengths = np.min([pc.list_value_length(x).fill_null(0).to_numpy() for x in lists], axis=0)
+        lengths = np.min(own, axis=0)
         flat = []
-        for x in lists:
-            own = pc.list_value_length(x).fill_null(0).to_numpy()
-            position = np.arange(own.sum()) - np.repeat(np.cumsum(own) - own, own)
-            values = pc.list_flatten(x)
-            flat.append(values.filter(pa.array(position < np.repeat(lengths, own))))
+        for x, n in zip(lists, own):
+            position = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+            flat.append(pc.list_flatten(x).filter(pa.array(position < np.repeat(lengths, n))))
         groups, seqs, ops, peers, waiting = flat
         op_codes = pc.dictionary_encode(ops)
         sends = np.array([_direction(op) == "send" for op in op_codes.dictionary.to_pylist()], dtype=bool)
