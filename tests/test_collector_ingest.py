@@ -268,6 +268,21 @@ def test_a_registration_delivered_after_a_newer_one_or_the_ranks_end_changes_not
     assert not registry.has_ended("r", 0)
 
 
+
+def test_ends_delivered_before_the_registrations_still_finish_the_run() -> None:
+    """A spool replayed beside the calls a frozen collector held can deliver every rank's end before
+    the registration that tells the world's size: the run is finished once that size is known."""
+    registry = RunRegistry()
+    before = time.time_ns() - 10**9
+    assert "runs" not in _decode(end("r", 0), registry).parts and "runs" not in _decode(end("r", 1), registry).parts
+    assert "runs" not in _decode(register("r", 0, 3, time_ns=before), registry).parts  # rank 2 has not ended
+    assert _decode(end("r", 2), registry).parts["runs"].to_pylist()[0]["status"] == "finished"  # the last of the 3
+    registry = RunRegistry()
+    for rank in (0, 1):
+        _decode(end("r", rank), registry)
+    first = _decode(register("r", 1, 2, time_ns=before), registry).parts
+    assert first["runs"].to_pylist()[0]["status"] == "finished" and registry.has_ended("r", 1)
+
 def test_a_ranks_only_registration_replayed_after_its_end_is_stored_without_reopening_it() -> None:
     """A busy rank's registration can still be in its spool when its end goes out live; replayed
     later it is the only record of the rank's host and place, so it is stored, but the rank stays ended."""

@@ -81,7 +81,13 @@ def test_rankscope_train_sends_what_its_ranks_left_in_the_spool(proc_runner: Pro
     from rankscope.collector.client import Client
 
     with Client(collector.target) as client:
-        (run,) = [r["run_id"] for r in client.query("SELECT DISTINCT run_id FROM runs").to_pylist()]
+        status_sql = "SELECT run_id, argMax(status, updated) AS status FROM runs GROUP BY run_id"
+        runs, deadline = client.query(status_sql).to_pylist(), time.monotonic() + 30
+        while runs and runs[0]["status"] == "running" and time.monotonic() < deadline:  # the status follows the ends' flush
+            time.sleep(0.5)
+            runs = client.query(status_sql).to_pylist()
+        assert [r["status"] for r in runs] == ["finished"], runs
+        run = runs[0]["run_id"]
         steps = client.query("SELECT rank, groupUniqArray(step) AS steps FROM step_metrics WHERE run_id = {run:String} GROUP BY rank "
                              "ORDER BY rank", {"run": run}).to_pylist()  # fmt: skip
         ends = client.query("SELECT rank, reason FROM exits WHERE run_id = {run:String} ORDER BY rank", {"run": run}).to_pylist()
