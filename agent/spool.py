@@ -12,7 +12,9 @@ process: its segments are left over, and the next spool in that directory adopts
 (``adopt_leftovers``) and replays them before its own. The lock file is created under a
 temporary name and renamed once locked, so nobody can mistake a starting owner for a dead one.
 
-All methods are called from one thread (the transport's sender).
+All methods are called from one thread (the transport's sender). Files are opened unbuffered: a
+buffered file holds a lock while it reads or writes, and a process forked meanwhile (a data-loader
+worker) would wait on that lock for ever when it lets go of its copy (``forget_after_fork``).
 """
 
 from __future__ import annotations
@@ -149,10 +151,7 @@ class Spool:
             return 1, events
         while self._segments and self.size_bytes + record_size > self.max_bytes:
             dropped = _add(dropped, self._drop_oldest())
-        writer = self._current_writer()
-        writer.write(HEADER.pack(len(data), events))
-        writer.write(data)
-        writer.flush()  # the reader has its own handle
+        _write_all(self._current_writer(), HEADER.pack(len(data), events) + data)
         segment = self._segments[-1]
         segment.size += record_size
         if segment.size >= self.segment_bytes:
@@ -211,7 +210,7 @@ class Spool:
                 self._lock = _OwnerLock.create(self.directory, self.owner)
             path = self.directory / f"{self.owner}.{self._next_index:06d}.seg"
             self._next_index += 1
-            self._writer = open(path, "wb")  # noqa: SIM115 - kept open across appends
+            self._writer = open(path, "wb", buffering=0)  # noqa: SIM115 - kept open across appends
             self._segments.append(Segment(path, self._lock, adopted=False))
         return self._writer
 
@@ -225,13 +224,13 @@ class Spool:
         if segment.read_at + HEADER.size > segment.size:
             return None
         if segment.reader is None:
-            segment.reader = open(segment.path, "rb")  # noqa: SIM115 - kept open while read
+            segment.reader = open(segment.path, "rb", buffering=0)  # noqa: SIM115 - kept open while read
         segment.reader.seek(segment.read_at)
-        header = segment.reader.read(HEADER.size)
+        header = _read_up_to(segment.reader, HEADER.size)
         if len(header) < HEADER.size:
             return None
         length, events = HEADER.unpack(header)
-        data = segment.reader.read(length)
+        data = _read_up_to(segment.reader, length)
         if len(data) < length:  # cut short by a crash while writing: the rest is lost
             segment.size = segment.read_at
             return None
@@ -284,6 +283,24 @@ def leftovers(directory: Path) -> list[Path]:
             found += sorted(directory.glob(f"{glob.escape(lock_path.name[: -len('.lock')])}.*.seg"))
             lock.release(delete=False)
     return found
+
+
+def _write_all(file: BinaryIO, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[file.write(view) :]
+
+
+def _read_up_to(file: BinaryIO, size: int) -> bytes:
+    """``size`` bytes, fewer only at the end of the file (an unbuffered read may return less)."""
+    parts, left = [], size
+    while left > 0:
+        part = file.read(left)
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import pytest
 
 from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import AgentConfig, load_config
-from rankscope.agent.spool import leftovers
+from rankscope.agent.spool import Spool, leftovers
 from rankscope.agent.transport import MAX_ATTEMPTS, Transport
 from rankscope.collector.client import Client
 from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
@@ -262,6 +262,38 @@ def test_unwritable_spool_drops_and_says_so(tmp_path: Path, caplog: pytest.LogCa
     assert stats.spooled == 0 and (stats.dropped, stats.dropped_events) == (3, 3 * EVENTS), stats
     (said,) = [r.getMessage() for r in caplog.records if "cannot write the spool" in r.getMessage()]
     assert str(blocker / "spool") in said
+
+
+@pytest.mark.timeout(60)
+def test_a_process_forked_while_the_spool_writes_lets_go_of_it(tmp_path: Path) -> None:
+    """A data-loader worker forked while the sender is inside a spool write must not wait on the parent's file.
+
+    The segment is a FIFO nobody reads (a disk that stalls): the sender thread stays inside its write.
+    """
+    spool = Spool(tmp_path, "owner", max_bytes=1 << 30)
+    os.mkfifo(tmp_path / "owner.000000.seg")
+    drain = os.open(tmp_path / "owner.000000.seg", os.O_RDONLY | os.O_NONBLOCK)  # lets the writer open it
+    writing = threading.Thread(target=spool.append, args=(b"x" * (1 << 20), 1), daemon=True)
+    writing.start()
+    time.sleep(0.5)  # the pipe (64 KiB) is full: the write blocks
+    child = os.fork()
+    if child == 0:
+        spool.forget_after_fork()
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    while writing.is_alive():  # let the parent's write finish
+        try:
+            os.read(drain, 1 << 16)
+        except BlockingIOError:
+            time.sleep(0.01)
+    os.close(drain)
+    assert done[0] == child, "the forked child is stuck letting go of the spool's file"
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 @pytest.mark.slow

@@ -388,6 +388,14 @@ def _step_times(store: Path, run_id: str) -> dict[int, float]:
     return {int(r["step"]): float(r["s"]) * 1e3 for r in rows}  # type: ignore[union-attr]
 
 
+def _compute_times(store: Path, run_id: str, rank: int) -> dict[int, float]:
+    """A rank's forward and backward time per step, in ms."""
+    rows = _json("sql", "--store", str(store), "--format", "json", "--param", f"run={run_id}", "--param", f"rank={rank}",
+                 "SELECT step, sum(total_ns) AS ns FROM step_segments WHERE run_id = {run:String} AND rank = {rank:UInt32} "
+                 "AND name IN ('forward', 'backward') GROUP BY step")  # fmt: skip
+    return {int(r["step"]): float(r["ns"]) / 1e6 for r in rows}  # type: ignore[union-attr]
+
+
 #: each step's critical path in one process (``rankscope anatomy --step`` is one process per step)
 PATHS_SCRIPT = """
 import json, sys
@@ -410,15 +418,17 @@ def test_a_stragglers_cost_is_what_it_adds_to_the_step_against_a_clean_run(strag
     """The straggler's cost on the critical path of each slow step against the step time it added over a clean run.
 
     The two runs follow each other on a machine shared with other work, whose load moves step times
-    by a factor of two within a minute, so: the clean run's steps are scaled by how the two runs'
-    steps compared before the fault (the same work then); each slow step's time less its cost is
-    what the step would have taken without the straggler, under that step's own load; their median
-    is compared with the scaled clean run's. The tolerance is 10% of the time added, or three
-    standard errors of the comparison (from how the steps of each window vary) where that is more.
+    by a factor of two within a minute, and the straggler's own extra work slows its peer's compute
+    (they share two cores): the clean run's steps are scaled by how much slower the peer computed in
+    the same steps of the straggler run (the machine's load then, as the peer felt it). Each slow
+    step's time less its cost is what the step would have taken had the straggler been as fast as its
+    peer; their median is compared with the scaled clean run's. The tolerance is 10% of the time
+    added, or three standard errors of the comparison (from how the steps of each window vary) where
+    that is more.
     """
     store, clean_id, straggler_id = straggler_runs
     rank, _, from_step = STRAGGLER
-    before, after = range(2, from_step), range(from_step, STRAGGLER_STEPS)  # step 1 warms up; the last one shuts down
+    after = range(from_step, STRAGGLER_STEPS)  # the last step shuts down
     done = subprocess.run([sys.executable, "-c", PATHS_SCRIPT, str(store), straggler_id, *map(str, after)],
                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -428,13 +438,14 @@ def test_a_stragglers_cost_is_what_it_adds_to_the_step_against_a_clean_run(strag
     assert len(on_path) >= 0.75 * len(paths), paths
     costs = {step: path["cost_ms"].get(str(rank), 0.0) for step, path in paths.items()}
     clean, slow = _step_times(store, clean_id), _step_times(store, straggler_id)
-    (sb, se_sb), (cb, se_cb) = _median_se(slow[s] for s in before), _median_se(clean[s] for s in before)
+    peer = 1 - rank
+    (sp, se_sp), (cp, se_cp) = (_median_se(_compute_times(store, run, peer)[s] for s in after) for run in (straggler_id, clean_id))
     (ca, se_ca) = _median_se(clean[s] for s in after)
     (without, se_without) = _median_se(slow[s] - costs[s] for s in after)  # each slow step less its straggler's cost
-    load = sb / cb  # how much slower the straggler run's machine was than the clean run's before the fault
+    load = sp / cp  # how much slower the peer computed beside the straggler than in the clean run
     expected = load * ca  # the clean run's step under the straggler run's load
     added = statistics.median(slow[s] for s in after) - expected
-    se = (se_without**2 + (load * se_ca) ** 2 + (expected * ((se_sb / sb) ** 2 + (se_cb / cb) ** 2) ** 0.5) ** 2) ** 0.5
+    se = (se_without**2 + (load * se_ca) ** 2 + (expected * ((se_sp / sp) ** 2 + (se_cp / cp) ** 2) ** 0.5) ** 2) ** 0.5
     tolerance = max(0.10 * added, 3 * se)
     detail = (f"slow steps less the straggler's cost: {without:.1f} ms against the clean run's {ca:.1f} x {load:.2f} (load) = "
               f"{expected:.1f} ms: off by {without - expected:+.1f} ms of the {added:.1f} ms added ({(without - expected) / added:+.0%}); "

@@ -100,7 +100,7 @@ def test_an_empty_store_says_there_are_no_runs_yet(store):
 
 
 def test_a_run_without_spans_and_with_unreadable_evidence(store):
-    _run(store, "bare", 1, 1, 2, "running", NOW - 5 * 10**9, 0)
+    _run(store, "bare", 1, 1, 2, "running", time.time_ns() - 5 * 10**9, 0)  # live: started 5 s before this test, not the suite
     _insert(store, "incidents", {
         "run_id": ["bare"], "incident_id": ["odd"], "kind": ["straggler"], "severity": ["warning"], "status": ["open"],
         "ranks": [[1]], "hosts": [["node-0000"]], "first_seen": [NOW], "last_seen": [NOW], "summary": ["rank 1 (node-0000) is odd"],
