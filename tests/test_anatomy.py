@@ -24,7 +24,7 @@ import pytest
 from rankscope.cli.main import main
 from rankscope.collector.anatomy import CATEGORIES, breakdown, categories, critical_path, synthetic, waterfall
 from rankscope.collector.anatomy.categories import Split
-from rankscope.collector.anatomy.path import incident_cost
+from rankscope.collector.anatomy.path import _kept_path, incident_cost
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate
@@ -182,6 +182,25 @@ def test_the_path_goes_to_the_sender_a_receiver_waited_for(store) -> None:
     assert path.links[1].what == "recv pp[0]#2 from rank 0"
 
 
+def test_a_kept_path_is_walked_again_when_late_spans_of_its_step_arrive(store) -> None:
+    """The live diagnosis keeps each step's path between passes; a span that arrives later inside the step's
+    bounds (a rank's flush behind the others') must not leave the path walked on part of the step."""
+    s, _ = store
+    late = lambda row: {**row, "run_id": "late"}  # noqa: E731
+    _insert(s, "runs", [{"run_id": "late", "name": "", "start_time": T0, "end_time": 0, "world_size": 2, "tp": 1, "pp": 2, "dp": 1,
+                         "config": "{}", "status": "running", "updated": T0}])  # fmt: skip
+    _insert(s, "ranks", [{"run_id": "late", "rank": r, "host": f"node-{r}", "pid": 1, "local_rank": 0, "device": "cpu", "tp_rank": 0,
+                          "pp_rank": r, "dp_rank": 0, "clock_offset_ns": 0, "agent_version": "", "registered": T0, "attempt": 0,
+                          "world": ""} for r in (0, 1)])  # fmt: skip
+    _insert(s, "spans", [late(span(0, 1, "forward", "compute", 0, 3)), late(span(0, 1, "loss", "compute", 7, 10)),
+                         late(span(1, 1, "forward", "compute", 12, 20))])  # fmt: skip
+    _insert(s, "collectives", [late(op(0, 1, "pp[0]", 1, "send", 1, 10, 12)), late(op(1, 1, "pp[0]", 1, "recv", 0, 0, 12))])
+    assert incident_cost(q(s), "late", [1], [0]) is not None  # walked and kept: rank 0's 3-7 ms untracked
+    _insert(s, "spans", [late(span(0, 1, "backward", "compute", 3, 7))])  # arrives a pass later, inside rank 0's bounds
+    kept = _kept_path(q(s), "late", 1, None, None)
+    assert kept is not None and [(link.rank, link.what) for link in kept.links][:3] == [(0, "forward"), (0, "backward"), (0, "loss")], kept.links
+
+
 def test_a_straggler_is_on_the_path_and_its_cost_is_what_it_added_to_the_step(store) -> None:
     s, truth = store
     straggler, from_step, _ = SIM["straggler"]
@@ -319,6 +338,7 @@ def _collect(runner, tmp: Path, runs: list[tuple[str, list[str], int, int]], inc
         while time.monotonic() < deadline:
             found = client.query("SELECT kind FROM incidents FINAL WHERE run_id = {run:String}", {"run": runs[-1][0]}).to_pylist()
             if incident and any(i["kind"] == incident for i in found):
+                time.sleep(3)  # a few more passes over the whole run: its evidence as the diagnosis leaves it
                 break
             time.sleep(0.5)
     collector.proc.kill()

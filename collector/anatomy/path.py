@@ -66,11 +66,12 @@ NEIGHBOURHOOD = 1024
 SEGMENT_KINDS = ("compute", "optimizer", "data")
 
 FRAME_SQL = """
-SELECT attempt, min(first_ns) AS lo, max(last_ns) AS hi, count() AS ranks,
+SELECT attempt, min(first_ns) AS lo, max(last_ns) AS hi, count() AS ranks, sum(rank_pieces) AS pieces,
        arraySlice(arrayReverseSort(groupArray((last_ns, rank))), 1, 2) AS last_two,
        last_two[1].2 AS last_rank, if(ranks > 1, toInt64(last_two[2].2), -1) AS second_rank, last_two[2].1 AS second_end
 FROM (
-    SELECT attempt, rank, toUnixTimestamp64Nano(min(first_start)) AS first_ns, toUnixTimestamp64Nano(max(last_end)) AS last_ns
+    SELECT attempt, rank, toUnixTimestamp64Nano(min(first_start)) AS first_ns, toUnixTimestamp64Nano(max(last_end)) AS last_ns,
+           sum(pieces) AS rank_pieces
     FROM step_segments
     WHERE run_id = {run:String} AND step = {step:UInt32}
       AND attempt = if({attempt:Int32} >= 0, {attempt:Int32},
@@ -538,7 +539,7 @@ def critical_path(
 
 
 def step_frame(query: Query, run_id: str, step: int, attempt: int | None = None) -> dict[str, Any] | None:
-    """The step's attempt, time bounds, last rank to finish and how many ranks recorded it (``FRAME_SQL``)."""
+    """The step's attempt, time bounds, last rank to finish, how many ranks recorded it and how many span pieces (``FRAME_SQL``)."""
     rows = query(FRAME_SQL, {"run": run_id, "step": step, "attempt": -1 if attempt is None else attempt}).to_pylist()
     return rows[0] if rows and rows[0]["ranks"] else None
 
@@ -761,7 +762,7 @@ def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterab
     text, per_step: [{step, step_ms, cost_ms, share, links}]}; None when none of the steps has a timeline.
 
     A few steps, not one: on a busy machine a single step's path may run elsewhere. Paths are kept per
-    (run, attempt, step) while the step's frame (its ranks and time bounds) stays the same: the live
+    (run, attempt, step) while the step's frame (its ranks, time bounds and spans) stays the same: the live
     diagnosis asks every pass, and walks again only when more of a step has arrived. The cost is
     evidence, never a reason to lose an incident: a failed read gives None (logged).
     """
