@@ -201,6 +201,21 @@ def test_a_kept_path_is_walked_again_when_late_spans_of_its_step_arrive(store) -
     assert kept is not None and [(link.rank, link.what) for link in kept.links][:3] == [(0, "forward"), (0, "backward"), (0, "loss")], kept.links
 
 
+def test_a_shift_followed_back_to_a_short_send_that_began_when_its_partner_waited_for_it() -> None:
+    """Off the path, a rank is followed back to the partner it waited for, from the moment the partner issued the
+    transfer; a short transfer (within EPS_NS) that began then is not before it (it was taken for the last
+    operation before, again and again, and the shift was lost)."""
+    from rankscope.collector.anatomy.path import Item, _Shifts
+
+    items = {
+        0: [Item(0, "compute", "forward", 0, 19 * MS), Item(0, "p2p", "send", 19 * MS, 19 * MS + 50_000, "pp[0]", 1, peer=1, other=1,
+                                                            other_issue=10 * MS)],  # fmt: skip
+        1: [Item(1, "p2p", "recv", 10 * MS, 20 * MS, "pp[0]", 1, peer=0, other=0, other_issue=19 * MS)],
+    }
+    shifts = _Shifts(items, {(0, "forward"): 0.5})  # half of rank 0's forward is its excess
+    assert shifts.at(1, 20 * MS) == pytest.approx(0.5 * 19 * MS)
+
+
 def test_a_straggler_is_on_the_path_and_its_cost_is_what_it_added_to_the_step(store) -> None:
     s, truth = store
     straggler, from_step, _ = SIM["straggler"]

@@ -334,11 +334,22 @@ class _Shifts:
             self._ops[rank] = ([i.e for i in ops], ops)
         ends, ops = self._ops[rank]
         k = bisect.bisect_right(ends, t + EPS_NS)
+        while k and ops[k - 1].s >= t:  # one that began at t (and ended within EPS_NS of it) is not before t
+            k -= 1
         return ops[k - 1] if k else None
 
     def _excess(self, rank: int, since: int, t: int) -> float:
-        return sum(self.ratios.get((rank, i.name), 0.0) * max(0, min(i.e, t) - max(i.s, since))
-                   for i in self.items.get(rank, ()) if i.kind in SEGMENT_KINDS and i.s < t and i.e > since)  # fmt: skip
+        """The excess of ``rank``'s links between ``since`` and ``t``: its segments', and its comm regions'
+        (a comm span's time outside its operations and segments, as the path counts them)."""
+        items = [i for i in self.items.get(rank, ()) if i.s < t and i.e > since and (rank, i.name) in self.ratios]
+        total = sum(self.ratios[(rank, i.name)] * (min(i.e, t) - max(i.s, since)) for i in items if i.kind in SEGMENT_KINDS)
+        comm = [i for i in items if i.kind == "comm"]
+        if comm:
+            busy = _union([(i.s, i.e) for i in self.items[rank] if i.kind != "comm"])
+            for i in comm:
+                lo, hi = max(i.s, since), min(i.e, t)
+                total += self.ratios[(rank, i.name)] * (hi - lo - _overlap(lo, hi, busy))
+        return total
 
     def at(self, rank: int, t: int) -> float:
         chain: list[tuple[float, tuple[Any, ...] | None]] = []
