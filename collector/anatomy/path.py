@@ -314,7 +314,7 @@ class _Shifts:
     pass of ``CriticalPath.cost_of`` over the path's joins (``path``: the saving at each join passed so far).
 
     A rank reaches time ``t`` earlier by the excess (``ratios``: of the segments of a rank and name, the
-    share that is excess) of its own segments since the operation it last came out of, plus that
+    share that is excess) of its own segments and comm regions since the operation it last came out of, plus that
     operation's shift: at a join of the path, what the path saved there; elsewhere, the shift of whoever
     arrived last at it (itself: its own arrival). Followed back through the ranks read (a rank not read
     shifts by 0); each operation's shift is worked out once. Off the path no slack is applied: an upper
