@@ -532,8 +532,8 @@ def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry)
     run.name, run.config = reg.run_name or run.name, reg.config_json or run.config
     run.hosts[ctx.rank] = reg.host
     if late:  # the rank's identity is news, its being alive is not: it has ended since
-        ended = _ended_row(ctx, run)  # the world's size may be news too: the ends that came first may be all of it
-        return parts if ended is None else {**parts, "runs": ended}
+        _add_ended_row(parts, ctx, run)  # the world's size may be news too: the ends that came first may be all of it
+        return parts
     run.exits.pop(ctx.rank, None)  # registered again: the rank (or its restart) is alive
     parts["runs"] = _runs_row(ctx, run, "running", end_ns=0)
     return parts
@@ -687,20 +687,21 @@ def _end(ctx: _Context, msg: telemetry_pb2.EndOfRank, registry: RunRegistry) -> 
         )
     }
     # Re-emitted when a retried last exit is decoded again: runs is a ReplacingMergeTree.
-    ended = _ended_row(ctx, run) if current else None
-    return parts if ended is None else {**parts, "runs": ended}
+    if current:
+        _add_ended_row(parts, ctx, run)
+    return parts
 
 
-def _ended_row(ctx: _Context, run: RunInfo) -> pa.Table | None:
-    """The run's ``finished`` or ``failed`` row once every rank of its world has ended, whatever came
+def _add_ended_row(parts: dict[str, pa.Table], ctx: _Context, run: RunInfo) -> None:
+    """Add the run's ``finished`` or ``failed`` row once every rank of its world has ended, whatever came
     first: a replay (or concurrent calls) can deliver ranks' ends before the registration that says
     how large the world is."""
     if not run.world_size or not all(r in run.exits for r in range(run.world_size)):
-        return None
+        return
     # Ranks past the world's end ran in an earlier, larger attempt: how they ended is history.
     ends = [run.exits[r] for r in range(run.world_size)]
     failed = any(why != EXIT_REASONS[0] for why, _ in ends)
-    return _runs_row(ctx, run, "failed" if failed else "finished", max(t for _, t in ends))
+    parts["runs"] = _runs_row(ctx, run, "failed" if failed else "finished", max(t for _, t in ends))
 
 
 def _action(ctx: _Context, msg: telemetry_pb2.Action, registry: RunRegistry) -> dict[str, pa.Table]:

@@ -24,7 +24,7 @@ import pytest
 from rankscope.cli.main import main
 from rankscope.collector.anatomy import CATEGORIES, breakdown, categories, critical_path, synthetic, waterfall
 from rankscope.collector.anatomy.categories import Split
-from rankscope.collector.anatomy.path import _kept_path, incident_cost
+from rankscope.collector.anatomy.path import Item, _kept_path, _Shifts, incident_cost
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate
@@ -43,13 +43,14 @@ def _insert(store: EmbeddedStore, table: str, rows: list[dict]) -> None:
     store.insert_arrow(table, pa.table({n: a.cast(schema.field(n).type) for n, a in arrays.items()}, schema=schema))
 
 
-def span(rank: int, step: int, name: str, kind: str, start_ms: float, end_ms: float, attempt: int = 0) -> dict:
-    return {"run_id": "hand", "rank": rank, "step": step, "name": name, "kind": kind, "start_time": T0 + int(start_ms * MS),
+def span(rank: int, step: int, name: str, kind: str, start_ms: float, end_ms: float, attempt: int = 0, run_id: str = "hand") -> dict:
+    return {"run_id": run_id, "rank": rank, "step": step, "name": name, "kind": kind, "start_time": T0 + int(start_ms * MS),
             "end_time": T0 + int(end_ms * MS), "microbatch": -1, "attributes": "", "cpu_ns": -1, "attempt": attempt}  # fmt: skip
 
 
-def op(rank: int, step: int, group: str, seq: int, name: str, peer: int, issue_ms: float, end_ms: float, attempt: int = 0) -> dict:
-    return {"run_id": "hand", "rank": rank, "group_name": group, "seq": seq, "op": name, "nbytes": 1024, "dtype": "float32",
+def op(rank: int, step: int, group: str, seq: int, name: str, peer: int, issue_ms: float, end_ms: float, attempt: int = 0,
+       run_id: str = "hand") -> dict:  # fmt: skip
+    return {"run_id": run_id, "rank": rank, "group_name": group, "seq": seq, "op": name, "nbytes": 1024, "dtype": "float32",
             "peer": peer, "issue_time": T0 + int(issue_ms * MS), "start_time": T0 + int(issue_ms * MS), "end_time": T0 + int(end_ms * MS),
             "state": "completed", "step": step, "attempt": attempt}  # fmt: skip
 
@@ -86,10 +87,15 @@ def _hand_run(store: EmbeddedStore) -> None:
     _insert(store, "step_metrics", [{"run_id": "hand", "rank": 0, "step": 1, "name": "step_time_s", "value": 0.045,
                                      "time": T0 + 45 * MS, "attempt": 1},
                                     {"run_id": "hand", "rank": 0, "step": 2, "name": "mfu", "value": 0.3, "time": T0, "attempt": 0}])  # fmt: skip
-    _insert(store, "runs", [{"run_id": "hand", "name": "", "start_time": T0, "end_time": 0, "world_size": 2, "tp": 1, "pp": 2, "dp": 1,
-                             "config": "{}", "status": "finished", "updated": T0}])  # fmt: skip
-    _insert(store, "ranks", [{"run_id": "hand", "rank": r, "host": f"node-{r}", "pid": 1, "local_rank": 0, "device": "cpu", "tp_rank": 0,
-                              "pp_rank": r, "dp_rank": 0, "clock_offset_ns": 0, "agent_version": "", "registered": T0, "attempt": 1,
+    _two_stages(store, "hand", "finished", attempt=1)
+
+
+def _two_stages(store: EmbeddedStore, run_id: str, status: str, attempt: int) -> None:
+    """The ``runs`` and ``ranks`` rows of a run of two ranks, pipeline stages 0 and 1 on hosts node-0 and node-1."""
+    _insert(store, "runs", [{"run_id": run_id, "name": "", "start_time": T0, "end_time": 0, "world_size": 2, "tp": 1, "pp": 2, "dp": 1,
+                             "config": "{}", "status": status, "updated": T0}])  # fmt: skip
+    _insert(store, "ranks", [{"run_id": run_id, "rank": r, "host": f"node-{r}", "pid": 1, "local_rank": 0, "device": "cpu", "tp_rank": 0,
+                              "pp_rank": r, "dp_rank": 0, "clock_offset_ns": 0, "agent_version": "", "registered": T0, "attempt": attempt,
                               "world": ""} for r in (0, 1)])  # fmt: skip
 
 
@@ -186,17 +192,12 @@ def test_a_kept_path_is_walked_again_when_late_spans_of_its_step_arrive(store) -
     """The live diagnosis keeps each step's path between passes; a span that arrives later inside the step's
     bounds (a rank's flush behind the others') must not leave the path walked on part of the step."""
     s, _ = store
-    late = lambda row: {**row, "run_id": "late"}  # noqa: E731
-    _insert(s, "runs", [{"run_id": "late", "name": "", "start_time": T0, "end_time": 0, "world_size": 2, "tp": 1, "pp": 2, "dp": 1,
-                         "config": "{}", "status": "running", "updated": T0}])  # fmt: skip
-    _insert(s, "ranks", [{"run_id": "late", "rank": r, "host": f"node-{r}", "pid": 1, "local_rank": 0, "device": "cpu", "tp_rank": 0,
-                          "pp_rank": r, "dp_rank": 0, "clock_offset_ns": 0, "agent_version": "", "registered": T0, "attempt": 0,
-                          "world": ""} for r in (0, 1)])  # fmt: skip
-    _insert(s, "spans", [late(span(0, 1, "forward", "compute", 0, 3)), late(span(0, 1, "loss", "compute", 7, 10)),
-                         late(span(1, 1, "forward", "compute", 12, 20))])  # fmt: skip
-    _insert(s, "collectives", [late(op(0, 1, "pp[0]", 1, "send", 1, 10, 12)), late(op(1, 1, "pp[0]", 1, "recv", 0, 0, 12))])
+    _two_stages(s, "late", "running", attempt=0)
+    _insert(s, "spans", [span(0, 1, "forward", "compute", 0, 3, run_id="late"), span(0, 1, "loss", "compute", 7, 10, run_id="late"),
+                         span(1, 1, "forward", "compute", 12, 20, run_id="late")])  # fmt: skip
+    _insert(s, "collectives", [op(0, 1, "pp[0]", 1, "send", 1, 10, 12, run_id="late"), op(1, 1, "pp[0]", 1, "recv", 0, 0, 12, run_id="late")])
     assert incident_cost(q(s), "late", [1], [0]) is not None  # walked and kept: rank 0's 3-7 ms untracked
-    _insert(s, "spans", [late(span(0, 1, "backward", "compute", 3, 7))])  # arrives a pass later, inside rank 0's bounds
+    _insert(s, "spans", [span(0, 1, "backward", "compute", 3, 7, run_id="late")])  # arrives a pass later, inside rank 0's bounds
     kept = _kept_path(q(s), "late", 1, None, None)
     assert kept is not None and [(link.rank, link.what) for link in kept.links][:3] == [(0, "forward"), (0, "backward"), (0, "loss")], kept.links
 
@@ -205,8 +206,6 @@ def test_a_shift_followed_back_to_a_short_send_that_began_when_its_partner_waite
     """Off the path, a rank is followed back to the partner it waited for, from the moment the partner issued the
     transfer; a short transfer (within EPS_NS) that began then is not before it (it was taken for the last
     operation before, again and again, and the shift was lost)."""
-    from rankscope.collector.anatomy.path import Item, _Shifts
-
     items = {
         0: [Item(0, "compute", "forward", 0, 19 * MS), Item(0, "p2p", "send", 19 * MS, 19 * MS + 50_000, "pp[0]", 1, peer=1, other=1,
                                                             other_issue=10 * MS)],  # fmt: skip
@@ -474,7 +473,8 @@ def test_a_stragglers_cost_is_what_it_adds_to_the_step_against_a_clean_run(strag
     costs = {step: path["cost_ms"].get(str(rank), 0.0) for step, path in paths.items()}
     clean, slow = _step_times(store, clean_id), _step_times(store, straggler_id)
     peer = 1 - rank
-    (sp, se_sp), (cp, se_cp) = (_median_se(_compute_times(store, run, peer)[s] for s in after) for run in (straggler_id, clean_id))
+    peer_slow, peer_clean = _compute_times(store, straggler_id, peer), _compute_times(store, clean_id, peer)
+    (sp, se_sp), (cp, se_cp) = _median_se(peer_slow[s] for s in after), _median_se(peer_clean[s] for s in after)
     (ca, se_ca) = _median_se(clean[s] for s in after)
     (without, se_without) = _median_se(slow[s] - costs[s] for s in after)  # each slow step less its straggler's cost
     load = sp / cp  # how much slower the peer computed beside the straggler than in the clean run

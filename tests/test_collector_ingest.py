@@ -268,7 +268,6 @@ def test_a_registration_delivered_after_a_newer_one_or_the_ranks_end_changes_not
     assert not registry.has_ended("r", 0)
 
 
-
 def test_ends_delivered_before_the_registrations_still_finish_the_run() -> None:
     """A spool replayed beside the calls a frozen collector held can deliver every rank's end before
     the registration that tells the world's size: the run is finished once that size is known."""
@@ -282,6 +281,7 @@ def test_ends_delivered_before_the_registrations_still_finish_the_run() -> None:
         _decode(end("r", rank), registry)
     first = _decode(register("r", 1, 2, time_ns=before), registry).parts
     assert first["runs"].to_pylist()[0]["status"] == "finished" and registry.has_ended("r", 1)
+
 
 def test_a_ranks_only_registration_replayed_after_its_end_is_stored_without_reopening_it() -> None:
     """A busy rank's registration can still be in its spool when its end goes out live; replayed

@@ -327,6 +327,7 @@ class _Shifts:
         self.path: dict[tuple[Any, ...], float] = {}
         self._memo: dict[tuple[Any, ...], float] = {}
         self._ops: dict[int, tuple[list[int], list[Item]]] = {}
+        self._busy: dict[int, list[tuple[int, int]]] = {}  # per rank: when it was in an operation or segment
 
     def _last_op(self, rank: int, t: int) -> Item | None:
         if rank not in self._ops:
@@ -345,7 +346,9 @@ class _Shifts:
         total = sum(self.ratios[(rank, i.name)] * (min(i.e, t) - max(i.s, since)) for i in items if i.kind in SEGMENT_KINDS)
         comm = [i for i in items if i.kind == "comm"]
         if comm:
-            busy = _union([(i.s, i.e) for i in self.items[rank] if i.kind != "comm"])
+            if rank not in self._busy:
+                self._busy[rank] = _union([(i.s, i.e) for i in self.items[rank] if i.kind != "comm"])
+            busy = self._busy[rank]
             for i in comm:
                 lo, hi = max(i.s, since), min(i.e, t)
                 total += self.ratios[(rank, i.name)] * (hi - lo - _overlap(lo, hi, busy))
