@@ -350,7 +350,7 @@ def test_the_command_defaults_are_the_apis() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_throttled_host_fails_on_matmul_and_a_frozen_host_fails_on_a_timeout(testbed: testbed_hosts.Testbed) -> None:
     from rankscope.testbed import faults
 
