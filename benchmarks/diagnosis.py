@@ -58,23 +58,61 @@ def scenarios_table(log: Callable[[str], None]) -> list[str]:
 
 
 def wait_for_incidents(client: object, run_id: str, timeout_s: float, sim: subprocess.Popen[bytes], sim_log: Path,
-                       log: Callable[[str], None]) -> list[dict]:  # fmt: skip
+                       lag: Lag, log: Callable[[str], None]) -> list[dict]:  # fmt: skip
     """Poll until a straggler and a hang naming the injected ranks are written (or time runs out).
 
-    Every 15 s, the simulator's latest progress line and the incidents so far.
+    Every 15 s, the simulator's latest progress line, how far behind the collector was with the
+    heartbeats since the last line, and the incidents so far.
     """
     deadline, shown = time.monotonic() + timeout_s, 0.0
     while time.monotonic() < deadline and sim.poll() is None:
         found = client.query(FIRST_WRITTEN_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
         named = {(i["kind"], tuple(i["ranks"])) for i in found}
         if {("straggler", (STRAGGLER[0],)), ("hang", (HANG_RANK,))} <= named:
+            lag.sample()
             return found
         if time.monotonic() - shown >= 15:
             shown = time.monotonic()
             last = (sim_log.read_text(errors="replace").splitlines() or ["starting"])[-1]
-            log(f"{last}; incidents so far: {sorted(f'{k} {list(r)[:4]}' for k, r in named) or 'none'}")
+            log(f"{last}; heartbeats {lag.sample()}; incidents so far: {sorted(f'{k} {list(r)[:4]}' for k, r in named) or 'none'}")
         time.sleep(1.0)
+    lag.sample()
     return client.query(FIRST_WRITTEN_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
+
+
+class Lag:
+    """How far behind the collector was with one payload kind, interval by interval: the mean seconds
+    from the agents' send to the receipt (``rankscope_delivery_seconds``) and from the receipt to the
+    store (``rankscope_store_seconds``) of the batches stored since the last sample."""
+
+    def __init__(self, metrics_url: str, kind: str = "heartbeats"):
+        self.url, self.kind = metrics_url, kind
+        self._last = {"delivery": (0.0, 0.0), "store": (0.0, 0.0)}
+        self.samples: list[tuple[float, float, float, int]] = []  # (monotonic s, delivery mean s, store mean s, batches)
+
+    def sample(self) -> str:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.url, timeout=30).read().decode()
+        now: dict[str, tuple[float, float]] = {}
+        for family in text_string_to_metric_families(text):
+            stage = {"rankscope_delivery_seconds": "delivery", "rankscope_store_seconds": "store"}.get(family.name)
+            if stage:
+                mine = {x.name.rsplit("_", 1)[1]: x.value for x in family.samples if x.labels.get("kind") == self.kind and "le" not in x.labels}
+                now[stage] = (mine.get("sum", 0.0), mine.get("count", 0.0))
+        means = {}
+        for stage, (total, count) in now.items():
+            was_total, was_count = self._last[stage]
+            means[stage] = (total - was_total) / (count - was_count) if count > was_count else float("nan")
+        batches = int(now.get("store", (0, 0))[1] - self._last["store"][1])
+        self._last.update(now)
+        self.samples.append((time.monotonic(), means.get("delivery", float("nan")), means.get("store", float("nan")), batches))
+        return f"{batches} batches, {means.get('delivery', float('nan')):.1f} s on the way + {means.get('store', float('nan')):.1f} s to the store"
+
+    def row(self) -> str:
+        """The samples as one table row: delivery + store seconds of each interval."""
+        series = ", ".join(f"{d:.1f}+{st:.1f}" for _, d, st, n in self.samples if n)
+        return f"| the collector's lag with the {self.kind}, every 15 s (mean s from the send to the receipt + to the store) | {series or 'none'} |"
 
 
 def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]) -> list[str]:
@@ -102,8 +140,9 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
                  "--batches-per-s", str(args.batches_per_s), "--hold", "900"], sim_log, os.environ)  # fmt: skip
     log(f"(b) simulating {world:,} ranks, {inject}; collector {address}, hang after {HANG_AFTER_S:g} s, silent after {silent_after:.0f} s")
     client = Client(address, timeout_s=300)
+    lag = Lag(f"http://127.0.0.1:{metrics_port}/metrics")
     try:
-        found = wait_for_incidents(client, run_id, hang_step * args.step_time + 600, sim, sim_log, log)
+        found = wait_for_incidents(client, run_id, hang_step * args.step_time + 600, sim, sim_log, lag, log)
         straggler_start = client.query(FAULT_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
         live_passes = _live_passes(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
@@ -115,6 +154,7 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
     rows += _incident_rows(found, straggler_start)
     rows.append(f"| live diagnosis passes while it ran (the collector's rankscope_diagnosis_pass_seconds) | {live_passes} |")
+    rows.append(lag.row())
     # Each detector over the stored run, nothing else running: the collector again, without diagnosis.
     # Without the query limits: the live diagnosis reads the store directly, this client reads a
     # million rows and more at 100,000 ranks (the straggler's window).

@@ -166,6 +166,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"batch not stored, send it again: {e}") from None
         c.runs.stored(batch.run_id, decoded)
+        sent_ns = batch.sent_ns + batch.clock_offset_ns if batch.sent_ns else 0
+        c.telemetry.delivered(decoded.kind, sent_ns, received_ns, time.time_ns())
         return written, decoded.ranks
 
 

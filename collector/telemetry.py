@@ -2,7 +2,9 @@
 
 What an operator needs to see before the agents notice anything: rows coming in and going out
 per table, duplicates (agents retrying), insert latency, buffer depth (how close the collector
-is to refusing batches), refused calls by status code, and how many ranks are sending. The
+is to refusing batches), refused calls by status code, how many ranks are sending, and how far
+behind the collector is: how long a batch took from its agent's send to the collector's receipt,
+and from there to being stored (a hang is named only once the blocked ranks' reports are stored). The
 metrics live in their own registry, so several collectors in one process (tests) never clash.
 """
 
@@ -21,6 +23,8 @@ from .writer import Writer
 CONNECTED_WINDOW_S = 30.0
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: a batch's way to the store: a lagging collector is tens of seconds behind
+_DELAY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
 class _WriterCollector(Collector):
@@ -65,6 +69,18 @@ class Telemetry:
             "rankscope_insert_seconds", "Duration of one insert into the store, per table.", ["table"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.delivery_seconds = Histogram(
+            "rankscope_delivery_seconds",
+            "From an agent's send of a batch to the collector's receipt, per payload kind (the agent's clock corrected by the "
+            "offset it stamps): the network and the calls queued in the collector.",
+            ["kind"], buckets=_DELAY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.store_seconds = Histogram(
+            "rankscope_store_seconds",
+            "From the collector's receipt of a batch to its being stored and acknowledged, per payload kind: the wait for "
+            "the writer's flush and the insert.",
+            ["kind"], buckets=_DELAY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.diagnosis_seconds = Histogram(
             "rankscope_diagnosis_pass_seconds",
             "Duration of one live diagnosis pass over the active runs: a fault is named up to two of them after its evidence is "
@@ -78,6 +94,12 @@ class Telemetry:
         connected.set_function(self.connected_ranks)
         self.registry.register(_WriterCollector(writer))
         self._http: object | None = None
+
+    def delivered(self, kind: str, sent_ns: int, received_ns: int, stored_ns: int) -> None:
+        """One batch stored: ``sent_ns`` on the collector's clock (0: the agent did not say)."""
+        if sent_ns > 0:
+            self.delivery_seconds.labels(kind).observe(max(0.0, (received_ns - sent_ns) / 1e9))
+        self.store_seconds.labels(kind).observe(max(0.0, (stored_ns - received_ns) / 1e9))
 
     def seen(self, run_id: str, rank: int) -> None:
         self._last_seen[(run_id, rank)] = self._clock()

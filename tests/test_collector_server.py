@@ -255,20 +255,41 @@ def test_a_stack_request_reaches_only_that_rank_and_only_once(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _metric_values(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def test_prometheus_serves_the_collector_counters(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
     send(ingest, spans("prometheus", 0, 5))
     time.sleep(1.2)  # the insert-latency histogram is filled once a second
     assert collector.metrics_url
-    text = urllib.request.urlopen(collector.metrics_url, timeout=10).read().decode()
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values = _metric_values(collector.metrics_url)
     assert values['rankscope_rows_received_total{table="spans"}'] >= 5
     assert values['rankscope_rows_written_total{table="spans"}'] >= 5
     assert values['rankscope_batches_received_total{kind="spans"}'] >= 1
     assert values['rankscope_insert_seconds_count{table="spans"}'] >= 1
+    assert values['rankscope_delivery_seconds_count{kind="spans"}'] >= 1
+    assert values['rankscope_store_seconds_count{kind="spans"}'] >= 1
     assert values['rankscope_connected_ranks'] >= 1
     assert values["rankscope_diagnosis_pass_seconds_count"] >= 1  # the live diagnosis passes every 5 s from the start
     assert "rankscope_buffered_rows" in values and "rankscope_duplicate_batches_total" in values
     assert "rankscope_batches_written_total" in values
+
+
+def test_a_batch_sent_three_seconds_ago_counts_as_three_seconds_on_its_way(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
+    """Delivery is measured on the collector's clock: the agent's send time plus the offset it stamps."""
+    assert collector.metrics_url
+    bucket = 'rankscope_delivery_seconds_bucket{kind="spans",le="%s"}'
+    before = _metric_values(collector.metrics_url)
+    now = time.time_ns()
+    batch = spans("delivery", 0, 3, t0=now - 2_000_000_000, offset_ns=2_000_000_000)  # the rank's clock is 2 s behind
+    batch.sent_ns = now - 5_000_000_000  # sent 3 s ago on the collector's clock
+    send(ingest, batch)
+    after = _metric_values(collector.metrics_url)
+    assert after[bucket % "2.5"] == before.get(bucket % "2.5", 0) and after[bucket % "5.0"] == before.get(bucket % "5.0", 0) + 1
+    stored = 'rankscope_store_seconds_count{kind="spans"}'
+    assert after[stored] == before.get(stored, 0) + 1
 
 
 def test_refused_calls_are_counted_by_status_code(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
