@@ -9,6 +9,10 @@ acknowledged (``write`` returns) only once all its rows are stored; its id then 
 again (after a lost acknowledgement, or to a restarted collector) is recognised and not stored
 twice.
 
+Within a cycle the tables that say who is alive and where it waits (heartbeats, ends,
+registrations) go in before the bulk timelines (``BULK``: spans, collectives, metrics), so that a
+cycle that carries a full-detail step does not hold back the reports a hang is named from.
+
 A batch the engine refuses fails alone: a refused combined insert is retried one batch at a
 time. A batch over several tables (a registration: runs, ranks, groups) can be left partly
 written when one of its tables fails; those tables replace rows by key, so the agent's retry is
@@ -40,6 +44,8 @@ LATENCY_SAMPLES = 4096
 #: default age at which buffers are written: an insert costs chDB about the same however few its
 #: rows, and where the collector shares the job's machine that CPU is the job's
 FLUSH_INTERVAL_S = 2.0
+#: the timelines: most of the rows, inserted last in a cycle
+BULK = frozenset({"spans", "collectives", "metrics"})
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,7 @@ class Writer:
     def _write_cycle(self, due: dict[str, list[tuple[_Pending, pa.Table]]], ready: list[_Pending]) -> list[_Pending]:
         """Insert the due tables, then the ids of the batches now complete; returns those batches."""
         completed = list(ready)
-        for name, parts in due.items():
+        for name, parts in sorted(due.items(), key=lambda item: item[0] in BULK):
             for pending, error in self._insert_parts(name, parts):
                 pending.error = pending.error or error
                 pending.remaining -= 1

@@ -83,13 +83,17 @@ def test_a_small_table_is_flushed_when_its_oldest_row_is_flush_interval_old(migr
     assert counts(migrated, "spans") == {"a": 5}
 
 
-def test_when_one_buffer_is_due_every_buffer_with_rows_shares_its_write_cycle(migrated: Store) -> None:
+def test_when_one_buffer_is_due_every_buffer_with_rows_shares_its_write_cycle(migrated: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    inserted: list[str] = []
+    insert = migrated.insert_arrow
+    monkeypatch.setattr(migrated, "insert_arrow", lambda table, rows: (inserted.append(table.split(".")[-1]), insert(table, rows))[1])
+
     async def scenario() -> Writer:
         writer = Writer(migrated, migrated.database, flush_rows=10**9, flush_interval_s=0.5)
         await writer.start()
-        first = asyncio.create_task(writer.write({"heartbeats": sample_rows("heartbeats", 4, run_id="a")}, key(1)))
-        await asyncio.sleep(0.3)  # spans arrive when the heartbeats are more than half-way due
-        await asyncio.gather(first, writer.write(spans(7, "a"), key(2)))
+        first = asyncio.create_task(writer.write(spans(7, "a"), key(1)))
+        await asyncio.sleep(0.3)  # the heartbeats arrive when the spans are more than half-way due
+        await asyncio.gather(first, writer.write({"heartbeats": sample_rows("heartbeats", 4, run_id="a")}, key(2)))
         await writer.close()
         return writer
 
@@ -97,6 +101,7 @@ def test_when_one_buffer_is_due_every_buffer_with_rows_shares_its_write_cycle(mi
     assert counts(migrated, "heartbeats") == {"a": 4} and counts(migrated, "spans") == {"a": 7}
     # one cycle: one insert per table, and the two batch ids recorded by one insert
     assert {t: len(v) for t, v in writer.take_insert_latencies().items()} == {"heartbeats": 1, "spans": 1, "batches": 1}
+    assert inserted == ["heartbeats", "spans", "batches"]  # who is alive and where it waits first, the timelines after
 
 
 def test_the_event_loop_keeps_running_while_rows_are_inserted(migrated: Store) -> None:
