@@ -6,6 +6,9 @@ background thread per Transport does everything else:
 
 - wraps each payload in a ``Batch`` (run, rank, a 16-byte id: 8 random bytes per Transport and
   a counter) and sends it with the unary ``Ingest/Send``, several calls in flight at once;
+  heartbeats and stack dumps (``URGENT``: where a rank is blocked, what a hang is named from) go
+  ahead of the timelines queued before them, so a collector that lags behind the bulk still hears
+  them first;
 - estimates the clock offset from each acknowledgement (``clock.py``) and stamps it, with the
   send time, on every batch;
 - when the collector is unreachable (UNAVAILABLE, deadline, rejected token), writes batches to
@@ -68,6 +71,8 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 #: payload message type -> its field in Batch.payload
 _FIELDS = {f.message_type.full_name: f.name for f in ingest_pb2.Batch.DESCRIPTOR.oneofs_by_name["payload"].fields}
 _COLUMNAR = ("spans", "collectives", "metrics", "step_metrics")
+#: payload kinds sent ahead of the queued timelines
+URGENT = frozenset({"heartbeats", "stack"})
 
 
 @dataclass
@@ -156,6 +161,7 @@ class Transport:
         self._forked = False
         # sender-thread state
         self._pending: deque[_Out] = deque()
+        self._urgent: deque[_Out] = deque()  # URGENT kinds: sent before _pending
         self._retry: list[_Out] = []
         self._inflight: dict[int, _Out] = {}
         self._read_seq = 0
@@ -273,7 +279,7 @@ class Transport:
             return False
         if time.monotonic() >= self._closing_at:
             return True
-        idle = not (self._pending or self._retry or self._inflight) and self._spool.empty
+        idle = not (self._pending or self._urgent or self._retry or self._inflight) and self._spool.empty
         return idle or (self._down and not self._inflight and not self._close_probe)
 
     def _wait_s(self) -> float:
@@ -314,7 +320,7 @@ class Transport:
         out = self._wrap(payload, size, rank)
         if out.kind == "register":
             self._registers[rank] = payload
-        self._pending.append(out)
+        (self._urgent if out.kind in URGENT else self._pending).append(out)
         if self._down:
             self._spool_memory()
 
@@ -364,11 +370,14 @@ class Transport:
             self._call(out)
 
     def _next_out(self) -> _Out | None:
-        """Registrations after a reconnect, retries, then the spool, then new batches: oldest first."""
+        """Registrations after a reconnect, retries, heartbeats and stack dumps, then the spool, then
+        new batches: oldest first."""
         if self._reregister:
             return self._reregister.popleft()
         if self._retry:
             return self._retry.pop(0)
+        if self._urgent:
+            return self._urgent.popleft()
         record = self._spool.pop()
         if record is not None:
             self._read_seq += 1
@@ -474,10 +483,11 @@ class Transport:
         if self._inflight:
             return
         keep = [out for out in self._retry if out.segment is not None]  # already on disk, in order
-        for out in [*(out for out in self._retry if out.segment is None), *self._pending]:
+        for out in [*(out for out in self._retry if out.segment is None), *sorted([*self._urgent, *self._pending], key=_order)]:
             self._to_spool(out)
         self._retry = keep
         self._pending.clear()
+        self._urgent.clear()
 
     def _came_back(self) -> None:
         self._down = False

@@ -553,6 +553,45 @@ def test_a_probe_held_by_a_stalled_collector_costs_no_cpu(tmp_path: Path) -> Non
     assert t.stats().spooled >= 1  # nothing lost: the batch waits on disk for the collector
 
 
+class _Gate(ingest_pb2_grpc.IngestServicer):
+    """A collector that holds every call until ``open`` is set, noting the payload kinds in arrival order."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+        self.open = threading.Event()
+
+    def Send(self, request: ingest_pb2.Batch, context: grpc.ServicerContext) -> ingest_pb2.Ack:
+        self.kinds.append(request.WhichOneof("payload"))
+        self.open.wait(60)
+        return ingest_pb2.Ack(batch_id=request.batch_id, received_ns=time.time_ns(), replied_ns=time.time_ns())
+
+
+def test_a_heartbeat_goes_ahead_of_the_timelines_queued_before_it(tmp_path: Path) -> None:
+    """A lagging collector holds the window full of timelines: the rank's heartbeat (where it is
+    blocked: what a hang is named from) is sent next, not after them."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    gate = _Gate()
+    ingest_pb2_grpc.add_IngestServicer_to_server(gate, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    t = Transport(agent_config(f"127.0.0.1:{port}", tmp_path / "spool"), run_name(), 0, window=1)
+    try:
+        t.start()
+        t.submit(span_batch(1))
+        wait_until(lambda: len(gate.kinds) == 1, 30, "the first batch in flight")
+        for step in range(2, 5):
+            t.submit(span_batch(step))
+        t.submit(telemetry_pb2.HeartbeatBatch(heartbeats=[telemetry_pb2.Heartbeat(step=4, phase="forward")]))
+        time.sleep(0.5)  # the sender takes them from its inbox while the window is full
+        gate.open.set()
+        wait_until(lambda: t.stats().acked == 5, 30, "every batch acknowledged")
+    finally:
+        gate.open.set()
+        t.close(timeout_s=5)
+        server.stop(0)
+    assert gate.kinds == ["spans", "heartbeats", "spans", "spans", "spans"]
+
+
 # --- forked children ----------------------------------------------------------------------------
 
 
