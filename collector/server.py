@@ -2,7 +2,10 @@
 
 One event loop does all the gRPC work; store calls run on threads (the writer's own, and the
 default executor for queries and run look-ups), so a slow insert never stalls the acks of
-batches that are already stored. A batch is acknowledged only once written (``Writer.write``),
+batches that are already stored. The timelines (spans, collectives, metrics) are decoded in a
+lane of their own, one batch per turn of the loop, and everything else at once: a collector with
+hundreds of timeline batches queued still decodes a heartbeat (where a rank is blocked) as soon as
+it arrives. A batch is acknowledged only once written (``Writer.write``),
 and SIGTERM or SIGINT stops accepting calls, lets those in flight finish, flushes every buffer
 and closes the store: what was acknowledged survives a restart.
 """
@@ -26,7 +29,7 @@ from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2
 from .control import PendingCommands
 from .diagnosis.context import Settings
 from .diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
-from .ingest import IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
+from .ingest import Decoded, IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
 from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
 from .store.base import Store, StoreError, open_store
 from .store.migrations import migrate
@@ -100,6 +103,7 @@ class Collector:
         self.heard = LastHeard(int(silent_after_s * 1e9))
         self.commands = PendingCommands()
         self.telemetry = Telemetry(writer)
+        self._loading: dict[str, asyncio.Future[None]] = {}  # run -> its load from the store, while in flight
 
     async def refuse(self, context: grpc.aio.ServicerContext, refusal: _Refusal) -> NoReturn:
         self.telemetry.rejected.labels(refusal.code.name).inc()
@@ -109,16 +113,71 @@ class Collector:
         raise AssertionError("abort returned")  # abort always raises
 
     async def know_run(self, run_id: str, rank: int, registering: bool = False) -> None:
-        """Read what the store knows about a run this process has not seen (after a restart)."""
-        now = time.monotonic()
-        if self.runs.needs_load(run_id, rank, now, registering):
+        """Read what the store knows about a run this process has not seen (after a restart).
+
+        One load of a run at a time: the calls that need it meanwhile wait for that one (after a
+        restart, every rank's first batch arrives at once, and each would read the whole run)."""
+        if self.runs.needs_load(run_id, rank, time.monotonic(), registering):
+            loading = self._loading.get(run_id)
+            if loading is None:
+                loading = self._loading[run_id] = asyncio.ensure_future(self._load(run_id))
+            await asyncio.shield(loading)
+
+    async def _load(self, run_id: str) -> None:
+        try:
+            began = time.monotonic()
             stored = await asyncio.to_thread(read_run, self.store.query_arrow, run_id)
-            self.runs.merge_loaded(run_id, stored, now)
+            self.runs.merge_loaded(run_id, stored, began)
+        finally:
+            del self._loading[run_id]
+
+
+#: payload kinds decoded in the timeline lane (``_TimelineLane``)
+TIMELINES = frozenset({"spans", "collectives", "metrics", "step_metrics"})
+
+
+class _TimelineLane:
+    """Decodes timeline batches in arrival order, one per turn of the event loop.
+
+    A call is decoded when its handler first runs, and handlers run in the order the calls
+    arrived: a heartbeat behind 500 timeline batches waited for 500 decodes of milliseconds each.
+    Here a timeline batch waits its turn in the lane, and the calls that arrive meanwhile run
+    (and decode, when they are not timelines) between two of its decodes.
+    """
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[tuple[Callable[[], Decoded], asyncio.Future[Decoded]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    async def decode(self, work: Callable[[], Decoded]) -> Decoded:
+        """``work()``'s result (or exception) once the batches queued before it are decoded."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="rankscope-timeline-lane")
+        future: asyncio.Future[Decoded] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((work, future))
+        return await future
+
+    async def _run(self) -> None:
+        while True:
+            work, future = await self._queue.get()
+            if future.cancelled():  # its call was cancelled: the agent sends it again
+                continue
+            try:
+                future.set_result(work())
+            except Exception as e:  # the call answers with it
+                future.set_exception(e)
+            await asyncio.sleep(0)  # the calls that arrived meanwhile run before the next batch
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 class IngestService(ingest_pb2_grpc.IngestServicer):
     def __init__(self, collector: Collector):
         self.c = collector
+        self.timelines = _TimelineLane()
 
     async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
         received_ns = time.time_ns()
@@ -142,7 +201,10 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         try:
             kind = check_envelope(batch)
             await c.know_run(batch.run_id, batch.rank, registering=kind == "register")
-            decoded = decode(batch, c.runs, received_ns, c.options.time_window)
+            if kind in TIMELINES:
+                decoded = await self.timelines.decode(lambda: decode(batch, c.runs, received_ns, c.options.time_window))
+            else:
+                decoded = decode(batch, c.runs, received_ns, c.options.time_window)
         except UnsupportedSchemaVersion as e:
             raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except IngestError as e:
@@ -310,7 +372,8 @@ async def _run(
             ("grpc.so_reuseport", 0),
         ],
     )
-    ingest_pb2_grpc.add_IngestServicer_to_server(IngestService(collector), server)
+    ingest = IngestService(collector)
+    ingest_pb2_grpc.add_IngestServicer_to_server(ingest, server)
     query_pb2_grpc.add_QueryServicer_to_server(QueryService(collector), server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -335,6 +398,7 @@ async def _run(
         stopping = asyncio.create_task(server.stop(SHUTDOWN_GRACE_S))
         await writer.close()
         await stopping
+        await ingest.timelines.close()
         await ticker
         if diagnosis is not None:
             await diagnosis
