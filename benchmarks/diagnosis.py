@@ -58,25 +58,28 @@ def scenarios_table(log: Callable[[str], None]) -> list[str]:
 
 
 def wait_for_incidents(client: object, run_id: str, timeout_s: float, sim: subprocess.Popen[bytes], sim_log: Path,
-                       lag: Lag, log: Callable[[str], None]) -> list[dict]:  # fmt: skip
+                       lags: list[Lag], log: Callable[[str], None]) -> list[dict]:  # fmt: skip
     """Poll until a straggler and a hang naming the injected ranks are written (or time runs out).
 
-    Every 15 s, the simulator's latest progress line, how far behind the collector was with the
-    heartbeats since the last line, and the incidents so far.
+    Every 15 s, the simulator's latest progress line, how far behind the collector was with each
+    kind of ``lags`` since the last line, and the incidents so far.
     """
     deadline, shown = time.monotonic() + timeout_s, 0.0
     while time.monotonic() < deadline and sim.poll() is None:
         found = client.query(FIRST_WRITTEN_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
         named = {(i["kind"], tuple(i["ranks"])) for i in found}
         if {("straggler", (STRAGGLER[0],)), ("hang", (HANG_RANK,))} <= named:
-            lag.sample()
+            for lag in lags:
+                lag.sample()
             return found
         if time.monotonic() - shown >= 15:
             shown = time.monotonic()
             last = (sim_log.read_text(errors="replace").splitlines() or ["starting"])[-1]
-            log(f"{last}; heartbeats {lag.sample()}; incidents so far: {sorted(f'{k} {list(r)[:4]}' for k, r in named) or 'none'}")
+            behind = "; ".join(f"{lag.kind} {lag.sample()}" for lag in lags)
+            log(f"{last}; {behind}; incidents so far: {sorted(f'{k} {list(r)[:4]}' for k, r in named) or 'none'}")
         time.sleep(1.0)
-    lag.sample()
+    for lag in lags:
+        lag.sample()
     return client.query(FIRST_WRITTEN_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
 
 
@@ -85,7 +88,7 @@ class Lag:
     from the agents' send to the receipt (``rankscope_delivery_seconds``) and from the receipt to the
     store (``rankscope_store_seconds``) of the batches stored since the last sample."""
 
-    def __init__(self, metrics_url: str, kind: str = "heartbeats"):
+    def __init__(self, metrics_url: str, kind: str):
         self.url, self.kind = metrics_url, kind
         self._last = {"delivery": (0.0, 0.0), "store": (0.0, 0.0)}
         self.samples: list[tuple[float, float, float, int]] = []  # (monotonic s, delivery mean s, store mean s, batches)
@@ -140,9 +143,9 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
                  "--batches-per-s", str(args.batches_per_s), "--hold", "900"], sim_log, os.environ)  # fmt: skip
     log(f"(b) simulating {world:,} ranks, {inject}; collector {address}, hang after {HANG_AFTER_S:g} s, silent after {silent_after:.0f} s")
     client = Client(address, timeout_s=300)
-    lag = Lag(f"http://127.0.0.1:{metrics_port}/metrics")
+    lags = [Lag(f"http://127.0.0.1:{metrics_port}/metrics", kind) for kind in ("heartbeats", "spans")]
     try:
-        found = wait_for_incidents(client, run_id, hang_step * args.step_time + 600, sim, sim_log, lag, log)
+        found = wait_for_incidents(client, run_id, hang_step * args.step_time + 600, sim, sim_log, lags, log)
         straggler_start = client.query(FAULT_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
         live_passes = _live_passes(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
@@ -154,7 +157,7 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
     rows += _incident_rows(found, straggler_start)
     rows.append(f"| live diagnosis passes while it ran (the collector's rankscope_diagnosis_pass_seconds) | {live_passes} |")
-    rows.append(lag.row())
+    rows += [lag.row() for lag in lags]
     # Each detector over the stored run, nothing else running: the collector again, without diagnosis.
     # Without the query limits: the live diagnosis reads the store directly, this client reads a
     # million rows and more at 100,000 ranks (the straggler's window).
