@@ -77,8 +77,8 @@ class Telemetry:
         )  # fmt: skip
         self.store_seconds = Histogram(
             "rankscope_store_seconds",
-            "From the collector's receipt of a batch to its being stored and acknowledged, per payload kind: the wait for "
-            "the writer's flush and the insert.",
+            "From the collector's receipt of a batch to its being stored and acknowledged, per payload kind: a timeline's "
+            "turn to be decoded, the wait for the writer's flush and the insert.",
             ["kind"], buckets=_DELAY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.diagnosis_seconds = Histogram(
