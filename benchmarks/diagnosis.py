@@ -110,6 +110,8 @@ class Lag:
         batches = int(now.get("store", (0, 0))[1] - self._last["store"][1])
         self._last.update(now)
         self.samples.append((time.monotonic(), means.get("delivery", float("nan")), means.get("store", float("nan")), batches))
+        if not batches:
+            return "none stored"
         return f"{batches} batches, {means.get('delivery', float('nan')):.1f} s on the way + {means.get('store', float('nan')):.1f} s to the store"
 
     def row(self) -> str:
@@ -156,7 +158,7 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     rows = ["| measure | value |", "|---|---|"]
     rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
     rows += _incident_rows(found, straggler_start)
-    rows.append(f"| live diagnosis passes while it ran (the collector's rankscope_diagnosis_pass_seconds) | {live_passes} |")
+    rows += live_passes
     rows += [lag.row() for lag in lags]
     # Each detector over the stored run, nothing else running: the collector again, without diagnosis.
     # Without the query limits: the live diagnosis reads the store directly, this client reads a
@@ -170,18 +172,29 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     return rows
 
 
-def _live_passes(metrics_url: str) -> str:
-    """How many live passes the collector made and how long they took: mean, and the bucket of the slowest."""
+def _live_passes(metrics_url: str) -> list[str]:
+    """How many live passes the collector made and how long they took (mean, and the bucket of the
+    slowest), the whole pass and each detector in it: a table row each."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
-    family = next(f for f in text_string_to_metric_families(text) if f.name == "rankscope_diagnosis_pass_seconds")
-    values = {(x.name, x.labels.get("le")): x.value for x in family.samples}
-    count = values[("rankscope_diagnosis_pass_seconds_count", None)]
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    rows = [f"| live diagnosis passes while it ran (the collector's rankscope_diagnosis_pass_seconds) | "
+            f"{_histogram(families['rankscope_diagnosis_pass_seconds'].samples)} |"]  # fmt: skip
+    detectors = families["rankscope_detector_seconds"].samples
+    for name in sorted({x.labels["detector"] for x in detectors}):
+        mine = [x for x in detectors if x.labels.get("detector") == name]
+        rows.append(f"| live: {name} in those passes (rankscope_detector_seconds) | {_histogram(mine)} |")
+    return rows
+
+
+def _histogram(samples: list) -> str:
+    values = {(x.name.rsplit("_", 1)[-1], x.labels.get("le")): x.value for x in samples}
+    count = values[("count", None)]
     if not count:
         return "none"
-    slowest = min(float(le) for (name, le), n in values.items() if name.endswith("_bucket") and n >= count)
-    return f"{count:.0f}, {values[('rankscope_diagnosis_pass_seconds_sum', None)] / count:.1f} s on average, the slowest under {slowest:g} s"
+    slowest = min(float(le) for (part, le), n in values.items() if part == "bucket" and n >= count)
+    return f"{count:.0f}, {values[('sum', None)] / count:.2f} s on average, the slowest under {slowest:g} s"
 
 
 def _ingest_rows(sim_output: str, world: int, cadence: object) -> list[str]:

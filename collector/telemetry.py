@@ -87,6 +87,10 @@ class Telemetry:
             "stored (a long pass is followed by as long a rest).",
             buckets=(*_LATENCY_BUCKETS, 30.0, 60.0), registry=self.registry,
         )  # fmt: skip
+        self.detector_seconds = Histogram(
+            "rankscope_detector_seconds", "Duration of one detector in a live diagnosis pass over one run, per detector.",
+            ["detector"], buckets=(*_LATENCY_BUCKETS, 30.0, 60.0), registry=self.registry,
+        )  # fmt: skip
         connected = Gauge(
             "rankscope_connected_ranks", f"Distinct (run, rank) that sent a batch in the last {CONNECTED_WINDOW_S:.0f} s.",
             registry=self.registry,
@@ -100,6 +104,10 @@ class Telemetry:
         if sent_ns > 0:
             self.delivery_seconds.labels(kind).observe(max(0.0, (received_ns - sent_ns) / 1e9))
         self.store_seconds.labels(kind).observe(max(0.0, (stored_ns - received_ns) / 1e9))
+
+    def detected(self, detector: str, seconds: float) -> None:
+        """One detector's pass over one run (called from the diagnosis thread)."""
+        self.detector_seconds.labels(detector).observe(seconds)
 
     def seen(self, run_id: str, rank: int) -> None:
         self._last_seen[(run_id, rank)] = self._clock()

@@ -32,9 +32,13 @@ def test_an_ended_run_is_concluded_after_its_last_passes_a_running_one_goes_on(
         return migrated.query_arrow(sql, params)
 
     monkeypatch.setattr(engine, "CONCLUDE_AFTER_S", 0.5)
-    live = LiveDiagnosis(query, lambda incidents: None, lambda run, rank, reason: None, Settings())
+    timed: list[tuple[str, str]] = []
+    live = LiveDiagnosis(query, lambda incidents: None, lambda run, rank, reason: None, Settings(),
+                         on_detector=lambda name, seconds: timed.append((name, type(seconds).__name__)))  # fmt: skip
     live.pass_once()
     assert set(seen) == {"job-0", "job-1"}  # the ended run gets its final passes too
+    detectors = [("hang", "float"), ("crash", "float"), ("straggler", "float"), ("nan", "float"), ("slow_link", "float"), ("gpu", "float")]
+    assert timed == detectors * 2  # each detector of each run's pass, timed
     time.sleep(0.6)
     seen.clear()
     live.pass_once()

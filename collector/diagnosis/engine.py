@@ -48,20 +48,37 @@ ACTIVE_RUNS_SQL = (
 
 def diagnose(
     run_id: str, query: Query, settings: Settings, *, now_ns: int | None = None, ctx: RunContext | None = None,
-    heard: Mapping[int, int] | None = None,
+    heard: Mapping[int, int] | None = None, on_detector: Callable[[str, float], None] | None = None,
 ) -> list[Finding]:  # fmt: skip
     """Every detector's findings for ``run_id``; ``now_ns`` defaults to the run's last data (offline),
     ``ctx`` to the run's topology read now; ``heard``: rank -> when the collector last heard from it
-    (live: its own clock, ahead of what it has stored when it lags)."""
+    (live: its own clock, ahead of what it has stored when it lags); ``on_detector(name, seconds)``
+    hears how long each detector took."""
     ctx = ctx or RunContext.load(run_id, query, settings)
     if now_ns is None:
         now_ns = int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
-    hangs = _with_stacks(ctx, hang.detect(ctx))
+    timed = _Timed(on_detector)
+    hangs = timed("hang", lambda: _with_stacks(ctx, hang.detect(ctx)))
     findings = list(hangs)
-    findings += crash.detect(ctx, now_ns=now_ns, hang=hangs[0] if hangs else None, heard=heard)
-    for detector in (straggler.detect, nan.detect, slow_link.detect, gpu.detect):
-        findings += detector(ctx)
+    findings += timed("crash", lambda: crash.detect(ctx, now_ns=now_ns, hang=hangs[0] if hangs else None, heard=heard))
+    for detector in (straggler, nan, slow_link, gpu):
+        findings += timed(detector.__name__.rsplit(".", 1)[-1], lambda: detector.detect(ctx))  # noqa: B023 (called at once)
     return findings
+
+
+class _Timed:
+    """Calls a detector and tells ``on_detector`` how long it took (nothing when there is no listener)."""
+
+    def __init__(self, on_detector: Callable[[str, float], None] | None):
+        self.on_detector = on_detector
+
+    def __call__(self, name: str, detect: Callable[[], list[Finding]]) -> list[Finding]:
+        began = time.perf_counter()
+        try:
+            return detect()
+        finally:
+            if self.on_detector is not None:
+                self.on_detector(name, time.perf_counter() - began)
 
 
 def _with_stacks(ctx: RunContext, findings: list[Finding]) -> list[Finding]:
@@ -88,7 +105,8 @@ class LiveDiagnosis:
     same store wrote); its topology is read again after a rank registered, or ``recheck_s``.
     A pass longer than ``interval_s`` (a run of 100,000 ranks) is followed by a rest as long as
     itself: the passes hold the interpreter half the time at most, and ingest keeps up.
-    ``on_pass(seconds)`` hears how long each pass took (the collector's metrics).
+    ``on_pass(seconds)`` hears how long each pass took, ``on_detector(name, seconds)`` each detector
+    of it (the collector's metrics).
     """
 
     def __init__(
@@ -103,6 +121,7 @@ class LiveDiagnosis:
         stored: Callable[[str], tuple[int, int]] | None = None,
         heard: LastHeard | None = None,
         on_pass: Callable[[float], None] | None = None,
+        on_detector: Callable[[str, float], None] | None = None,
     ) -> None:
         self.query = query
         self.write = write
@@ -113,6 +132,7 @@ class LiveDiagnosis:
         self.stored = stored
         self.heard = heard
         self.on_pass = on_pass
+        self.on_detector = on_detector
         self.recheck_s = max(interval_s, settings.silent_after_s / 3)
         self.ledgers: dict[str, Ledger] = {}
         self._passed: dict[str, tuple[tuple[int, int], float]] = {}  # run -> stored() and time.monotonic() at its last pass
@@ -189,7 +209,7 @@ class LiveDiagnosis:
             ledger = self.ledgers[run_id] = Ledger(run_id, from_rows(self.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()))
         ctx = self._context(run_id, now)
         heard = self.heard.of(run_id, ctx.attempt) if self.heard is not None else None
-        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=ctx, heard=heard)
+        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=ctx, heard=heard, on_detector=self.on_detector)
         for f in findings:
             if f.kind == "hang":
                 for rank in f.ranks:
