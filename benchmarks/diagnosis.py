@@ -91,7 +91,7 @@ class Lag:
     def __init__(self, metrics_url: str, kind: str):
         self.url, self.kind = metrics_url, kind
         self._last = {"delivery": (0.0, 0.0), "store": (0.0, 0.0)}
-        self.samples: list[tuple[float, float, float, int]] = []  # (monotonic s, delivery mean s, store mean s, batches)
+        self.samples: list[tuple[float, float, int]] = []  # (delivery mean s, store mean s, batches) per interval
 
     def sample(self) -> str:
         from prometheus_client.parser import text_string_to_metric_families
@@ -109,14 +109,14 @@ class Lag:
             means[stage] = (total - was_total) / (count - was_count) if count > was_count else float("nan")
         batches = int(now.get("store", (0, 0))[1] - self._last["store"][1])
         self._last.update(now)
-        self.samples.append((time.monotonic(), means.get("delivery", float("nan")), means.get("store", float("nan")), batches))
+        self.samples.append((means.get("delivery", float("nan")), means.get("store", float("nan")), batches))
         if not batches:
             return "none stored"
         return f"{batches} batches, {means.get('delivery', float('nan')):.1f} s on the way + {means.get('store', float('nan')):.1f} s to the store"
 
     def row(self) -> str:
         """The samples as one table row: delivery + store seconds of each interval."""
-        series = ", ".join(f"{d:.1f}+{st:.1f}" for _, d, st, n in self.samples if n)
+        series = ", ".join(f"{d:.1f}+{st:.1f}" for d, st, n in self.samples if n)
         return f"| the collector's lag with the {self.kind}, every 15 s (mean s from the send to the receipt + to the store) | {series or 'none'} |"
 
 

@@ -69,18 +69,16 @@ class Telemetry:
             "rankscope_insert_seconds", "Duration of one insert into the store, per table.", ["table"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
-        self.delivery_seconds = Histogram(
+        self.delivery_seconds = self._per_kind(
             "rankscope_delivery_seconds",
             "From an agent's send of a batch to the collector's receipt, per payload kind (the agent's clock corrected by the "
             "offset it stamps): the network and the calls queued in the collector.",
-            ["kind"], buckets=_DELAY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
-        self.store_seconds = Histogram(
+        )
+        self.store_seconds = self._per_kind(
             "rankscope_store_seconds",
             "From the collector's receipt of a batch to its being stored and acknowledged, per payload kind: a timeline's "
             "turn to be decoded, the wait for the writer's flush and the insert.",
-            ["kind"], buckets=_DELAY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+        )
         self.diagnosis_seconds = Histogram(
             "rankscope_diagnosis_pass_seconds",
             "Duration of one live diagnosis pass over the active runs: a fault is named up to two of them after its evidence is "
@@ -98,6 +96,10 @@ class Telemetry:
         connected.set_function(self.connected_ranks)
         self.registry.register(_WriterCollector(writer))
         self._http: object | None = None
+
+    def _per_kind(self, name: str, documentation: str) -> Histogram:
+        """A histogram of seconds on a batch's way to the store, labelled by payload kind."""
+        return Histogram(name, documentation, ["kind"], buckets=_DELAY_BUCKETS, registry=self.registry)
 
     def delivered(self, kind: str, sent_ns: int, received_ns: int, stored_ns: int) -> None:
         """One batch stored: ``sent_ns`` on the collector's clock (0: the agent did not say)."""

@@ -6,11 +6,13 @@ uses its own run id, so the tests do not see each other's rows.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +20,12 @@ import grpc
 import pytest
 from test_collector_ingest import collectives, end, envelope, heartbeats, metrics, register, spans, stack, step_metrics
 
+from rankscope.collector import server
 from rankscope.collector.client import Client, QueryRefused, ResultTooLarge, Unauthenticated
+from rankscope.collector.query import guard_for
+from rankscope.collector.store.base import open_store
+from rankscope.collector.store.migrations import migrate
+from rankscope.collector.writer import Writer
 from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
 from conftest import Running, start_collector
@@ -255,35 +262,36 @@ def test_a_stack_request_reaches_only_that_rank_and_only_once(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@contextlib.asynccontextmanager
+async def _in_process(tmp_path: Path) -> AsyncIterator[server.Collector]:
+    """The collector's shared state over a real embedded store, in this process (no gRPC, no diagnosis)."""
+    store = open_store(store_dir=tmp_path / "store", database="rankscope")
+    migrate(store, store.database, None)
+    writer = Writer(store, store.database, flush_interval_s=0.2)
+    await writer.start()
+    try:
+        yield server.Collector(store, writer, guard_for(store), server.ServerOptions(diagnosis=None))
+    finally:
+        await writer.close()
+        store.close()
+
+
 def test_a_heartbeat_is_decoded_before_the_timelines_that_arrived_ahead_of_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls start in arrival order; the timelines wait in their lane, so the heartbeat behind forty
     of them is decoded first (before the lane, it was decoded forty-first)."""
-    import asyncio
-
-    from rankscope.collector import server
-    from rankscope.collector.query import guard_for
-    from rankscope.collector.store.base import open_store
-    from rankscope.collector.store.migrations import migrate
-    from rankscope.collector.writer import Writer
-
     decoded: list[str] = []
     real = server.decode
     monkeypatch.setattr(server, "decode", lambda batch, *args: (decoded.append(batch.WhichOneof("payload")), real(batch, *args))[1])
 
     async def scenario() -> list[tuple[bool, tuple[int, ...]]]:
-        store = open_store(store_dir=tmp_path / "store", database="rankscope")
-        migrate(store, store.database, None)
-        writer = Writer(store, store.database, flush_interval_s=0.2)
-        await writer.start()
-        ingest = server.IngestService(server.Collector(store, writer, guard_for(store), server.ServerOptions(diagnosis=None)))
-        try:
-            await ingest._store(register("lane", 0, 1), time.time_ns())
-            calls = [ingest._store(spans("lane", 0, 2000, step=step), time.time_ns()) for step in range(40)]
-            return await asyncio.gather(*calls, ingest._store(heartbeats("lane", 0), time.time_ns()))
-        finally:
-            await ingest.timelines.close()
-            await writer.close()
-            store.close()
+        async with _in_process(tmp_path) as collector:
+            ingest = server.IngestService(collector)
+            try:
+                await ingest._store(register("lane", 0, 1), time.time_ns())
+                calls = [ingest._store(spans("lane", 0, 2000, step=step), time.time_ns()) for step in range(40)]
+                return await asyncio.gather(*calls, ingest._store(heartbeats("lane", 0), time.time_ns()))
+            finally:
+                await ingest.timelines.close()
 
     results = asyncio.run(scenario())
     assert all(written for written, _ in results)  # every batch stored
@@ -292,30 +300,14 @@ def test_a_heartbeat_is_decoded_before_the_timelines_that_arrived_ahead_of_it(tm
 
 def test_the_first_batches_of_a_run_wait_for_one_load_of_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a restart every rank's first batch arrives at once: the run is read from the store once, not once each."""
-    import asyncio
-
-    from rankscope.collector import server
-    from rankscope.collector.query import guard_for
-    from rankscope.collector.store.base import open_store
-    from rankscope.collector.store.migrations import migrate
-    from rankscope.collector.writer import Writer
-
     loads: list[str] = []
     real = server.read_run
     monkeypatch.setattr(server, "read_run", lambda query, run_id: (loads.append(run_id), real(query, run_id))[1])
 
     async def scenario() -> None:
-        store = open_store(store_dir=tmp_path / "store", database="rankscope")
-        migrate(store, store.database, None)
-        writer = Writer(store, store.database)
-        await writer.start()
-        collector = server.Collector(store, writer, guard_for(store), server.ServerOptions(diagnosis=None))
-        try:
+        async with _in_process(tmp_path) as collector:
             await asyncio.gather(*(collector.know_run("restarted", rank) for rank in range(50)))
             await collector.know_run("restarted", 50)  # loaded a moment ago: not again for a rank it does not know
-        finally:
-            await writer.close()
-            store.close()
 
     asyncio.run(scenario())
     assert loads == ["restarted"]
