@@ -20,9 +20,9 @@ time (a frozen host) fails with "no answer in N s", its remaining tests not run.
 
 Verdict (``judge``, pure): a figure fails when it is worse than the median of the same figure on
 the other hosts by more than ``factor`` (default 2: a throughput below 0.5x, a time above 2x) and
-by more than the figure's noise floor (``SPECS``); a test that could not run fails. A link figure
-is compared with the links that do not touch the host (a bad host makes its peers' links to it
-slow too). The host passes when every figure passes. A host that fails on a local figure it
+by more than the figure's noise floor (``SPECS``); a test that could not run fails. A bad host
+makes its peers' links to it slow too: a slow link to a host that fails its own tests, or whose
+links to most peers are slow, is not held against the other end. The host passes when every figure passes. A host that fails on a local figure it
 measured is measured again, once, and judged on the better of its two runs: a blip of a loaded
 machine passes, a host that is really slow fails twice. With no peer, figures are measured but not
 judged. Measurements are windows of about 0.1 s or more (many 10 ms CPU-quota periods), best of
@@ -510,12 +510,18 @@ def judge(measured: Mapping[str, Sequence[Figure]], *, factor: float = FACTOR) -
     ``measured``: host -> its figures as measured: a figure with a value (``passed`` True) is judged;
     one without a value is kept as it is: ``passed`` False (the test could not run: a failure) or
     True (not judged, e.g. a link to a host that did not answer). Each judged figure gets
-    ``reference`` = the median of the same figure on the other hosts (a link figure ``metric:PEER``:
-    the same metric on the links that do not touch this host), and fails when it is worse than the
-    reference by more than ``factor`` and by more than its spec's noise floor.
+    ``reference`` = the median of the same figure on the other hosts, and fails when it is worse than
+    the reference by more than ``factor`` and by more than its spec's noise floor.
+
+    A link has two ends, and a bad host makes its peers' links to it slow too. So a link figure
+    ``metric:PEER`` is compared with the links that touch neither this host nor a *slow end* (a host
+    that fails its own tests, or whose links to most of its peers are slow: ``_slow_ends``), and a
+    slow link to a slow end is not held against this host. A link slow between two hosts that are
+    otherwise fine fails both ends: nothing tells which end it is.
     """
     if not factor > 1:
         raise ValueError(f"the factor must be more than 1, got {factor}")
+    slow_ends = _slow_ends(measured, factor)
     results = []
     for host, figures in measured.items():
         judged_figures, any_judged = [], False
@@ -523,18 +529,17 @@ def judge(measured: Mapping[str, Sequence[Figure]], *, factor: float = FACTOR) -
             if math.isnan(f.value):
                 judged_figures.append(f)
                 continue
-            ref = _reference(measured, host, f.check)
+            metric, _, peer = f.check.partition(":")
+            ref = _reference(measured, host, f.check, slow_ends.get(metric, set()) - {host})
             if math.isnan(ref):
                 judged_figures.append(replace(f, reference=math.nan, passed=True, detail=_join(f.detail, "no peers to compare with")))
                 continue
             any_judged = True
-            spec = SPECS[_metric(f.check)]
-            ratio = f.value / ref if ref else math.inf
-            if spec.higher_is_better:
-                bad = f.value < ref / factor and ref - f.value > spec.noise
-            else:
-                bad = f.value > ref * factor and f.value - ref > spec.noise
-            judged_figures.append(replace(f, reference=ref, passed=not bad, detail=_join(f.detail, f"{_times(ratio)} the peers' median")))
+            bad = _worse(f, ref, factor)
+            detail = _join(f.detail, f"{_times(f.value / ref if ref else math.inf)} the peers' median")
+            if bad and peer in slow_ends.get(metric, set()) - {host}:
+                bad, detail = False, _join(detail, f"not held against {host}: {peer} is slow itself")
+            judged_figures.append(replace(f, reference=ref, passed=not bad, detail=detail))
         judged_figures.sort(key=lambda f: (ORDER.index(_metric(f.check)) if _metric(f.check) in ORDER else len(ORDER), f.check))
         failed = [f for f in judged_figures if not f.passed]
         passed = not failed
@@ -548,15 +553,55 @@ def judge(measured: Mapping[str, Sequence[Figure]], *, factor: float = FACTOR) -
     return Report(tuple(results), factor)
 
 
-def _reference(measured: Mapping[str, Sequence[Figure]], host: str, check: str) -> float:
+def _worse(f: Figure, reference: float, factor: float) -> bool:
+    """Whether ``f`` is worse than ``reference`` by more than ``factor`` and its noise floor."""
+    spec = SPECS[_metric(f.check)]
+    if spec.higher_is_better:
+        return f.value < reference / factor and reference - f.value > spec.noise
+    return f.value > reference * factor and f.value - reference > spec.noise
+
+
+def _slow_ends(measured: Mapping[str, Sequence[Figure]], factor: float) -> dict[str, set[str]]:
+    """Per link metric, the hosts the slow links to them are blamed on: those that fail a local
+    figure they measured (a throttled CPU slows its network too), and those whose links (either
+    way) to more than half of their peers are worse than the links that do not touch them."""
+    locally = {
+        host for host, figures in measured.items() for f in figures
+        if f.check in LOCAL_CHECKS and not math.isnan(f.value) and _worse(f, _reference(measured, host, f.check, set()), factor)
+    }  # fmt: skip
+    ends: dict[str, set[str]] = {}
+    for metric in {_metric(f.check) for figures in measured.values() for f in figures if ":" in f.check}:
+        links = _link_figures(measured, metric)
+        ends[metric] = set(locally)
+        for host in measured:
+            touching = [(b if a == host else a, f) for a, b, f in links if host in (a, b)]
+            others = [f.value for a, b, f in links if host not in (a, b)]
+            if not touching or not others:
+                continue
+            ref = statistics.median(others)
+            if len({p for p, f in touching if _worse(f, ref, factor)}) > len({p for p, _ in touching}) / 2:
+                ends[metric].add(host)
+    return ends
+
+
+def _link_figures(measured: Mapping[str, Sequence[Figure]], metric: str) -> list[tuple[str, str, Figure]]:
+    """(from, to, figure) of every link figure of ``metric`` that has a value."""
+    return [
+        (host, f.check.partition(":")[2], f) for host, figures in measured.items() for f in figures
+        if ":" in f.check and _metric(f.check) == metric and not math.isnan(f.value)
+    ]  # fmt: skip
+
+
+def _reference(measured: Mapping[str, Sequence[Figure]], host: str, check: str, avoid: set[str]) -> float:
+    """The median of ``check`` on the hosts other than ``host``; for a link figure, of the same metric
+    on the links that touch neither ``host`` nor a host of ``avoid`` (or, when none is left, on the
+    links that do not touch ``host``)."""
     metric, _, peer = check.partition(":")
-    if peer:
-        values = [
-            f.value for other, figures in measured.items() if other != host for f in figures
-            if _metric(f.check) == metric and f.check.partition(":")[2] != host and not math.isnan(f.value)
-        ]  # fmt: skip
-    else:
+    if not peer:
         values = [f.value for other, figures in measured.items() if other != host for f in figures if f.check == check and not math.isnan(f.value)]
+        return statistics.median(values) if values else math.nan
+    links = [(a, b, f.value) for a, b, f in _link_figures(measured, metric) if host not in (a, b)]
+    values = [v for a, b, v in links if a not in avoid and b not in avoid] or [v for _, _, v in links]
     return statistics.median(values) if values else math.nan
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -129,7 +130,8 @@ def command_on(host: Host, argv: Sequence[str]) -> list[str]:
 
 def create(hosts: int, *, ranks_per_host: int = 1, cores: float | None = None, name: str | None = None) -> Testbed:
     """Make a test bed of ``hosts`` hosts (``node0``, ``node1``, ...) with ``cores`` CPUs each; removes
-    what it made if a step fails."""
+    what it made if a step fails. A name that is taken (a test bed that is up, or what a killed
+    one left) is refused and its test bed left alone."""
     if not 1 <= hosts <= 250:
         raise TestbedError(f"a test bed has 1 to 250 hosts, not {hosts}")
     cores = cores if cores is not None else default_cores(hosts, ranks_per_host)
@@ -137,6 +139,12 @@ def create(hosts: int, *, ranks_per_host: int = 1, cores: float | None = None, n
         raise TestbedError(f"a host needs a positive number of cores, not {cores:g}")
     _check_can()
     name = name or f"{PREFIX}{secrets.token_hex(2)}"
+    if not re.fullmatch(f"{PREFIX}[a-z0-9]{{1,12}}", name):
+        raise TestbedError(f"a test bed's name is {PREFIX!r} and 1 to 12 small letters or digits (rsheal, rs1), not {name!r}: "
+                           "what it makes is found again by that prefix")  # fmt: skip
+    if found := leftovers(name):
+        raise TestbedError(f"test bed {name!r} exists already ({', '.join(found[:2])}{', ...' if len(found) > 2 else ''}): "
+                           f"`rankscope testbed down {name}` removes it, or name another")  # fmt: skip
     machine = sorted(os.sched_getaffinity(0))
     per_host = max(1, len(machine) // hosts)
     cpus = [tuple(machine[(i * per_host + k) % len(machine)] for k in range(per_host)) for i in range(hosts)]

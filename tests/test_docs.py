@@ -278,6 +278,9 @@ def test_the_page_runs_as_written(name: str, request: pytest.FixtureRequest, pro
         readme: Page = request.getfixturevalue("readme")
         shutil.copytree(readme.workdir / "rankscope-data", tmp_path / "rankscope-data", symlinks=True)  # chDB links metadata/ to store/
         page.one("rankscope collector &", Run(), name="collector")
+    named = {m for c in shell_commands(PAGES[name].read_text()) for m in re.findall(r"testbed up .*--name (\w+)", c)}
+    for bed in named & set(testbed_hosts.running()):  # what a killed earlier run of this page left: its `testbed up` refuses the name
+        testbed_hosts.destroy(bed)
     beds = set(testbed_hosts.running())
     try:
         page.run_all()

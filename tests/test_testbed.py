@@ -91,6 +91,10 @@ def test_the_command_brings_a_test_bed_up_and_down(tmp_path: Path) -> None:
             pytest.skip(up.stderr)
         assert up.returncode == 0 and "node1" in up.stdout, up
         assert name in subprocess.run([*rankscope, "list"], capture_output=True, text=True, timeout=60).stdout
+        again = subprocess.run([*rankscope, "up", "--hosts", "2", "--name", name], capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1 and f"test bed '{name}' exists already" in again.stderr, again  # and it stays up:
+        bad = subprocess.run([*rankscope, "up", "--hosts", "2", "--name", "heal"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "a test bed's name is 'rs' and 1 to 12" in bad.stderr and hosts.leftovers("heal") == [], bad
         (tmp_path / "probe.py").write_text(PROBE)
         run = subprocess.run([*rankscope, "run", "--testbed", name, "--workdir", str(tmp_path), "--", str(tmp_path / "probe.py")],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
