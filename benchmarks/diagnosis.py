@@ -179,12 +179,13 @@ def _live_passes(metrics_url: str) -> list[str]:
 
     text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    rows = [f"| live diagnosis passes while it ran (the collector's rankscope_diagnosis_pass_seconds) | "
-            f"{_histogram(families['rankscope_diagnosis_pass_seconds'].samples)} |"]  # fmt: skip
-    detectors = families["rankscope_detector_seconds"].samples
-    for name in sorted({x.labels["detector"] for x in detectors}):
-        mine = [x for x in detectors if x.labels.get("detector") == name]
-        rows.append(f"| live: {name} in those passes (rankscope_detector_seconds) | {_histogram(mine)} |")
+    rows = []
+    for family, label, what in (("rankscope_diagnosis_pass_seconds", "lane", "live diagnosis passes of the {} lane while it ran"),
+                                ("rankscope_detector_seconds", "detector", "live: {} in those passes")):  # fmt: skip
+        samples = families[family].samples
+        for name in sorted({x.labels[label] for x in samples if label in x.labels}):
+            mine = [x for x in samples if x.labels.get(label) == name]
+            rows.append(f"| {what.format(name)} ({family}) | {_histogram(mine)} |")
     return rows
 
 

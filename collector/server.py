@@ -419,7 +419,7 @@ async def _diagnose(collector: Collector, loop: asyncio.AbstractEventLoop, stop:
         store.query_arrow, write_to(store.insert_arrow), request_stack, options.diagnosis,
         interval_s=options.diagnose_interval_s, webhook=options.alert_webhook,
         stored=lambda run_id: collector.writer.stored.get(run_id, (0, 0)), heard=collector.heard,
-        on_pass=collector.telemetry.diagnosis_seconds.observe, on_detector=collector.telemetry.detected,
+        on_pass=collector.telemetry.diagnosed, on_detector=collector.telemetry.detected,
     )  # fmt: skip
     await live.run(stop)
 

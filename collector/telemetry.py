@@ -81,9 +81,10 @@ class Telemetry:
         )
         self.diagnosis_seconds = Histogram(
             "rankscope_diagnosis_pass_seconds",
-            "Duration of one live diagnosis pass over the active runs: a fault is named up to two of them after its evidence is "
-            "stored (a long pass is followed by as long a rest).",
-            buckets=(*_LATENCY_BUCKETS, 30.0, 60.0), registry=self.registry,
+            "Duration of one live diagnosis pass over the active runs, per lane (urgent: hangs and crashes; thorough: the "
+            "rest): a fault is named up to two passes of its lane after its evidence is stored (a long pass is followed by as "
+            "long a rest).",
+            ["lane"], buckets=(*_LATENCY_BUCKETS, 30.0, 60.0), registry=self.registry,
         )  # fmt: skip
         self.detector_seconds = Histogram(
             "rankscope_detector_seconds", "Duration of one detector in a live diagnosis pass over one run, per detector.",
@@ -106,6 +107,10 @@ class Telemetry:
         if sent_ns > 0:
             self.delivery_seconds.labels(kind).observe(max(0.0, (received_ns - sent_ns) / 1e9))
         self.store_seconds.labels(kind).observe(max(0.0, (stored_ns - received_ns) / 1e9))
+
+    def diagnosed(self, lane: str, seconds: float) -> None:
+        """One live diagnosis pass of ``lane`` (called from the event loop)."""
+        self.diagnosis_seconds.labels(lane).observe(seconds)
 
     def detected(self, detector: str, seconds: float) -> None:
         """One detector's pass over one run (called from the diagnosis thread)."""

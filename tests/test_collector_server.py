@@ -330,7 +330,8 @@ def test_prometheus_serves_the_collector_counters(collector: Running, ingest: in
     assert values['rankscope_delivery_seconds_count{kind="spans"}'] >= 1
     assert values['rankscope_store_seconds_count{kind="spans"}'] >= 1
     assert values['rankscope_connected_ranks'] >= 1
-    assert values["rankscope_diagnosis_pass_seconds_count"] >= 1  # the live diagnosis passes every 5 s from the start
+    for lane in ("urgent", "thorough"):  # the live diagnosis passes each lane every 5 s from the start
+        assert values[f'rankscope_diagnosis_pass_seconds_count{{lane="{lane}"}}'] >= 1
     assert "rankscope_buffered_rows" in values and "rankscope_duplicate_batches_total" in values
     assert "rankscope_batches_written_total" in values
 

@@ -164,3 +164,50 @@ def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_sto
     for rank in range(2):
         replayed.note(Decoded("heartbeats", {"heartbeats": beats.slice(rank, 1)}), now)
     assert lost(replayed) == ["lost_host"]
+
+
+def test_a_lane_closes_only_the_incidents_of_its_own_kinds() -> None:
+    """The urgent lane finds no straggler because it does not look for one: that closes nothing."""
+    from rankscope.collector.diagnosis.incidents import Finding, Ledger
+
+    slow = Finding("straggler", "straggler:rank=5", "warning", (5,), ("node2",), 10, 20, "rank 5 (node2): backward 180% slower")
+    hung = Finding("hang", "hang", "critical", (3,), ("node1",), 30, 40, "hang: rank 3 never reached the all-reduce")
+    ledger = Ledger("run")
+    ledger.update([slow], owns=engine.THOROUGH.owns)
+    stored, new = ledger.update([hung], owns=engine.URGENT.owns)
+    assert [i.incident_id for i in new] == ["hang"] and [i.incident_id for i in stored] == ["hang"]  # the straggler stays open
+    stored, _ = ledger.update([], owns=engine.THOROUGH.owns)
+    assert [(i.incident_id, i.status) for i in stored] == [("straggler:rank=5", "closed")]  # the hang stays open
+    stored, _ = ledger.update([], final=True, owns=engine.URGENT.owns)
+    assert [(i.incident_id, i.status) for i in stored] == [("hang", "closed")]
+    assert engine.URGENT.kinds.isdisjoint(engine.THOROUGH.kinds) and engine.EVERY.kinds == engine.URGENT.kinds | engine.THOROUGH.kinds
+
+
+@pytest.mark.timeout(60)
+def test_a_long_thorough_pass_does_not_hold_up_the_urgent_lane(migrated: Store, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """At 100,000 ranks a straggler pass took tens of seconds and the hang waited behind it: the lanes
+    pass on their own schedules, so hangs and crashes are looked for meanwhile."""
+    import asyncio
+
+    from rankscope.collector.diagnosis import straggler
+
+    now = time.time_ns()
+    migrated.insert_arrow(f"{migrated.database}.runs", sample_rows("runs", 1, run_id="job", start_ns=now))
+    migrated.insert_arrow(f"{migrated.database}.heartbeats", sample_rows("heartbeats", 2, run_id="job-0", start_ns=now))
+    detect = straggler.detect
+    monkeypatch.setattr(straggler, "detect", lambda ctx: (time.sleep(3.0), detect(ctx))[1])  # a straggler pass of 3 s
+    passes: list[tuple[str, float]] = []
+    live = LiveDiagnosis(migrated.query_arrow, lambda incidents: None, lambda run, rank, reason: None, Settings(), interval_s=0.2,
+                         on_pass=lambda lane, seconds: passes.append((lane, seconds)))  # fmt: skip
+
+    async def for_a_while() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(live.run(stop))
+        await asyncio.sleep(2.5)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(for_a_while())
+    urgent = [seconds for lane, seconds in passes if lane == "urgent"]
+    assert len(urgent) >= 3 and max(urgent) < 2.0, passes  # during the thorough lane's first pass
+    assert [lane for lane, _ in passes].count("thorough") == 1 and min(s for lane, s in passes if lane == "thorough") >= 3.0

@@ -4,6 +4,10 @@
 live every few seconds for the runs that are active, ``rankscope diagnose`` once, offline.
 Order matters: a hang is looked for before crashes, because the ranks that time out after a
 hang are its consequences, not crashes of their own.
+
+Live, the detectors run in two lanes, each on its own schedule (``Lane``): hangs and crashes stop
+a job and are cheap to look for; stragglers, NaNs, slow links and GPU faults can take seconds a
+pass at scale (a straggler's critical-path cost at 100,000 ranks) and must not hold them up.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rankscope.collector.diagnosis import crash, gpu, hang, nan, slow_link, straggler
@@ -28,6 +33,27 @@ log = logging.getLogger("rankscope.diagnosis")
 DIAGNOSE_EVERY_S = 5.0
 #: seconds an ended run is still diagnosed (late rows of its last moments may still come in)
 CONCLUDE_AFTER_S = 10.0
+
+
+@dataclass(frozen=True)
+class Lane:
+    """Detectors the live diagnosis passes together, on their own schedule, and the incident kinds
+    they name (a lane's pass closes only those of its kinds that it no longer finds)."""
+
+    name: str
+    detectors: tuple[str, ...]
+    kinds: frozenset[str]
+
+    def owns(self, kind: str) -> bool:
+        return kind in self.kinds
+
+
+#: faults that stop a job: named within seconds of their threshold whatever the other lane costs
+URGENT = Lane("urgent", ("hang", "crash"), frozenset({"hang", "crash", "lost_rank", "lost_host"}))
+THOROUGH = Lane("thorough", ("straggler", "nan", "slow_link", "gpu"),
+                frozenset({"straggler", "nan", "loss_spike", "slow_link", "gpu_throttle", "gpu_ecc", "gpu_xid"}))  # fmt: skip
+#: one pass of every detector (``rankscope diagnose``, and ``LiveDiagnosis.pass_once`` by default)
+EVERY = Lane("every", URGENT.detectors + THOROUGH.detectors, URGENT.kinds | THOROUGH.kinds)
 
 LAST_DATA_SQL = (
     "SELECT greatest((SELECT toUnixTimestamp64Nano(max(last_heartbeat)) FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}), "
@@ -48,21 +74,26 @@ ACTIVE_RUNS_SQL = (
 
 def diagnose(
     run_id: str, query: Query, settings: Settings, *, now_ns: int | None = None, ctx: RunContext | None = None,
-    heard: Mapping[int, int] | None = None, on_detector: Callable[[str, float], None] | None = None,
+    heard: Mapping[int, int] | None = None, on_detector: Callable[[str, float], None] | None = None, lane: Lane = EVERY,
 ) -> list[Finding]:  # fmt: skip
-    """Every detector's findings for ``run_id``; ``now_ns`` defaults to the run's last data (offline),
-    ``ctx`` to the run's topology read now; ``heard``: rank -> when the collector last heard from it
-    (live: its own clock, ahead of what it has stored when it lags); ``on_detector(name, seconds)``
-    hears how long each detector took."""
+    """The findings of ``lane``'s detectors (every one by default) for ``run_id``; ``now_ns`` defaults
+    to the run's last data (offline), ``ctx`` to the run's topology read now; ``heard``: rank -> when
+    the collector last heard from it (live: its own clock, ahead of what it has stored when it lags);
+    ``on_detector(name, seconds)`` hears how long each detector took."""
     ctx = ctx or RunContext.load(run_id, query, settings)
-    if now_ns is None:
-        now_ns = int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
     timed = _Timed(on_detector)
-    hangs = timed("hang", lambda: _with_stacks(ctx, hang.detect(ctx)))
-    findings = list(hangs)
-    findings += timed("crash", lambda: crash.detect(ctx, now_ns=now_ns, hang=hangs[0] if hangs else None, heard=heard))
+    findings: list[Finding] = []
+    if "hang" in lane.detectors:
+        findings += timed("hang", lambda: _with_stacks(ctx, hang.detect(ctx)))
+    if "crash" in lane.detectors:
+        if now_ns is None:
+            now_ns = int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
+        hung = next((f for f in findings if f.kind == "hang"), None)  # the ranks timing out after it are no crash
+        findings += timed("crash", lambda: crash.detect(ctx, now_ns=now_ns, hang=hung, heard=heard))
     for detector in (straggler, nan, slow_link, gpu):
-        findings += timed(detector.__name__.rsplit(".", 1)[-1], lambda: detector.detect(ctx))  # noqa: B023 (called at once)
+        name = detector.__name__.rsplit(".", 1)[-1]
+        if name in lane.detectors:
+            findings += timed(name, lambda: detector.detect(ctx))  # noqa: B023 (called at once)
     return findings
 
 
@@ -103,10 +134,11 @@ class LiveDiagnosis:
     passed over while nothing of it was stored since its last pass, until ``recheck_s`` (what
     only time reveals, such as ranks gone silent all at once, and what other collectors of the
     same store wrote); its topology is read again after a rank registered, or ``recheck_s``.
-    A pass longer than ``interval_s`` (a run of 100,000 ranks) is followed by a rest as long as
-    itself: the passes hold the interpreter half the time at most, and ingest keeps up.
-    ``on_pass(seconds)`` hears how long each pass took, ``on_detector(name, seconds)`` each detector
-    of it (the collector's metrics).
+    ``run`` passes each ``Lane`` (``URGENT``, ``THOROUGH``) in a thread of its own, every
+    ``interval_s``: a long straggler pass does not hold up the hang's. A pass longer than
+    ``interval_s`` (a run of 100,000 ranks) is followed by a rest as long as itself: the passes hold
+    the interpreter half the time at most, and ingest keeps up. ``on_pass(lane, seconds)`` hears how
+    long each pass took, ``on_detector(name, seconds)`` each detector of it (the collector's metrics).
     """
 
     def __init__(
@@ -120,7 +152,7 @@ class LiveDiagnosis:
         webhook: str | None = None,
         stored: Callable[[str], tuple[int, int]] | None = None,
         heard: LastHeard | None = None,
-        on_pass: Callable[[float], None] | None = None,
+        on_pass: Callable[[str, float], None] | None = None,
         on_detector: Callable[[str, float], None] | None = None,
     ) -> None:
         self.query = query
@@ -135,7 +167,9 @@ class LiveDiagnosis:
         self.on_detector = on_detector
         self.recheck_s = max(interval_s, settings.silent_after_s / 3)
         self.ledgers: dict[str, Ledger] = {}
-        self._passed: dict[str, tuple[tuple[int, int], float]] = {}  # run -> stored() and time.monotonic() at its last pass
+        self._lock = threading.Lock()  # the lanes' threads share the ledgers and topologies
+        self._loading: dict[str, threading.Lock] = {}  # run -> held while its topology is read (by one lane)
+        self._passed: dict[tuple[str, str], tuple[tuple[int, int], float]] = {}  # (lane, run) -> stored() and time at its last pass
         self._contexts: dict[str, tuple[int, float, RunContext]] = {}  # run -> registrations stored, time read, topology
         self._seen: dict[tuple[str, int], dict[str, Any]] = {}  # (run, attempt) -> what passes keep of it (RunContext.seen)
         self._asked: set[tuple[str, int]] = set()
@@ -143,26 +177,31 @@ class LiveDiagnosis:
         self._warned: set[str] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Pass both lanes until ``stop``, each on its own schedule."""
+        await asyncio.gather(self._lane(URGENT, stop), self._lane(THOROUGH, stop))
+
+    async def _lane(self, lane: Lane, stop: asyncio.Event) -> None:
         while not stop.is_set():
             started = time.monotonic()
             try:
-                await asyncio.to_thread(self.pass_once)
+                await asyncio.to_thread(self.pass_once, lane)
             except Exception as e:  # diagnosis must never take the collector down
                 self._warn_once("pass", f"rankscope diagnosis: a pass failed: {e}")
             took = time.monotonic() - started
             if self.on_pass is not None:
-                self.on_pass(took)
+                self.on_pass(lane.name, took)
             if took > self.interval_s:
-                self._warn_once("slow", f"rankscope diagnosis: a pass took {took:.1f} s, more than the {self.interval_s:g} s between "
-                                "passes; faults are named later (rankscope_diagnosis_pass_seconds on --metrics-port tracks it)")  # fmt: skip
+                self._warn_once(f"slow {lane.name}", f"rankscope diagnosis: a pass of the {lane.name} lane ({', '.join(lane.detectors)}) took "
+                                f"{took:.1f} s, more than the {self.interval_s:g} s between passes; what it looks for is named later "
+                                "(rankscope_diagnosis_pass_seconds on --metrics-port tracks it)")  # fmt: skip
             delay = max(0.1, self.interval_s - took, took)  # a long pass is followed by as long a rest: ingest gets its turn
             try:
                 await asyncio.wait_for(stop.wait(), delay)
             except asyncio.TimeoutError:
                 pass
 
-    def pass_once(self) -> list[Incident]:
-        """Diagnose every active run once; returns the incidents written."""
+    def pass_once(self, lane: Lane = EVERY) -> list[Incident]:
+        """Diagnose every active run once with ``lane``'s detectors; returns the incidents written."""
         written: list[Incident] = []
         recent_s = int(max(60, 3 * self.settings.silent_after_s))
         active = self.query(ACTIVE_RUNS_SQL, {"recent_s": recent_s}).to_pylist()
@@ -171,62 +210,79 @@ class LiveDiagnosis:
         # says "running" and is diagnosed again).
         now = time.monotonic()
         ended = {run["run_id"] for run in active if run["status"] in ("finished", "failed")}
-        self._ended = {run: self._ended.get(run, now) for run in ended}
+        with self._lock:
+            self._ended = {run: self._ended.get(run, now) for run in ended}
+            ended_at = dict(self._ended)
         for run in active:
             run_id = run["run_id"]
-            if now - self._ended.get(run_id, now) <= CONCLUDE_AFTER_S and self._due(run_id, now):
-                written += self._run(run_id, final=run_id in ended, now=now)
-        for gone in set(self._passed) - {run["run_id"] for run in active}:
-            self._passed.pop(gone)
-            self._contexts.pop(gone, None)
-            self._seen = {key: kept for key, kept in self._seen.items() if key[0] != gone}
+            if now - ended_at.get(run_id, now) <= CONCLUDE_AFTER_S and self._due(lane, run_id, now):
+                written += self._run(lane, run_id, final=run_id in ended, now=now)
+        self._forget({run["run_id"] for run in active})
         return written
 
-    def _due(self, run_id: str, now: float) -> bool:
-        """Whether ``run_id`` gets a pass now: new rows of it were stored, or ``recheck_s`` passed."""
+    def _forget(self, active: set[str]) -> None:
+        """What was kept of the runs no longer active: an ended run is gone a minute after its end."""
+        with self._lock:
+            for gone in {run for _, run in self._passed} - active:
+                self._passed = {key: kept for key, kept in self._passed.items() if key[1] != gone}
+                self._contexts.pop(gone, None)
+                self._loading.pop(gone, None)
+                self._seen = {key: kept for key, kept in self._seen.items() if key[0] != gone}
+                self.ledgers.pop(gone, None)
+                self._asked = {(run, rank) for run, rank in self._asked if run != gone}
+                if self.heard is not None:
+                    self.heard.forget(gone)
+
+    def _due(self, lane: Lane, run_id: str, now: float) -> bool:
+        """Whether ``run_id`` gets a pass of ``lane`` now: new rows of it were stored, or ``recheck_s`` passed."""
         if self.stored is None:
+            with self._lock:
+                self._passed[(lane.name, run_id)] = ((0, 0), now)  # remembered, to be forgotten when the run is gone
             return True
         stored = self.stored(run_id)
-        last = self._passed.get(run_id)
-        if last is not None and last[0] == stored and now - last[1] < self.recheck_s:
-            return False
-        self._passed[run_id] = (stored, now)
+        with self._lock:
+            last = self._passed.get((lane.name, run_id))
+            if last is not None and last[0] == stored and now - last[1] < self.recheck_s:
+                return False
+            self._passed[(lane.name, run_id)] = (stored, now)
         return True
 
     def _context(self, run_id: str, now: float) -> RunContext:
-        """The run's topology, read again when a rank registered since, or after ``recheck_s``."""
+        """The run's topology, read again when a rank registered since, or after ``recheck_s``; read by
+        one lane while the other waits for it (at 100,000 ranks it is seconds)."""
         if self.stored is None:
             return RunContext.load(run_id, self.query, self.settings, self._seen)
         registrations = self.stored(run_id)[1]
-        cached = self._contexts.get(run_id)
-        if cached is None or cached[0] != registrations or now - cached[1] >= self.recheck_s:
-            cached = self._contexts[run_id] = (registrations, now, RunContext.load(run_id, self.query, self.settings, self._seen))
+        with self._lock:
+            loading = self._loading.setdefault(run_id, threading.Lock())
+        with loading:
+            cached = self._contexts.get(run_id)
+            if cached is None or cached[0] != registrations or now - cached[1] >= self.recheck_s:
+                cached = self._contexts[run_id] = (registrations, now, RunContext.load(run_id, self.query, self.settings, self._seen))
         return cached[2]
 
-    def _run(self, run_id: str, final: bool, now: float) -> list[Incident]:
-        ledger = self.ledgers.get(run_id)
-        if ledger is None:
-            ledger = self.ledgers[run_id] = Ledger(run_id, from_rows(self.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()))
+    def _run(self, lane: Lane, run_id: str, final: bool, now: float) -> list[Incident]:
         ctx = self._context(run_id, now)
         heard = self.heard.of(run_id, ctx.attempt) if self.heard is not None else None
-        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=ctx, heard=heard, on_detector=self.on_detector)
+        findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=ctx, heard=heard, on_detector=self.on_detector, lane=lane)
         for f in findings:
             if f.kind == "hang":
                 for rank in f.ranks:
-                    if (run_id, rank) not in self._asked:
+                    with self._lock:
+                        asked = (run_id, rank) in self._asked
                         self._asked.add((run_id, rank))
+                    if not asked:
                         self.request_stack(run_id, rank, "hang root")
-        changed, new = ledger.update(findings, final=final)
-        if changed:
-            self.write(changed)
+        with self._lock:  # one lane at a time folds its findings in and stores what changed
+            ledger = self.ledgers.get(run_id)
+            if ledger is None:
+                ledger = self.ledgers[run_id] = Ledger(run_id, from_rows(self.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()))
+            changed, new = ledger.update(findings, final=final, owns=lane.owns)
+            if changed:
+                self.write(changed)
         for incident in new:
             log.warning("incident: %s", incident.finding.summary)
             self._alert(incident)
-        if final:
-            self.ledgers.pop(run_id, None)
-            if self.heard is not None:
-                self.heard.forget(run_id)
-            self._asked = {(run, rank) for run, rank in self._asked if run != run_id}
         return changed
 
     def _alert(self, incident: Incident) -> None:

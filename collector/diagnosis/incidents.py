@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -84,10 +84,13 @@ class Ledger:
         self.incidents: dict[str, Incident] = {i.incident_id: i for i in known}
         self._continues: dict[str, str] = {}  # a finding's key -> the id of the incident it absorbed
 
-    def update(self, findings: Iterable[Finding], *, final: bool = False) -> tuple[list[Incident], list[Incident]]:
+    def update(
+        self, findings: Iterable[Finding], *, final: bool = False, owns: Callable[[str], bool] = lambda kind: True
+    ) -> tuple[list[Incident], list[Incident]]:
         """Fold one pass's findings in; returns (incidents to store, incidents that are new).
 
-        Open incidents not found again are closed. ``final``: the run is over, close everything.
+        Open incidents not found again are closed, of the kinds the pass ``owns`` (a live lane looks
+        for some kinds only). ``final``: the run is over, close everything it owns.
         """
         findings = list(findings)
         changed: list[Incident] = []
@@ -111,7 +114,7 @@ class Ledger:
             if before is None:
                 new.append(incident)
         for key, incident in list(self.incidents.items()):
-            if key not in seen and incident.status == "open":
+            if key not in seen and incident.status == "open" and owns(incident.finding.kind):
                 closed = Incident(self.run_id, incident.finding, "closed", _next_version(incident))
                 self.incidents[key] = closed
                 changed.append(closed)
