@@ -22,11 +22,12 @@ Verdict (``judge``, pure): a figure fails when it is worse than the median of th
 the other hosts by more than ``factor`` (default 2: a throughput below 0.5x, a time above 2x) and
 by more than the figure's noise floor (``SPECS``); a test that could not run fails. A bad host
 makes its peers' links to it slow too: a slow link to a host that fails its own tests, or whose
-links to most peers are slow, is not held against the other end. The host passes when every figure passes. A host that fails on a local figure it
-measured is measured again, once, and judged on the better of its two runs: a blip of a loaded
-machine passes, a host that is really slow fails twice. With no peer, figures are measured but not
-judged. Measurements are windows of about 0.1 s or more (many 10 ms CPU-quota periods), best of
-a few, so that a throttled host measures slow instead of fitting one lucky burst into its quota.
+links to most peers are slow, is not held against the other end. The host passes when every
+figure passes. A host that fails on a local figure it measured is measured again, once, and
+judged on the better of its two runs: a blip of a loaded machine passes, a host that is really
+slow fails twice. With no peer, figures are measured but not judged. Measurements are windows of
+about 0.1 s or more (many 10 ms CPU-quota periods), best of a few, so that a throttled host
+measures slow instead of fitting one lucky burst into its quota.
 
 Where a host's commands run is a ``Runner``: ``TestbedRunner`` (inside a test bed's namespace
 host, through ``rankscope.testbed.hosts.command_on``) or ``LocalRunner`` (this machine itself).
@@ -530,14 +531,15 @@ def judge(measured: Mapping[str, Sequence[Figure]], *, factor: float = FACTOR) -
                 judged_figures.append(f)
                 continue
             metric, _, peer = f.check.partition(":")
-            ref = _reference(measured, host, f.check, slow_ends.get(metric, set()) - {host})
+            ends = slow_ends.get(metric, set()) - {host}
+            ref = _reference(measured, host, f.check, ends)
             if math.isnan(ref):
                 judged_figures.append(replace(f, reference=math.nan, passed=True, detail=_join(f.detail, "no peers to compare with")))
                 continue
             any_judged = True
             bad = _worse(f, ref, factor)
             detail = _join(f.detail, f"{_times(f.value / ref if ref else math.inf)} the peers' median")
-            if bad and peer in slow_ends.get(metric, set()) - {host}:
+            if bad and peer in ends:
                 bad, detail = False, _join(detail, f"not held against {host}: {peer} is slow itself")
             judged_figures.append(replace(f, reference=ref, passed=not bad, detail=detail))
         judged_figures.sort(key=lambda f: (ORDER.index(_metric(f.check)) if _metric(f.check) in ORDER else len(ORDER), f.check))

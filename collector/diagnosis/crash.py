@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.incidents import Finding
 
+#: the kinds of incident this detector names
+KINDS = ("crash", "lost_rank", "lost_host")
 EXITS_SQL = (
     "SELECT rank, argMin(reason, time) AS reason, argMin(exit_code, time) AS exit_code, argMin(signal, time) AS signal, "
     "argMin(message, time) AS message, toUnixTimestamp64Nano(min(time)) AS time_ns "

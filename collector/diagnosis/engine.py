@@ -20,6 +20,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any
 
 from rankscope.collector.diagnosis import crash, gpu, hang, nan, slow_link, straggler
@@ -37,23 +38,25 @@ CONCLUDE_AFTER_S = 10.0
 
 @dataclass(frozen=True)
 class Lane:
-    """Detectors the live diagnosis passes together, on their own schedule, and the incident kinds
-    they name (a lane's pass closes only those of its kinds that it no longer finds)."""
+    """Detectors the live diagnosis passes together, on their own schedule; a lane's pass closes only
+    the incidents of its detectors' kinds (``KINDS`` of each) that it no longer finds."""
 
     name: str
-    detectors: tuple[str, ...]
-    kinds: frozenset[str]
+    detectors: tuple[ModuleType, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.__name__.rsplit(".", 1)[-1] for d in self.detectors)
 
     def owns(self, kind: str) -> bool:
-        return kind in self.kinds
+        return any(kind in d.KINDS for d in self.detectors)
 
 
 #: faults that stop a job: named within seconds of their threshold whatever the other lane costs
-URGENT = Lane("urgent", ("hang", "crash"), frozenset({"hang", "crash", "lost_rank", "lost_host"}))
-THOROUGH = Lane("thorough", ("straggler", "nan", "slow_link", "gpu"),
-                frozenset({"straggler", "nan", "loss_spike", "slow_link", "gpu_throttle", "gpu_ecc", "gpu_xid"}))  # fmt: skip
+URGENT = Lane("urgent", (hang, crash))
+THOROUGH = Lane("thorough", (straggler, nan, slow_link, gpu))
 #: one pass of every detector (``rankscope diagnose``, and ``LiveDiagnosis.pass_once`` by default)
-EVERY = Lane("every", URGENT.detectors + THOROUGH.detectors, URGENT.kinds | THOROUGH.kinds)
+EVERY = Lane("every", URGENT.detectors + THOROUGH.detectors)
 
 LAST_DATA_SQL = (
     "SELECT greatest((SELECT toUnixTimestamp64Nano(max(last_heartbeat)) FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}), "
@@ -83,16 +86,15 @@ def diagnose(
     ctx = ctx or RunContext.load(run_id, query, settings)
     timed = _Timed(on_detector)
     findings: list[Finding] = []
-    if "hang" in lane.detectors:
-        findings += timed("hang", lambda: _with_stacks(ctx, hang.detect(ctx)))
-    if "crash" in lane.detectors:
-        if now_ns is None:
-            now_ns = int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
-        hung = next((f for f in findings if f.kind == "hang"), None)  # the ranks timing out after it are no crash
-        findings += timed("crash", lambda: crash.detect(ctx, now_ns=now_ns, hang=hung, heard=heard))
-    for detector in (straggler, nan, slow_link, gpu):
-        name = detector.__name__.rsplit(".", 1)[-1]
-        if name in lane.detectors:
+    for name, detector in zip(lane.names, lane.detectors):
+        if detector is hang:
+            findings += timed(name, lambda: _with_stacks(ctx, hang.detect(ctx)))
+        elif detector is crash:
+            if now_ns is None:
+                now_ns = int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
+            hung = next((f for f in findings if f.kind == "hang"), None)  # the ranks timing out after it are no crash
+            findings += timed(name, lambda: crash.detect(ctx, now_ns=now_ns, hang=hung, heard=heard))  # noqa: B023 (called at once)
+        else:
             findings += timed(name, lambda: detector.detect(ctx))  # noqa: B023 (called at once)
     return findings
 
@@ -191,7 +193,7 @@ class LiveDiagnosis:
             if self.on_pass is not None:
                 self.on_pass(lane.name, took)
             if took > self.interval_s:
-                self._warn_once(f"slow {lane.name}", f"rankscope diagnosis: a pass of the {lane.name} lane ({', '.join(lane.detectors)}) took "
+                self._warn_once(f"slow {lane.name}", f"rankscope diagnosis: a pass of the {lane.name} lane ({', '.join(lane.names)}) took "
                                 f"{took:.1f} s, more than the {self.interval_s:g} s between passes; what it looks for is named later "
                                 "(rankscope_diagnosis_pass_seconds on --metrics-port tracks it)")  # fmt: skip
             delay = max(0.1, self.interval_s - took, took)  # a long pass is followed by as long a rest: ingest gets its turn
@@ -223,7 +225,8 @@ class LiveDiagnosis:
     def _forget(self, active: set[str]) -> None:
         """What was kept of the runs no longer active: an ended run is gone a minute after its end."""
         with self._lock:
-            for gone in {run for _, run in self._passed} - active:
+            kept = {run for _, run in self._passed} | {run for run, _ in self._seen} | set(self._contexts) | set(self.ledgers)
+            for gone in kept - active:
                 self._passed = {key: kept for key, kept in self._passed.items() if key[1] != gone}
                 self._contexts.pop(gone, None)
                 self._loading.pop(gone, None)
@@ -236,8 +239,6 @@ class LiveDiagnosis:
     def _due(self, lane: Lane, run_id: str, now: float) -> bool:
         """Whether ``run_id`` gets a pass of ``lane`` now: new rows of it were stored, or ``recheck_s`` passed."""
         if self.stored is None:
-            with self._lock:
-                self._passed[(lane.name, run_id)] = ((0, 0), now)  # remembered, to be forgotten when the run is gone
             return True
         stored = self.stored(run_id)
         with self._lock:
@@ -265,14 +266,11 @@ class LiveDiagnosis:
         ctx = self._context(run_id, now)
         heard = self.heard.of(run_id, ctx.attempt) if self.heard is not None else None
         findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=ctx, heard=heard, on_detector=self.on_detector, lane=lane)
-        for f in findings:
-            if f.kind == "hang":
-                for rank in f.ranks:
-                    with self._lock:
-                        asked = (run_id, rank) in self._asked
-                        self._asked.add((run_id, rank))
-                    if not asked:
-                        self.request_stack(run_id, rank, "hang root")
+        with self._lock:
+            ask = {(run_id, rank) for f in findings if f.kind == "hang" for rank in f.ranks} - self._asked
+            self._asked |= ask
+        for _, rank in sorted(ask):
+            self.request_stack(run_id, rank, "hang root")
         with self._lock:  # one lane at a time folds its findings in and stores what changed
             ledger = self.ledgers.get(run_id)
             if ledger is None:

@@ -11,6 +11,8 @@ from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
 
 #: throttle reasons that mean trouble (NVML's; power capping under full load is normal and left out)
+#: the kinds of incident this detector names
+KINDS = ("gpu_throttle", "gpu_ecc", "gpu_xid")
 BAD_THROTTLE = ("hw_thermal", "sw_thermal", "hw_slowdown", "hw_power_brake")
 
 # From the ``gpu_signals`` rollup, kept per rank and signal as metrics arrive: a run's metrics grow

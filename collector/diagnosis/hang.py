@@ -27,6 +27,8 @@ from rankscope.collector.diagnosis.incidents import Finding
 
 # Every rank's latest heartbeat is kept as heartbeats arrive (the ``rank_state`` rollup): a pass
 # reads a row per rank, however long the run; the heartbeats of one step through the step index.
+#: the kinds of incident this detector names
+KINDS = ("hang",)
 PROGRESS_SQL = (
     "SELECT max(max_step) AS step, toUnixTimestamp64Nano(max(last_heartbeat)) AS last_heartbeat_ns FROM rank_state "
     "WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"

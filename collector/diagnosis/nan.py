@@ -17,6 +17,8 @@ from rankscope.collector.diagnosis.incidents import Finding
 
 # The first step with a value not finite, from the per-step ``step_losses`` rollup (a row per step),
 # then that step's rows through the step index: a run's step metrics grow with it.
+#: the kinds of incident this detector names
+KINDS = ("nan", "loss_spike")
 FIRST_STEP_SQL = (
     "SELECT step FROM step_losses WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND nonfinite > 0 ORDER BY step LIMIT 1"
 )

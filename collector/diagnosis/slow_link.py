@@ -22,6 +22,8 @@ from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
 from rankscope.collector.diagnosis.transfer_window import TransferWindow
 
+#: the kinds of incident this detector names
+KINDS = ("slow_link",)
 MIN_STEPS = 3
 NEWEST_SQL = (
     "SELECT max(step) AS newest FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0 "

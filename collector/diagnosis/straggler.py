@@ -28,6 +28,8 @@ from rankscope.collector.diagnosis.context import RunContext, Settings
 from rankscope.collector.diagnosis.incidents import Finding
 from rankscope.collector.diagnosis.segment_window import STEP_COMPUTE, SegmentWindow, Series
 
+#: the kinds of incident this detector names
+KINDS = ("straggler",)
 NEWEST_SQL = (
     "SELECT max(step) AS newest FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step >= {since:UInt32}"
 )
