@@ -1,4 +1,4 @@
-"""The dashboard on a real recorded run: an 8-rank training run with rank 5 made 1.3x slower.
+"""The dashboard on a real recorded run: an 8-rank training run with rank 5 made 1.5x slower.
 
 One run is recorded for the whole module (``scenarios.run``: a real collector, ``rankscope train``
 with the agent on, about a minute on two cores). Then:
@@ -51,7 +51,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path,
     """(run id, store, a copy of the store, the diagnosis's score, what to read if the live diagnosis
     missed the straggler) of one real straggler run."""
     workdir = tmp_path_factory.mktemp("dashboard-run")
-    score = scenarios.run(scenarios.SCENARIOS["straggler-1.3"], workdir=workdir, log=lambda line: None)
+    score = scenarios.run(scenarios.SCENARIOS["straggler-1.5"], workdir=workdir, log=lambda line: None)
     copy = workdir / "store-copy"
     shutil.copytree(workdir / "store", copy, symlinks=True)  # chDB links tables into store/ with relative symlinks
     return score.run_id, workdir / "store", copy, score, "" if score.passed else _why_missed(workdir, copy, score.run_id)

@@ -29,7 +29,7 @@ def test_scenario_is_diagnosed(scenario: scenarios.Scenario, tmp_path: Path) -> 
     # Right kind, rank and host, nothing else. How fast is the benchmark's to measure
     # (benchmarks/diagnosis.py): a loaded test machine says little about it.
     assert score.passed, f"{score.line()}\nincidents: {score.incidents}\n{_logs(tmp_path)}"
-    if scenario.name == "straggler-1.3":  # the same recorded run serves the SQL cookbook
+    if scenario.name == "straggler-1.5":  # the same recorded run serves the SQL cookbook
         _cookbook_runs(tmp_path / "store", score.run_id)
 
 

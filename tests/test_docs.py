@@ -98,7 +98,7 @@ COMMANDS: dict[str, Run | NotHere] = {
     "make test": NotHere("the test suite itself: this test runs inside it"),
     "rankscope collector &": Run(),
     "RANKSCOPE_ENABLE=1 RANKSCOPE_COLLECTOR=127.0.0.1:7777 torchrun --nproc-per-node 8 train.py": Run(),
-    "RANKSCOPE_ENABLE=1 rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --steps 24 --inject 'straggler:rank=6,factor=1.25,from_step=6'":
+    "RANKSCOPE_ENABLE=1 rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --steps 24 --inject 'straggler:rank=6,factor=1.5,from_step=6'":
         Run(expect=r"step\s+24/24"),
     "rankscope dashboard": Serve(ready=STREAMLIT_SERVES),
     "rankscope diagnose --run RUN --format json": Run(expect='"kind": "straggler"'),

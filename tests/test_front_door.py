@@ -1,5 +1,5 @@
 """The README's fault drill, exactly as written: a collector, then the bundled trainer with the agent on and a
-1.25x straggler on rank 6, must train and be diagnosed as one straggler incident naming rank 6 and its host.
+1.5x straggler on rank 6, must train and be diagnosed as one straggler incident naming rank 6 and its host.
 
 Nothing is shortened or tuned for the test: the command line is the README's, the agent gets only the two
 variables the README sets (the collector's address is the one this test started), and the collector runs
@@ -23,7 +23,7 @@ from conftest import ProcRunner, incidents, start_collector
 from rankscope.agent.spool import leftovers
 from rankscope.collector.diagnosis.engine import CONCLUDE_AFTER_S, DIAGNOSE_EVERY_S
 
-COMMAND = "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --steps 24 --inject 'straggler:rank=6,factor=1.25,from_step=6'"
+COMMAND = "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --steps 24 --inject 'straggler:rank=6,factor=1.5,from_step=6'"
 RUNS_SQL = "SELECT DISTINCT run_id FROM runs"
 
 
