@@ -6,9 +6,10 @@ background thread per Transport does everything else:
 
 - wraps each payload in a ``Batch`` (run, rank, a 16-byte id: 8 random bytes per Transport and
   a counter) and sends it with the unary ``Ingest/Send``, several calls in flight at once;
-  heartbeats and stack dumps (``URGENT``: where a rank is blocked, what a hang is named from) go
-  ahead of the timelines queued before them, so a collector that lags behind the bulk still hears
-  them first;
+  heartbeats, stack dumps and the rank's end (``URGENT``: where a rank is blocked, what a hang is
+  named from, its last word) go ahead of the timelines queued before them, in calls of their own
+  beyond the window (``URGENT_SLOTS``), so a collector that lags behind the bulk still hears them
+  first, and a rank that ends is not called lost because its end waited behind its timelines;
 - estimates the clock offset from each acknowledgement (``clock.py``) and stamps it, with the
   send time, on every batch;
 - when the collector is unreachable (UNAVAILABLE, deadline, rejected token), writes batches to
@@ -72,7 +73,10 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 _FIELDS = {f.message_type.full_name: f.name for f in ingest_pb2.Batch.DESCRIPTOR.oneofs_by_name["payload"].fields}
 _COLUMNAR = ("spans", "collectives", "metrics", "step_metrics")
 #: payload kinds sent ahead of the queued timelines
-URGENT = frozenset({"heartbeats", "stack"})
+URGENT = frozenset({"heartbeats", "stack", "end"})
+#: calls beyond the window that only URGENT batches may take: a window full of timelines that a
+#: lagging collector acknowledges slowly does not hold them
+URGENT_SLOTS = 4
 
 
 @dataclass
@@ -363,8 +367,13 @@ class Transport:
             else:
                 self._next_probe = now + self._backoff_s
             return
-        while len(self._inflight) < self.window:
-            out = self._next_out()
+        while True:
+            if len(self._inflight) < self.window:
+                out = self._next_out()
+            elif self._urgent and not self._reregister and len(self._inflight) < self.window + URGENT_SLOTS:
+                out = self._urgent.popleft()
+            else:
+                return
             if out is None:
                 return
             self._call(out)

@@ -566,9 +566,10 @@ class _Gate(ingest_pb2_grpc.IngestServicer):
         return ingest_pb2.Ack(batch_id=request.batch_id, received_ns=time.time_ns(), replied_ns=time.time_ns())
 
 
-def test_a_heartbeat_goes_ahead_of_the_timelines_queued_before_it(tmp_path: Path) -> None:
+def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tmp_path: Path) -> None:
     """A lagging collector holds the window full of timelines: the rank's heartbeat (where it is
-    blocked: what a hang is named from) is sent next, not after them."""
+    blocked: what a hang is named from) and its end (without it, a rank that ended is called lost)
+    are sent at once, beside the window, not after the timelines."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     gate = _Gate()
     ingest_pb2_grpc.add_IngestServicer_to_server(gate, server)
@@ -582,14 +583,16 @@ def test_a_heartbeat_goes_ahead_of_the_timelines_queued_before_it(tmp_path: Path
         for step in range(2, 5):
             t.submit(span_batch(step))
         t.submit(telemetry_pb2.HeartbeatBatch(heartbeats=[telemetry_pb2.Heartbeat(step=4, phase="forward")]))
-        time.sleep(0.5)  # the sender takes them from its inbox while the window is full
+        t.submit(telemetry_pb2.EndOfRank(time_ns=time.time_ns(), reason=telemetry_pb2.EndOfRank.REASON_NORMAL))
+        # the window (one call) is still held by the first batch: these two pass beside it
+        wait_until(lambda: len(gate.kinds) == 3, 30, "the heartbeat and the end sent while the window is full")
         gate.open.set()
-        wait_until(lambda: t.stats().acked == 5, 30, "every batch acknowledged")
+        wait_until(lambda: t.stats().acked == 6, 30, "every batch acknowledged")
     finally:
         gate.open.set()
         t.close(timeout_s=5)
         server.stop(0)
-    assert gate.kinds == ["spans", "heartbeats", "spans", "spans", "spans"]
+    assert gate.kinds == ["spans", "heartbeats", "end", "spans", "spans", "spans"]
 
 
 # --- forked children ----------------------------------------------------------------------------
