@@ -14,6 +14,7 @@ types of ``store.base.arrow_schema`` (so the store casts nothing).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -308,11 +309,33 @@ class LastHeard:
     whose newest heartbeat is older than ``stale_ns`` on arrival (a spool replayed after the rank's
     end) says only that the rank lived until that heartbeat. Written on the event loop, read by the
     diagnosis thread (``of`` copies).
+
+    Silence counts only the time the collector could listen. While its event loop stalls (the
+    process stopped, or starved of CPU) the ranks' calls wait unread in its sockets, so a stall is
+    added to every rank's last-heard time: ``listening()``, called by the loop every ``tick_s``,
+    counts a tick that came more than a tick late as a stall, and ``of`` counts the stall in
+    progress too (a diagnosis pass can run before the loop catches up).
     """
 
-    def __init__(self, stale_ns: int) -> None:
+    def __init__(self, stale_ns: int, tick_s: float = 1.0) -> None:
         self.stale_ns = stale_ns
         self._heard: dict[tuple[str, int], dict[int, int]] = {}
+        self._tick_ns = int(tick_s * 1e9)
+        self._ticked_ns: int | None = None  # monotonic: the loop's last tick
+        self._deaf_ns = 0  # the stalls so far; heard times are kept less the stalls before them
+
+    def listening(self, now_ns: int | None = None) -> None:
+        """The event loop's tick (``now_ns``: monotonic): the time since the last one beyond a tick's
+        lateness was time the collector could not listen."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        self._deaf_ns += self._stalled(now_ns)
+        self._ticked_ns = now_ns
+
+    def _stalled(self, now_ns: int) -> int:
+        if self._ticked_ns is None:
+            return 0
+        late = now_ns - self._ticked_ns - self._tick_ns
+        return late if late > self._tick_ns else 0
 
     def note(self, decoded: Decoded, received_ns: int) -> None:
         """Every rank with a heartbeat in ``decoded`` is heard, each by its own newest heartbeat."""
@@ -322,13 +345,15 @@ class LastHeard:
         run_id = beats["run_id"][0].as_py()
         times = beats["time"].cast(pa.int64()).to_numpy()
         for rank, attempt, newest in zip(beats["rank"].to_numpy(), beats["attempt"].to_numpy(), times):
-            heard = received_ns if received_ns - newest <= self.stale_ns else int(newest)
+            heard = (received_ns if received_ns - newest <= self.stale_ns else int(newest)) - self._deaf_ns
             ranks = self._heard.setdefault((run_id, int(attempt)), {})
             ranks[int(rank)] = max(ranks.get(int(rank), 0), heard)
 
-    def of(self, run_id: str, attempt: int) -> dict[int, int]:
-        """rank -> when it was last heard (ns, collector clock), for one attempt of a run."""
-        return dict(self._heard.get((run_id, attempt), {}))
+    def of(self, run_id: str, attempt: int, now_ns: int | None = None) -> dict[int, int]:
+        """rank -> when it was last heard (ns, collector clock), for one attempt of a run, moved later
+        by the stalls since (``now_ns``: monotonic, for the stall in progress)."""
+        deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns)
+        return {rank: heard + deaf for rank, heard in self._heard.get((run_id, attempt), {}).items()}
 
     def forget(self, run_id: str) -> None:
         self._heard = {key: ranks for key, ranks in self._heard.items() if key[0] != run_id}

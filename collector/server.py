@@ -379,7 +379,7 @@ async def _run(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    ticker = asyncio.create_task(_tick(telemetry, stop))
+    ticker = asyncio.create_task(_tick(collector, stop))
     diagnosis = asyncio.create_task(_diagnose(collector, loop, stop)) if options.diagnosis is not None else None
     try:
         bound = _bind(server, host, port, credentials)
@@ -444,9 +444,11 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Serve
     return address if host.startswith(UNIX) else f"{host}:{bound}"
 
 
-async def _tick(telemetry: Telemetry, stop: asyncio.Event) -> None:
+async def _tick(collector: Collector, stop: asyncio.Event) -> None:
+    """Every second: the metrics' gauges, and the ranks' silence told that the loop is listening."""
     while not stop.is_set():
-        telemetry.tick()
+        collector.telemetry.tick()
+        collector.heard.listening()
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except asyncio.TimeoutError:

@@ -95,6 +95,35 @@ def test_rankscope_train_sends_what_its_ranks_left_in_the_spool(proc_runner: Pro
     assert [(r["rank"], r["reason"]) for r in ends] == [(0, "normal"), (1, "normal")], ends  # the last words came too
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_collector_stopped_longer_than_the_silence_bar_names_nobody_lost(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """The collector stopped (SIGSTOP, as a starved one is) for 12 s in the middle of a run, three times
+    its --silent-after: the ranks' calls wait in its sockets, and once it runs again nobody is named
+    lost or crashed, and the run finishes."""
+    collector = start_collector(proc_runner, tmp_path / "store", "--silent-after", "4", "--diagnose-every", "1")
+    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool")}
+    flags = [*TINY[:-1], "2000"]  # about 25 ms a step: long enough to train on well after the collector runs again
+    training = proc_runner.start([str(Path(sys.executable).parent / "rankscope"), "train", *flags], env=env, cwd=tmp_path, name="train")
+    training.wait_for("step    20/2000", timeout=180)
+    collector.proc.wait_for("registered", timeout=60)
+    os.killpg(collector.proc.popen.pid, signal.SIGSTOP)
+    try:
+        time.sleep(12)
+    finally:
+        os.killpg(collector.proc.popen.pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    assert training.wait(300) == 0, training.output()
+    assert time.monotonic() - resumed > 8, "the run ended too soon after the collector ran again: lengthen it"
+
+    from rankscope.collector.client import Client
+
+    with Client(collector.target) as client:
+        run = client.query(RUNS_SQL).to_pylist()[0]["run_id"]
+    found = incidents(collector.target, run, lambda found, client: time.monotonic() - resumed > 20, 40)
+    assert found == [], f"{found}\n{collector.proc.output()}\n{training.output()}"
+
+
 # --- the errors a new user meets: one clear line on stderr, a non-zero exit -------------------------
 
 COLLECTOR_ERRORS = [

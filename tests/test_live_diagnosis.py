@@ -166,6 +166,43 @@ def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_sto
     assert lost(replayed) == ["lost_host"]
 
 
+def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
+    """Heard 20 s ago, then the collector's event loop stopped for 20 s (SIGSTOP, a starved CPU): the
+    ranks' calls waited unread, so nobody is silent, during the stall (a pass can run before the
+    loop catches up) or after it; a loop that ticked all along hears the same silence as silence."""
+    from rankscope.collector.ingest import Decoded, LastHeard
+
+    now, tick = time.time_ns(), time.monotonic_ns()
+    migrated.insert_arrow(f"{migrated.database}.runs", sample_rows("runs", 1, run_id="job", start_ns=now))
+    ranks = sample_rows("ranks", 2, run_id="job-0", start_ns=now - 60 * 10**9)
+    migrated.insert_arrow(f"{migrated.database}.ranks", ranks.set_column(ranks.schema.get_field_index("attempt"), "attempt",
+                                                                          pa.array([0, 0], pa.uint16())))  # fmt: skip
+    beats = sample_rows("heartbeats", 2, run_id="job-0", start_ns=now - 20 * 10**9)
+    beats = beats.set_column(beats.schema.get_field_index("attempt"), "attempt", pa.array([0, 0], pa.uint16()))
+    migrated.insert_arrow(f"{migrated.database}.heartbeats", beats)
+    settings = Settings(silent_after_s=5.0, hang_after_s=60.0)
+
+    def lost(heard: LastHeard) -> list[str]:
+        written: list = []
+        LiveDiagnosis(migrated.query_arrow, written.extend, lambda run, rank, reason: None, settings, heard=heard).pass_once()
+        return [i.finding.kind for i in written]
+
+    def heard_then(last_tick_ns: int) -> LastHeard:
+        heard = LastHeard(stale_ns=5 * 10**9)
+        heard.listening(last_tick_ns)
+        heard.note(Decoded("heartbeats", {"heartbeats": beats}), now - 20 * 10**9)
+        return heard
+
+    stalled = heard_then(tick - 21 * 10**9)  # its last tick just after it heard them
+    assert lost(stalled) == []  # the stall in progress
+    stalled.listening()  # the loop runs again
+    assert lost(stalled) == []
+    steady = heard_then(tick - 21 * 10**9)
+    for second in range(20, -1, -1):
+        steady.listening(tick - second * 10**9)
+    assert lost(steady) == ["lost_host"]
+
+
 def test_a_lane_closes_only_the_incidents_of_its_own_kinds() -> None:
     """The urgent lane finds no straggler because it does not look for one: that closes nothing."""
     from rankscope.collector.diagnosis.incidents import Finding, Ledger
