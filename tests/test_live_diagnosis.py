@@ -12,6 +12,7 @@ from test_store import migrated, sample_rows, store  # noqa: F401 (fixtures)
 from rankscope.collector.diagnosis import engine
 from rankscope.collector.diagnosis.context import Settings
 from rankscope.collector.diagnosis.engine import LiveDiagnosis
+from rankscope.collector.ingest import Decoded, LastHeard
 from rankscope.collector.store.base import Store
 
 
@@ -133,74 +134,67 @@ def test_a_host_finding_merges_the_incidents_of_its_ranks_named_alone_in_turn() 
     assert [i.incident_id for i in new] == ["straggler:rank=2"]
 
 
-def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_stored(migrated: Store) -> None:  # noqa: F811
-    """A collector that lags stores heartbeats late: by its store, every rank is a minute silent."""
-    from rankscope.collector.ingest import Decoded, LastHeard
+SILENT_AFTER_5S = Settings(silent_after_s=5.0, hang_after_s=60.0)
 
+
+def _two_ranks_stored_until(store: Store, beat_ns: int) -> pa.Table:
+    """A run of two ranks on one host, started a minute ago, whose stored heartbeats are of ``beat_ns``: those heartbeats."""
     now = time.time_ns()
-    old = now - 60 * 10**9
-    migrated.insert_arrow(f"{migrated.database}.runs", sample_rows("runs", 1, run_id="job", start_ns=now))
+
     def first_attempt(rows: pa.Table) -> pa.Table:
         return rows.set_column(rows.schema.get_field_index("attempt"), "attempt", pa.array([0] * rows.num_rows, pa.uint16()))
 
-    migrated.insert_arrow(f"{migrated.database}.ranks", first_attempt(sample_rows("ranks", 2, run_id="job-0", start_ns=old)))
-    beats = first_attempt(sample_rows("heartbeats", 2, run_id="job-0", start_ns=old))
-    migrated.insert_arrow(f"{migrated.database}.heartbeats", beats)
-    settings = Settings(silent_after_s=5.0, hang_after_s=60.0)
+    store.insert_arrow(f"{store.database}.runs", sample_rows("runs", 1, run_id="job", start_ns=now))
+    store.insert_arrow(f"{store.database}.ranks", first_attempt(sample_rows("ranks", 2, run_id="job-0", start_ns=now - 60 * 10**9)))
+    beats = first_attempt(sample_rows("heartbeats", 2, run_id="job-0", start_ns=beat_ns))
+    store.insert_arrow(f"{store.database}.heartbeats", beats)
+    return beats
 
-    def lost(heard: LastHeard | None) -> list[str]:
-        written: list = []
-        live = LiveDiagnosis(migrated.query_arrow, written.extend, lambda run, rank, reason: None, settings, heard=heard)
-        live.pass_once()
-        return [i.finding.kind for i in written]
 
-    assert lost(None) == ["lost_host"]  # the store alone: a minute of silence
+def _lost(store: Store, heard: LastHeard | None) -> list[str]:
+    """The kinds of incident one live pass names, with ranks silent after 5 s."""
+    written: list = []
+    LiveDiagnosis(store.query_arrow, written.extend, lambda run, rank, reason: None, SILENT_AFTER_5S, heard=heard).pass_once()
+    return [i.finding.kind for i in written]
+
+
+def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_stored(migrated: Store) -> None:  # noqa: F811
+    """A collector that lags stores heartbeats late: by its store, every rank is a minute silent."""
+    now = time.time_ns()
+    beats = _two_ranks_stored_until(migrated, now - 60 * 10**9)
+    assert _lost(migrated, None) == ["lost_host"]  # the store alone: a minute of silence
     heard = LastHeard(stale_ns=5 * 10**9)
     for rank in range(2):  # a heartbeat of each rank arrived just now, carrying a time of a moment ago
         fresh = beats.slice(rank, 1).set_column(beats.schema.get_field_index("time"), "time", pa.array([now - 10**9], pa.timestamp("ns")))
         heard.note(Decoded("heartbeats", {"heartbeats": fresh}), now)
-    assert lost(heard) == []
+    assert _lost(migrated, heard) == []
     replayed = LastHeard(stale_ns=5 * 10**9)  # a spool replayed now, its heartbeats a minute old: no news
     for rank in range(2):
         replayed.note(Decoded("heartbeats", {"heartbeats": beats.slice(rank, 1)}), now)
-    assert lost(replayed) == ["lost_host"]
+    assert _lost(migrated, replayed) == ["lost_host"]
 
 
 def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
     """Heard 20 s ago, then the collector's event loop stopped for 20 s (SIGSTOP, a starved CPU): the
     ranks' calls waited unread, so nobody is silent, during the stall (a pass can run before the
     loop catches up) or after it; a loop that ticked all along hears the same silence as silence."""
-    from rankscope.collector.ingest import Decoded, LastHeard
-
-    now, tick = time.time_ns(), time.monotonic_ns()
-    migrated.insert_arrow(f"{migrated.database}.runs", sample_rows("runs", 1, run_id="job", start_ns=now))
-    ranks = sample_rows("ranks", 2, run_id="job-0", start_ns=now - 60 * 10**9)
-    migrated.insert_arrow(f"{migrated.database}.ranks", ranks.set_column(ranks.schema.get_field_index("attempt"), "attempt",
-                                                                          pa.array([0, 0], pa.uint16())))  # fmt: skip
-    beats = sample_rows("heartbeats", 2, run_id="job-0", start_ns=now - 20 * 10**9)
-    beats = beats.set_column(beats.schema.get_field_index("attempt"), "attempt", pa.array([0, 0], pa.uint16()))
-    migrated.insert_arrow(f"{migrated.database}.heartbeats", beats)
-    settings = Settings(silent_after_s=5.0, hang_after_s=60.0)
-
-    def lost(heard: LastHeard) -> list[str]:
-        written: list = []
-        LiveDiagnosis(migrated.query_arrow, written.extend, lambda run, rank, reason: None, settings, heard=heard).pass_once()
-        return [i.finding.kind for i in written]
+    heard_ns, tick = time.time_ns() - 20 * 10**9, time.monotonic_ns()
+    beats = _two_ranks_stored_until(migrated, heard_ns)
 
     def heard_then(last_tick_ns: int) -> LastHeard:
         heard = LastHeard(stale_ns=5 * 10**9)
         heard.listening(last_tick_ns)
-        heard.note(Decoded("heartbeats", {"heartbeats": beats}), now - 20 * 10**9)
+        heard.note(Decoded("heartbeats", {"heartbeats": beats}), heard_ns)
         return heard
 
     stalled = heard_then(tick - 21 * 10**9)  # its last tick just after it heard them
-    assert lost(stalled) == []  # the stall in progress
+    assert _lost(migrated, stalled) == []  # the stall in progress
     stalled.listening()  # the loop runs again
-    assert lost(stalled) == []
+    assert _lost(migrated, stalled) == []
     steady = heard_then(tick - 21 * 10**9)
     for second in range(20, -1, -1):
         steady.listening(tick - second * 10**9)
-    assert lost(steady) == ["lost_host"]
+    assert _lost(migrated, steady) == ["lost_host"]
 
 
 def test_a_lane_closes_only_the_incidents_of_its_own_kinds() -> None:
