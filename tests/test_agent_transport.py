@@ -592,7 +592,9 @@ def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tm
         gate.open.set()
         t.close(timeout_s=5)
         server.stop(0)
-    assert gate.kinds == ["spans", "heartbeats", "end", "spans", "spans", "spans"]
+    # the two urgent calls are in flight together: the server may take either first
+    assert gate.kinds[0] == "spans" and sorted(gate.kinds[1:3]) == ["end", "heartbeats"], gate.kinds
+    assert gate.kinds[3:] == ["spans"] * 3, gate.kinds
 
 
 # --- forked children ----------------------------------------------------------------------------
