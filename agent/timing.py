@@ -111,18 +111,25 @@ class CudaApi(Protocol):
 
 
 class TorchCuda:
-    """CudaApi on the real torch.cuda."""
+    """CudaApi on the real torch.cuda.
+
+    Events are the device-generic ``torch.Event``, whose ``record()`` without a stream finds the
+    current stream in C++: ``torch.cuda.Event.record()`` builds a Python ``Stream`` object for it
+    first, and that was most of a CUDA span's cost (``make gpu-check`` part 1 measures both).
+    """
 
     def __init__(self) -> None:
         import torch
 
+        self._torch = torch
         self._cuda = torch.cuda
+        self._capturing = torch._C._cuda_isCurrentStreamCapturing  # what is_current_stream_capturing() calls
 
     def event(self) -> Any:
-        return self._cuda.Event(enable_timing=True)
+        return self._torch.Event(device="cuda", enable_timing=True)
 
     def capturing(self) -> bool:
-        return self._cuda.is_current_stream_capturing()
+        return self._capturing()
 
     def current_device(self) -> int:
         return self._cuda.current_device()
@@ -148,6 +155,7 @@ class CudaClock:
 
     def __init__(self, api: CudaApi, pool_size: int = 16384, recalibrate_s: float = 1.0, cpu: CpuClock | None = None):
         self._api = api
+        self._capturing = api.capturing  # bound once: it runs on every token
         self._cpu = cpu or CpuClock()
         self._events = [api.event() for _ in range(pool_size)]
         self._free = list(range(pool_size - 1, -1, -1))  # pop()/append() are atomic under the GIL
@@ -170,7 +178,7 @@ class CudaClock:
             self.fallbacks += 1
             return self._cpu.now()
         try:
-            if self._api.capturing():  # recording a timed event would break a CUDA graph capture
+            if self._capturing():  # recording a timed event would break a CUDA graph capture
                 raise RuntimeError("stream capture")
             self._events[slot].record()
             if self._device is None:

@@ -17,8 +17,8 @@ On a machine without a CUDA GPU it refuses in one line and exits 1. On one with 
    completed NCCL entry, which the agent's reader turns into start and end times.
 3. The agent's cost on the bundled trainer (one GPU, tp = pp = dp = 1): runs with the agent off
    and on, alternating which goes first in each pair, against a local collector on an embedded
-   store in a temporary directory (or, where chDB is not installed, against a closed port, the
-   agent spooling to a temporary directory); median step time of each side and their ratio,
+   store in a temporary directory (or, where chDB is not installed, against a gRPC sink in this
+   script that acknowledges every batch and stores nothing); median step time of each side and their ratio,
    and what reached the collector.
 4. MFU: the trainer on a ~1B-parameter GPT (18 layers, hidden 2048, 16 heads, seq 2048, vocab
    32768) for a few steps; tokens/s and MFU from trainer/flops.py against the device's bf16 peak.
@@ -366,6 +366,25 @@ def child_timing(args: argparse.Namespace) -> Iterator[Row]:
               f"{cost_us:.2f}", "us/span", cost_us < 30,
               f"on {on_ns / 1e3:.2f} us, off {off_ns / 1e3:.2f} us (two CUDA event records per span); check: under 30 us")  # fmt: skip
 
+    # 1b, continued: what one token costs, the clock's torch.Event against torch.cuda.Event, which it recorded
+    # until 2026-11 (its record() builds a Python Stream object for the current stream first)
+    cuda_events = [torch.cuda.Event(enable_timing=True) for _ in range(spans)]
+    token_ns, cuda_event_ns = math.inf, math.inf
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        taken = [clock.now() for _ in range(spans)]
+        token_ns = min(token_ns, (time.perf_counter_ns() - t0) / spans)
+        t0 = time.perf_counter_ns()
+        for event in cuda_events:
+            event.record()
+        cuda_event_ns = min(cuda_event_ns, (time.perf_counter_ns() - t0) / spans)
+        torch.cuda.synchronize()
+        clock.resolve(np.array(taken, dtype=np.int64))  # gives the slots back
+    yield Row("1", f"a CUDA token (clock.now(): a torch.Event record on the current stream; best of 5 x {spans})",
+              f"{token_ns / 1e3:.2f}", "us", token_ns < cuda_event_ns,
+              f"torch.cuda.Event.record() {cuda_event_ns / 1e3:.2f} us, ratio {token_ns / cuda_event_ns:.2f}; "
+              "check: cheaper than torch.cuda.Event")  # fmt: skip
+
     # 1c. no device sync on the hot path: spans taken while the GPU works through queued matmuls
     # (few big ones: a long launch queue could itself make the CPU wait)
     del a, b, c
@@ -654,12 +673,49 @@ def train(model: dict[str, Any], steps: int, extra_env: dict[str, str], workdir:
     return TrainRun(lines, output)
 
 
+class Sink:
+    """Part 3 where chDB is missing: a gRPC Ingest service that acknowledges every batch and keeps
+    only counts, so the agent runs as it would beside a collector (no retries, no spool) and
+    what is measured is the agent alone."""
+
+    def __init__(self) -> None:
+        import threading
+        from concurrent import futures
+
+        import grpc
+
+        from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc
+
+        sink = self
+
+        class Servicer(ingest_pb2_grpc.IngestServicer):
+            def Send(self, request: Any, context: Any) -> Any:
+                received = time.time_ns()
+                with sink._lock:
+                    sink.batches += 1
+                    sink.bytes += request.ByteSize()
+                    sink.kinds.add(request.WhichOneof("payload") or "")
+                return ingest_pb2.Ack(batch_id=request.batch_id, received_ns=received, replied_ns=time.time_ns())
+
+        self._lock = threading.Lock()
+        self.batches, self.bytes, self.kinds = 0, 0, set()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        ingest_pb2_grpc.add_IngestServicer_to_server(Servicer(), self._server)
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop(0)
+
+
 def start_collector(workdir: Path, timeout_s: float) -> tuple[Any, str, str]:
-    """(process or None, address, what the agent sends to): a real collector when chDB is installed."""
-    from rankscope.collector.orchestration import free_port, start, stop, wait_for_address
+    """(process or Sink, address, what the agent sends to): a real collector when chDB is installed."""
+    from rankscope.collector.orchestration import start, stop, wait_for_address
 
     if importlib.util.find_spec("chdb") is None:
-        return None, f"127.0.0.1:{free_port()}", "no collector (chDB is not installed here): the agent sends to a closed port and spools"
+        sink = Sink()
+        return sink, sink.address, ("a gRPC sink in this script that acknowledges every batch and stores nothing "
+                                    "(chDB is not installed here)")  # fmt: skip
     log = workdir / "collector.log"
     cmd = [sys.executable, str(SCRIPT), "--child", "cli", "collector", "--store", str(workdir / "store"), "--listen", "127.0.0.1:0"]
     proc = start(cmd, log, child_env())
@@ -731,6 +787,7 @@ def part_overhead(args: argparse.Namespace, workdir: Path) -> list[Row]:
                 print(f"   {name} ({args.steps} steps)", file=sys.stderr, flush=True)
                 run = train(OVERHEAD_MODEL, args.steps, env, workdir, name, args.run_timeout)
                 times[on] = step_stats(run.lines, args.warmup).step_s
+                print(f"   {name}: median step {statistics.median(times[on]) * 1e3:.2f} ms", file=sys.stderr, flush=True)
                 if agent_activated(run.output) != on:
                     activation.append(f"{name}: agent {'did not start' if on else 'started'}")
                 if on:
@@ -739,7 +796,9 @@ def part_overhead(args: argparse.Namespace, workdir: Path) -> list[Row]:
         result = overhead(pairs)
         reached = _reached(proc, address, last_on, workdir)
     finally:
-        if proc is not None:
+        if isinstance(proc, Sink):
+            proc.stop()
+        else:
             stop(proc, 15)
     measured = f"{args.steps - args.warmup} steps after {args.warmup} warm-up x {args.pairs} runs"
     spread = f"{min(result.pair_ratios):.3f}-{max(result.pair_ratios):.3f}"
@@ -758,10 +817,12 @@ def part_overhead(args: argparse.Namespace, workdir: Path) -> list[Row]:
 
 def _reached(proc: Any, address: str, last_on: tuple[str, list[dict[str, Any]]], workdir: Path) -> Row:
     """What of the last on-run reached the collector (or, without one, its spool)."""
-    if proc is None:
+    if isinstance(proc, Sink):
         spooled = sum(p.stat().st_size for d in workdir.glob("spool-*") for p in d.rglob("*") if p.is_file())
-        return Row("3", "the on-runs' data, spooled (no collector here)", fmt(spooled / 1024, 0), "KiB", spooled > 0,
-                   "check: the agent wrote its batches to RANKSCOPE_SPOOL_DIR while the collector was unreachable")  # fmt: skip
+        ok = proc.batches > 0 and {"spans", "end"} <= proc.kinds
+        return Row("3", "the on-runs' batches at the sink (no collector here)", f"{proc.batches:,}", "batches", ok,
+                   f"{proc.bytes / 1024:,.0f} KiB, kinds {', '.join(sorted(proc.kinds))}; {spooled / 1024:,.0f} KiB spooled; "
+                   "check: spans and every run's end arrived")  # fmt: skip
     run_id, lines = last_on
     try:
         got = stored(address, run_id)
