@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -428,6 +430,8 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Serve
     """Listen on host:port (or the ``unix:`` socket ``host``), over TLS when ``credentials`` are
     given; the address bound (port 0 picks a free one). OSError when it cannot."""
     address = host if host.startswith(UNIX) else f"{host}:{port}"
+    if host.startswith(UNIX):
+        _refuse_a_live_socket(host.removeprefix(UNIX))
     try:
         if credentials is None:
             bound = server.add_insecure_port(address)
@@ -442,6 +446,22 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Serve
     if bound == 0:
         raise OSError(f"cannot listen on {address} (in use, or not an address of this machine)")
     return address if host.startswith(UNIX) else f"{host}:{bound}"
+
+
+def _refuse_a_live_socket(path: str) -> None:
+    """OSError when a process answers on the Unix socket ``path``. gRPC replaces the socket's file
+    when it binds, so a second collector there would silently take the agents of the first, and
+    whichever stopped first would remove the other's socket. A file nobody answers on is stale:
+    gRPC replaces it."""
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return
+    raise OSError(f"cannot listen on {UNIX}{path}: a process (another collector?) is listening there")
 
 
 async def _tick(collector: Collector, stop: asyncio.Event) -> None:

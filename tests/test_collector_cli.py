@@ -90,3 +90,10 @@ def test_a_collector_on_a_unix_socket_answers_there(proc_runner: ProcRunner, tmp
     assert collector.target == f"unix:{socket_path}" and socket_path.is_socket()
     done = subprocess.run([*CLI, "sql", "--collector", collector.target, "SELECT 1 AS one"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.split()[-1] == "1", done
+    # a second collector on the same path is refused: gRPC would replace the first one's socket
+    second = subprocess.run([*CLI, "collector", "--store", str(tmp_path / "store2"), "--listen", collector.target],
+                            capture_output=True, text=True, timeout=90)  # fmt: skip
+    assert second.returncode == 1, second
+    assert f"cannot listen on {collector.target}: a process (another collector?) is listening there" in second.stderr
+    done = subprocess.run([*CLI, "sql", "--collector", collector.target, "SELECT 1 AS one"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and socket_path.is_socket(), done
