@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 
 import numpy as np
@@ -415,3 +416,14 @@ def test_an_unknown_schema_version_is_a_precondition_not_a_malformed_batch() -> 
     batch.schema_version = 2
     with pytest.raises(UnsupportedSchemaVersion, match="schema_version 2"):
         _decode(batch)
+
+
+@pytest.mark.parametrize("members", [[0, 1, 2], [-1, 0]], ids=["above the world", "negative"])
+def test_a_group_with_a_member_outside_the_world_is_refused_and_nothing_registered(members: list[int]) -> None:
+    registry = RunRegistry()
+    bad = register("r", 0, 2)
+    bad.register.groups.append(telemetry_pb2.Group(name="dp[0]", ranks=members))
+    outside = [r for r in members if not 0 <= r < 2]
+    with pytest.raises(IngestError, match=re.escape(f"register.groups['dp[0]']: ranks {outside} outside 0 .. 1")):
+        _decode(bad, registry)
+    assert not registry.run("r").registered
