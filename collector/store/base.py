@@ -9,6 +9,7 @@ checked against it here, because chDB silently wraps or truncates values of the 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -131,8 +132,10 @@ def arrow_type(clickhouse_type: str) -> pa.DataType:
     return _SCALARS[clickhouse_type]
 
 
+@functools.cache
 def arrow_schema(table: Table) -> pa.Schema:
-    """The exact schema of an insert into ``table``: build batches with it and no cast is needed."""
+    """The exact schema of an insert into ``table``: build batches with it and no cast is needed.
+    Kept per table: the writer conforms every part to it, a registration's one-row parts too."""
     return pa.schema([pa.field(c.name, arrow_type(c.type)) for c in table.insert_columns])
 
 
