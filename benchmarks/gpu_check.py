@@ -816,7 +816,7 @@ def part_overhead(args: argparse.Namespace, workdir: Path) -> list[Row]:
 
 
 def _reached(proc: Any, address: str, last_on: tuple[str, list[dict[str, Any]]], workdir: Path) -> Row:
-    """What of the last on-run reached the collector (or, without one, its spool)."""
+    """What of the last on-run reached the collector (or, without one, the sink)."""
     if isinstance(proc, Sink):
         spooled = sum(p.stat().st_size for d in workdir.glob("spool-*") for p in d.rglob("*") if p.is_file())
         ok = proc.batches > 0 and {"spans", "end"} <= proc.kinds
