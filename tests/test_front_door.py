@@ -103,7 +103,7 @@ def test_a_collector_stopped_longer_than_the_silence_bar_names_nobody_lost(proc_
     lost or crashed, and the run finishes."""
     collector = start_collector(proc_runner, tmp_path / "store", "--silent-after", "4", "--diagnose-every", "1")
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool")}
-    flags = [*TINY, "--steps", "2000"]  # the later --steps wins; about 25 ms a step: it trains on well after the collector runs again
+    flags = [*TINY, "--steps", "3000"]  # the later --steps wins; about 25 ms a step: it trains on well after the collector runs again
     training = proc_runner.start([str(Path(sys.executable).parent / "rankscope"), "train", *flags], env=env, cwd=tmp_path, name="train")
     training.wait_for("step    20/2000", timeout=180)
     collector.proc.wait_for("registered", timeout=60)
