@@ -105,7 +105,7 @@ def test_a_collector_stopped_longer_than_the_silence_bar_names_nobody_lost(proc_
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool")}
     flags = [*TINY, "--steps", "3000"]  # the later --steps wins; about 25 ms a step: it trains on well after the collector runs again
     training = proc_runner.start([str(Path(sys.executable).parent / "rankscope"), "train", *flags], env=env, cwd=tmp_path, name="train")
-    training.wait_for("step    20/2000", timeout=180)
+    training.wait_for("step    20/3000", timeout=180)
     collector.proc.wait_for("registered", timeout=60)
     os.killpg(collector.proc.popen.pid, signal.SIGSTOP)
     try:
