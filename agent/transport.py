@@ -73,7 +73,9 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 _FIELDS = {f.message_type.full_name: f.name for f in ingest_pb2.Batch.DESCRIPTOR.oneofs_by_name["payload"].fields}
 _COLUMNAR = ("spans", "collectives", "metrics", "step_metrics")
 #: payload kinds sent ahead of the queued timelines
-URGENT = frozenset({"heartbeats", "stack", "end"})
+URGENT = frozenset({"heartbeats", "stack", "end", "ends"})
+#: payload kinds that register ranks (one, or a sender's several), sent again after an outage
+REGISTRATIONS = frozenset({"register", "registers"})
 #: calls beyond the window that only URGENT batches may take: a window full of timelines that a
 #: lagging collector acknowledges slowly does not hold them
 URGENT_SLOTS = 4
@@ -175,7 +177,7 @@ class Transport:
         self._backoff_s = BACKOFF_FIRST_S
         self._next_probe = 0.0
         self._paused_until = 0.0
-        # rank -> its latest registration; the first is the probe after an outage, the rest follow it
+        # rank (a batch's first) -> its latest registration; the first is the probe after an outage, the rest follow it
         self._registers: dict[int, Message] = {}
         self._reregister: deque[_Out] = deque()
         self._closing_at: float | None = None
@@ -322,7 +324,7 @@ class Transport:
 
     def _accept(self, payload: Message, size: int, rank: int) -> None:
         out = self._wrap(payload, size, rank)
-        if out.kind == "register":
+        if out.kind in REGISTRATIONS:
             self._registers[rank] = payload
         (self._urgent if out.kind in URGENT else self._pending).append(out)
         if self._down:

@@ -33,6 +33,8 @@ SUPPORTED_SCHEMA_VERSION = 1
 BATCH_ID_BYTES = 16
 #: payloads about the run as a whole (their batch's rank is 0 and says nothing about rank 0)
 RUN_LEVEL = ("action", "selfcheck")
+#: payloads that register ranks
+REGISTRATIONS = frozenset({"register", "registers"})
 
 
 class IngestError(ValueError):
@@ -187,7 +189,8 @@ class RunInfo:
         (a new world gets the next number), else its rank's newest registration's (a collector that
         restarted since), else what the envelope says (an agent that sends no world)."""
         process = (batch.rank, bytes(batch.batch_id[:8]))
-        world = batch.register.world if batch.WhichOneof("payload") == "register" else ""
+        kind = batch.WhichOneof("payload")
+        world = batch.register.world if kind == "register" else batch.registers.registers[0].world if kind == "registers" and batch.registers.registers else ""
         if world:
             if world not in self.worlds:
                 self.worlds[world] = max(self.worlds.values(), default=-1) + 1
@@ -506,61 +509,102 @@ def _row_ranks(ctx: _Context, registry: RunRegistry, ranks: np.ndarray, where: s
 
 
 def _register(ctx: _Context, reg: telemetry_pb2.Register, registry: RunRegistry) -> dict[str, pa.Table]:
-    if reg.world_size < 1:
-        raise IngestError(f"register.world_size is {reg.world_size}: it must be at least 1")
-    if ctx.rank >= reg.world_size:
-        raise IngestError(f"rank {ctx.rank} is not below register.world_size {reg.world_size}")
-    for g in reg.groups:  # min and max first: a data-parallel group of 100,000 ranks has thousands of members
-        if g.ranks and (min(g.ranks) < 0 or max(g.ranks) >= reg.world_size):
-            outside = [r for r in g.ranks if not 0 <= r < reg.world_size]
-            raise IngestError(f"register.groups[{g.name!r}]: ranks {outside} outside 0 .. {reg.world_size - 1}")
-    start = ctx.time("register.start_time_ns", reg.start_time_ns)
-    at_ns = ctx.time("register.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns
+    return _registrations(ctx, [(ctx.rank, reg)], registry, lambda i: "register")
+
+
+def _registers(ctx: _Context, msg: telemetry_pb2.RegisterBatch, registry: RunRegistry) -> dict[str, pa.Table]:
+    """Several ranks' registrations from one sender: one call and one table each for all of them."""
+    if not msg.registers:
+        raise IngestError("registers.registers is empty: a registration batch holds at least one registration")
+    if len(msg.ranks) != len(msg.registers):
+        raise IngestError(f"registers: {len(msg.ranks)} ranks for {len(msg.registers)} registrations: give each registration its rank")
+    worlds = sorted({reg.world for reg in msg.registers})
+    if len(worlds) > 1:
+        raise IngestError(f"registers: registrations of {len(worlds)} worlds ({', '.join(map(repr, worlds[:3]))}) in one batch: send each world's in a batch of its own")
+    ctx.ranks = tuple(sorted(set(msg.ranks)))
+    return _registrations(ctx, list(zip(msg.ranks, msg.registers)), registry, lambda i: f"registers.registers[{i}]")
+
+
+def _registrations(
+    ctx: _Context, regs: list[tuple[int, telemetry_pb2.Register]], registry: RunRegistry, where: Callable[[int], str]
+) -> dict[str, pa.Table]:
+    """The rows of ``regs`` (rank, its registration), each checked before any is noted: a batch is
+    stored whole or refused whole, and a refused one leaves the registry as it was."""
+    times = []
+    for i, (rank, reg) in enumerate(regs):
+        if reg.world_size < 1:
+            raise IngestError(f"{where(i)}.world_size is {reg.world_size}: it must be at least 1")
+        if rank < 0:
+            raise IngestError(f"the rank of {where(i)} is {rank}: ranks are >= 0")
+        if rank >= reg.world_size:
+            raise IngestError(f"rank {rank} is not below {where(i)}.world_size {reg.world_size}")
+        for g in reg.groups:  # min and max first: a data-parallel group of 100,000 ranks has thousands of members
+            if g.ranks and (min(g.ranks) < 0 or max(g.ranks) >= reg.world_size):
+                outside = [r for r in g.ranks if not 0 <= r < reg.world_size]
+                raise IngestError(f"{where(i)}.groups[{g.name!r}]: ranks {outside} outside 0 .. {reg.world_size - 1}")
+        start = ctx.time(f"{where(i)}.start_time_ns", reg.start_time_ns)
+        times.append((start, ctx.time(f"{where(i)}.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns))
     run = registry.run(ctx.run_id)
-    late = run.ended_since(ctx.rank, at_ns)
     if not run.registered:  # the user needs the id for `rankscope diagnose --run` and the dashboard's ?run=
-        log.info("run %s: rank %d of %d registered from %s", ctx.run_id, ctx.rank, reg.world_size, reg.host)
-    version = run.register(ctx.rank, reg.start_time_ns, reg.time_ns, at_ns, ctx.attempt)
-    if version is None:
-        return {}  # an older registration than the rank's newest (or than its end), delivered late
+        rank, reg = regs[0]
+        log.info("run %s: rank %d of %d registered from %s", ctx.run_id, rank, reg.world_size, reg.host)
+    rows: list[tuple[int, telemetry_pb2.Register, int]] = []
+    groups: dict[str, tuple[telemetry_pb2.Group, int]] = {}
+    alive = late = False
+    for (rank, reg), (start, at_ns) in zip(regs, times):
+        ended = run.ended_since(rank, at_ns)
+        version = run.register(rank, reg.start_time_ns, reg.time_ns, at_ns, ctx.attempt)
+        if version is None:
+            continue  # an older registration than the rank's newest (or than its end), delivered late
+        rows.append((rank, reg, version))
+        for g in reg.groups:  # stored once, not once per member
+            if run.groups.get(g.name) != (g.description, tuple(g.ranks)):
+                groups[g.name] = (g, version)
+        # A rank that does not know its coordinates yet (registered before the script set the topology)
+        # does not undo the sizes a rank that knew them sent.
+        placed = min(reg.tp_rank, reg.pp_rank, reg.dp_rank) >= 0
+        if placed or not run.placed:
+            run.tp, run.pp, run.dp, run.placed = max(reg.tp, 1), max(reg.pp, 1), max(reg.dp, 1), placed
+        run.world_size = reg.world_size
+        run.start_ns = min(run.start_ns, start) if run.start_ns else start
+        # Ranks that leave the name or config empty do not erase what another rank sent.
+        run.name, run.config = reg.run_name or run.name, reg.config_json or run.config
+        run.hosts[rank] = reg.host
+        if ended:  # the rank's identity is news, its being alive is not: it has ended since
+            late = True
+        else:
+            run.exits.pop(rank, None)  # registered again: the rank (or its restart) is alive
+            alive = True
+    if not rows:
+        return {}
+    n, regs_of = len(rows), [reg for _, reg, _ in rows]
     # Rows versioned by when the agent registered, not by arrival: the newest stands whatever the order.
-    at = pa.scalar(version, type=TIMESTAMP)
-    groups = [g for g in reg.groups if run.groups.get(g.name) != (g.description, tuple(g.ranks))]
     parts = {
         "ranks": _table(
             "ranks",
             {
-                "run_id": [ctx.run_id], "rank": [ctx.rank], "host": [reg.host], "pid": [max(reg.pid, 0)],
-                "local_rank": [reg.local_rank], "device": [reg.device], "tp_rank": [reg.tp_rank],
-                "pp_rank": [reg.pp_rank], "dp_rank": [reg.dp_rank], "clock_offset_ns": [ctx.offset],
-                "agent_version": [reg.agent_version], "registered": pa.array([at]), "world": [reg.world],
+                "run_id": [ctx.run_id] * n, "rank": [rank for rank, _, _ in rows], "host": [r.host for r in regs_of],
+                "pid": [max(r.pid, 0) for r in regs_of], "local_rank": [r.local_rank for r in regs_of],
+                "device": [r.device for r in regs_of], "tp_rank": [r.tp_rank for r in regs_of],
+                "pp_rank": [r.pp_rank for r in regs_of], "dp_rank": [r.dp_rank for r in regs_of],
+                "clock_offset_ns": [ctx.offset] * n, "agent_version": [r.agent_version for r in regs_of],
+                "registered": pa.array([v for _, _, v in rows], type=TIMESTAMP), "world": [r.world for r in regs_of],
             },
             ctx.attempt,
         ),
         "groups": _table(
             "groups",
             {
-                "run_id": [ctx.run_id] * len(groups), "name": [g.name for g in groups],
-                "description": [g.description for g in groups], "ranks": [list(g.ranks) for g in groups],
-                "registered": pa.array([at] * len(groups), type=TIMESTAMP),
+                "run_id": [ctx.run_id] * len(groups), "name": list(groups),
+                "description": [g.description for g, _ in groups.values()], "ranks": [list(g.ranks) for g, _ in groups.values()],
+                "registered": pa.array([v for _, v in groups.values()], type=TIMESTAMP),
             },
         ),
     }
-    # A rank that does not know its coordinates yet (registered before the script set the topology)
-    # does not undo the sizes a rank that knew them sent.
-    placed = min(reg.tp_rank, reg.pp_rank, reg.dp_rank) >= 0
-    if placed or not run.placed:
-        run.tp, run.pp, run.dp, run.placed = max(reg.tp, 1), max(reg.pp, 1), max(reg.dp, 1), placed
-    run.world_size = reg.world_size
-    run.start_ns = min(run.start_ns, start) if run.start_ns else start
-    # Ranks that leave the name or config empty do not erase what another rank sent.
-    run.name, run.config = reg.run_name or run.name, reg.config_json or run.config
-    run.hosts[ctx.rank] = reg.host
-    if late:  # the rank's identity is news, its being alive is not: it has ended since
-        _add_ended_row(parts, ctx, run)  # the world's size may be news too: the ends that came first may be all of it
-        return parts
-    run.exits.pop(ctx.rank, None)  # registered again: the rank (or its restart) is alive
-    parts["runs"] = _runs_row(ctx, run, "running", end_ns=0)
+    if alive:
+        parts["runs"] = _runs_row(ctx, run, "running", end_ns=0)
+    elif late:  # the world's size may be news too: the ends that came first may be all of it
+        _add_ended_row(parts, ctx, run)
     return parts
 
 
@@ -691,28 +735,48 @@ def _stack(ctx: _Context, msg: telemetry_pb2.StackDump, registry: RunRegistry) -
 
 
 def _end(ctx: _Context, msg: telemetry_pb2.EndOfRank, registry: RunRegistry) -> dict[str, pa.Table]:
-    if not 0 <= msg.reason < len(EXIT_REASONS):
-        known = ", ".join(f"{i}={name}" for i, name in enumerate(EXIT_REASONS))
-        raise IngestError(f"end.reason: unknown value {msg.reason} (known: {known})")
-    reason = EXIT_REASONS[msg.reason]
-    time_ns = ctx.time("end.time_ns", msg.time_ns)
     run = registry.run(ctx.run_id)
     current = ctx.attempt >= run.attempt(ctx.rank)  # else the end of a process an earlier attempt left behind
-    if current:
-        run.exits[ctx.rank] = (reason, time_ns)
+    return _exits(ctx, [(ctx.rank, msg, current)], registry, lambda i: "end")
+
+
+def _ends(ctx: _Context, msg: telemetry_pb2.EndBatch, registry: RunRegistry) -> dict[str, pa.Table]:
+    """Several ranks' ends from one sender, each of its rank's newest registration's attempt."""
+    if not msg.ends:
+        raise IngestError("ends.ends is empty: an end batch holds at least one end")
+    if len(msg.ranks) != len(msg.ends):
+        raise IngestError(f"ends: {len(msg.ranks)} ranks for {len(msg.ends)} ends: give each end its rank")
+    ranks = _row_ranks(ctx, registry, np.asarray(msg.ranks, dtype=np.int64), "ends.ranks")
+    return _exits(ctx, [(int(r), end, True) for r, end in zip(ranks, msg.ends)], registry, lambda i: f"ends.ends[{i}]")
+
+
+def _exits(ctx: _Context, ends: list[tuple[int, telemetry_pb2.EndOfRank, bool]], registry: RunRegistry, where: Callable[[int], str]) -> dict[str, pa.Table]:
+    """The rows of ``ends`` (rank, its end, whether it ends the rank's current attempt), each checked
+    before any is noted; the run's end once every rank of its world has ended."""
+    checked = []
+    for i, (rank, msg, current) in enumerate(ends):
+        if not 0 <= msg.reason < len(EXIT_REASONS):
+            known = ", ".join(f"{k}={name}" for k, name in enumerate(EXIT_REASONS))
+            raise IngestError(f"{where(i)}.reason: unknown value {msg.reason} (known: {known})")
+        checked.append((rank, msg, current, EXIT_REASONS[msg.reason], ctx.time(f"{where(i)}.time_ns", msg.time_ns)))
+    run = registry.run(ctx.run_id)
+    for rank, _, current, reason, time_ns in checked:
+        if current:
+            run.exits[rank] = (reason, time_ns)
     parts = {
         "exits": _table(
             "exits",
             {
-                "run_id": [ctx.run_id], "rank": [ctx.rank], "host": [registry.host(ctx.run_id, ctx.rank)],
-                "time": [time_ns], "reason": [reason], "exit_code": [msg.exit_code], "signal": [msg.signal],
-                "message": [msg.message],
+                "run_id": [ctx.run_id] * len(checked), "rank": [c[0] for c in checked],
+                "host": [registry.host(ctx.run_id, c[0]) for c in checked], "time": [c[4] for c in checked],
+                "reason": [c[3] for c in checked], "exit_code": [c[1].exit_code for c in checked],
+                "signal": [c[1].signal for c in checked], "message": [c[1].message for c in checked],
             },
-            ctx.attempt,
+            ctx.attempts,
         )
     }
     # Re-emitted when a retried last exit is decoded again: runs is a ReplacingMergeTree.
-    if current:
+    if any(c[2] for c in checked):
         _add_ended_row(parts, ctx, run)
     return parts
 
@@ -766,6 +830,7 @@ def _selfcheck(ctx: _Context, msg: telemetry_pb2.SelfCheck, registry: RunRegistr
 # Payload field of Batch -> builder(context, payload message, registry) -> tables.
 _PAYLOADS: dict[str, Callable[[_Context, Any, RunRegistry], dict[str, pa.Table]]] = {
     "register": _register,
+    "registers": _registers,
     "spans": _spans,
     "collectives": _collectives,
     "heartbeats": _heartbeats,
@@ -773,6 +838,7 @@ _PAYLOADS: dict[str, Callable[[_Context, Any, RunRegistry], dict[str, pa.Table]]
     "step_metrics": _step_metrics,
     "stack": _stack,
     "end": _end,
+    "ends": _ends,
     "action": _action,
     "selfcheck": _selfcheck,
 }

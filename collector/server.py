@@ -31,7 +31,7 @@ from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2
 from .control import PendingCommands
 from .diagnosis.context import Settings
 from .diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
-from .ingest import Decoded, IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
+from .ingest import REGISTRATIONS, Decoded, IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
 from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
 from .store.base import Store, StoreError, open_store
 from .store.migrations import migrate
@@ -202,7 +202,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         c = self.c
         try:
             kind = check_envelope(batch)
-            await c.know_run(batch.run_id, batch.rank, registering=kind == "register")
+            await c.know_run(batch.run_id, batch.rank, registering=kind in REGISTRATIONS)
             if kind in TIMELINES:
                 decoded = await self.timelines.decode(lambda: decode(batch, c.runs, received_ns, c.options.time_window))
             else:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from .store.base import QueryError, Store, StoreError, arrow_schema, conform, table_spec
+from .ingest import REGISTRATIONS
 from .store.schema import BY_NAME
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class Writer:
                 self._written[ident] = now
                 self.batches_written += 1
                 batches, registrations = self.stored.get(pending.key.run_id, (0, 0))
-                self.stored[pending.key.run_id] = (batches + 1, registrations + (pending.key.kind == "register"))
+                self.stored[pending.key.run_id] = (batches + 1, registrations + (pending.key.kind in REGISTRATIONS))
                 pending.future.set_result(None)
             else:
                 self.batches_failed += 1

@@ -140,7 +140,8 @@ def test_every_payload_gives_exactly_the_insert_columns_of_its_tables() -> None:
     registry = RunRegistry()
     batches = [
         register("r", 0, 2), spans("r", 0, 10), collectives("r", 0), heartbeats("r", 0), metrics("r", 0),
-        step_metrics("r", 0), stack("r", 0), end("r", 0),
+        step_metrics("r", 0), stack("r", 0), end("r", 0), _registers("r", [0, 1], 2),
+        envelope("r", 0, ends=telemetry_pb2.EndBatch(ends=[end("r", 1).end], ranks=[1])),
     ]
     touched = set()
     for batch in batches:
@@ -346,6 +347,74 @@ def test_one_batch_speaks_for_several_ranks_when_its_rows_name_them() -> None:
     negative.spans.rank = np.array([-1], "<i4").tobytes()
     with pytest.raises(IngestError, match="rank -1 outside >= 0"):
         _decode(negative)
+
+
+def _registers(run_id: str, ranks: list[int], world_size: int, **kw: object) -> ingest_pb2.Batch:
+    """One sender's registrations of ``ranks`` (each built as ``register`` builds a rank's own)."""
+    regs = [register(run_id, r, world_size, host=f"node-{r // 2}", **kw).register for r in ranks]  # type: ignore[arg-type]
+    return envelope(run_id, ranks[0], registers=telemetry_pb2.RegisterBatch(registers=regs, ranks=ranks))
+
+
+def test_one_call_registers_several_ranks_as_their_own_calls_would() -> None:
+    """A sender for many ranks registers them in one batch: a ranks row each (its host, coordinates and
+    version), the shared group stored once, the run running; the batch speaks for all of them."""
+    registry = RunRegistry()
+    decoded = _decode(_registers("r", [0, 1, 2, 3], 4, world="10.0.0.1:5000/4"), registry)
+    assert decoded.kind == "registers" and decoded.ranks == (0, 1, 2, 3)
+    ranks = decoded.parts["ranks"].to_pydict()
+    assert ranks["rank"] == [0, 1, 2, 3] and ranks["host"] == ["node-0", "node-0", "node-1", "node-1"]
+    assert ranks["dp_rank"] == [0, 1, 2, 3] and ranks["pid"] == [1000, 1001, 1002, 1003] and ranks["attempt"] == [0] * 4
+    assert decoded.parts["groups"].to_pydict()["name"] == ["world"]
+    assert decoded.parts["runs"].to_pylist()[0]["status"] == "running"
+    run = registry.run("r")
+    assert run.world_size == 4 and run.hosts == {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
+    # a rank's own later registration is newer than the batch's, and rows of other ranks find their hosts
+    assert _decode(register("r", 2, 4, host="node-5", world="10.0.0.1:5000/4"), registry).parts["ranks"]["host"].to_pylist() == ["node-5"]
+    beats = telemetry_pb2.HeartbeatBatch(heartbeats=[telemetry_pb2.Heartbeat(time_ns=time.time_ns(), step=1)] * 2, ranks=[3, 2])
+    assert _decode(envelope("r", 0, heartbeats=beats), registry).parts["heartbeats"]["host"].to_pylist() == ["node-1", "node-5"]
+
+
+@pytest.mark.parametrize(
+    "mend, message",
+    [
+        (lambda b: b.registers.ranks.append(3), "registers: 4 ranks for 3 registrations"),
+        (lambda b: b.registers.registers[2].groups[0].ranks.append(7), "registers.registers[2].groups['world']: ranks [7] outside 0 .. 3"),
+        (lambda b: setattr(b.registers.registers[1], "world", "10.0.0.2:6000/4"), "registrations of 2 worlds"),
+        (lambda b: b.registers.ranks.__setitem__(2, 4), "rank 4 is not below registers.registers[2].world_size 4"),
+        (lambda b: b.registers.ranks.__setitem__(1, -2), "the rank of registers.registers[1] is -2"),
+        (lambda b: setattr(b.registers.registers[2], "time_ns", 1), "registers.registers[2].time_ns: times"),
+        (lambda b: (b.registers.ClearField("registers"), b.registers.ClearField("ranks")), "registers.registers is empty"),
+    ],
+    ids=["ranks short", "group outside", "two worlds", "rank outside", "negative rank", "time outside", "empty"],
+)
+def test_a_bad_registration_refuses_its_whole_batch_and_registers_nobody(mend, message: str) -> None:
+    registry = RunRegistry()
+    batch = _registers("r", [0, 1, 2], 4)
+    mend(batch)
+    with pytest.raises(IngestError, match=re.escape(message)):
+        _decode(batch, registry)
+    assert not registry.run("r").registered and not registry.run("r").hosts
+
+
+def test_one_call_ends_several_ranks_each_in_its_own_attempt_and_the_last_closes_the_run() -> None:
+    registry = RunRegistry()
+    _decode(_registers("r", [0, 1, 2, 3], 4, world="10.0.0.1:5000/4"), registry)
+    _decode(register("r", 3, 4, host="node-9", world="10.0.0.2:6000/4"), registry)  # rank 3 restarted: attempt 1
+    now = time.time_ns()
+    ends = [telemetry_pb2.EndOfRank(time_ns=now, reason=telemetry_pb2.EndOfRank.REASON_SIGNAL, signal=15, message="SIGTERM")] * 3
+    decoded = _decode(envelope("r", 0, ends=telemetry_pb2.EndBatch(ends=ends, ranks=[0, 3, 1])), registry)
+    assert decoded.kind == "ends" and decoded.ranks == (0, 1, 3)
+    exits = decoded.parts["exits"].to_pydict()
+    assert exits["rank"] == [0, 3, 1] and exits["attempt"] == [0, 1, 0] and exits["reason"] == ["signal"] * 3
+    assert exits["host"] == ["node-0", "node-9", "node-0"] and exits["signal"] == [15] * 3
+    assert "runs" not in decoded.parts and registry.has_ended("r", 3) and not registry.has_ended("r", 2)
+    last = _decode(envelope("r", 2, ends=telemetry_pb2.EndBatch(ends=ends[:1], ranks=[2])), registry).parts
+    assert last["runs"].to_pylist()[0]["status"] == "failed"  # ended by a signal
+    bad = telemetry_pb2.EndBatch(ends=[*ends[:1], telemetry_pb2.EndOfRank(time_ns=now, reason=9)], ranks=[0, 1])  # type: ignore[arg-type]
+    with pytest.raises(IngestError, match=r"ends.ends\[1\].reason: unknown value 9"):
+        _decode(envelope("r", 0, ends=bad), registry)
+    with pytest.raises(IngestError, match=r"ends.ranks: rank 4 outside 0 .. 3"):
+        _decode(envelope("r", 0, ends=telemetry_pb2.EndBatch(ends=ends[:1], ranks=[4])), registry)
 
 
 def test_a_group_is_stored_once_not_once_per_member_and_again_when_its_members_change() -> None:

@@ -143,9 +143,11 @@ def test_hang_among_256_ranks_names_the_root(proc_runner, collector: str) -> Non
 
 
 @pytest.mark.slow
-def test_one_transport_for_many_ranks_registers_each_again_with_a_new_collector(proc_runner, tmp_path: Path) -> None:
+@pytest.mark.parametrize("together", [False, True], ids=["a call each", "one batch"])
+def test_one_transport_for_many_ranks_registers_each_again_with_a_new_collector(proc_runner, tmp_path: Path, together: bool) -> None:
     """A Transport speaking for ranks 0-2: envelopes carry each payload's rank, and after the collector
-    is replaced (an empty store on the same address) every rank is registered again before its data."""
+    is replaced (an empty store on the same address) every rank is registered again before its data,
+    whether they registered a call each or in one batch."""
     from test_agent_transport import agent_config, free_port, start_collector
 
     from rankscope.agent.transport import Transport
@@ -162,10 +164,14 @@ def test_one_transport_for_many_ranks_registers_each_again_with_a_new_collector(
     first = start_collector(proc_runner, tmp_path / "first", port)
     transport = Transport(agent_config(first.address, tmp_path / "spool"), "multi", 0, window=8)
     transport.start()
-    for rank in range(3):
-        transport.submit(pb.Register(world_size=3, host=f"host-{rank}", tp=1, pp=1, dp=3, start_time_ns=time.time_ns()), rank=rank)
+    regs = [pb.Register(world_size=3, host=f"host-{rank}", tp=1, pp=1, dp=3, start_time_ns=time.time_ns()) for rank in range(3)]
+    if together:
+        transport.submit(pb.RegisterBatch(registers=regs, ranks=range(3)), rank=0)
+    else:
+        for rank, reg in enumerate(regs):
+            transport.submit(reg, rank=rank)
     deadline = time.monotonic() + 30
-    while transport.stats().acked < 3 and time.monotonic() < deadline:  # in flight together, data could overtake them
+    while transport.stats().acked < (1 if together else 3) and time.monotonic() < deadline:  # in flight together, data could overtake them
         time.sleep(0.1)
     for rank in range(3):
         transport.submit(beat(), rank=rank)

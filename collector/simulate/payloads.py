@@ -2,7 +2,7 @@
 
 The columns come from ``rows`` already as numpy arrays; here they only become the packed
 little-endian ``bytes`` fields of a batch. A data batch speaks for several ranks at once (its
-``rank`` column, heartbeats their ``ranks``); registrations and ends, one rank each.
+``rank`` column, heartbeats, registrations and ends their ``ranks``).
 """
 
 from __future__ import annotations

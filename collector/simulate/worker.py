@@ -112,15 +112,17 @@ class Worker:
     # --- the phases of a worker's life ---------------------------------------------------------
 
     def register(self) -> None:
-        """Every rank's Register; returns once all are acknowledged (data before it would lack a host)."""
+        """Every rank's Register, ``ranks_per_batch`` to a batch; returns once all are acknowledged
+        (data before it would lack a host)."""
         self.transport.start()
-        now, config = time.time_ns(), self.plan.config_json()
-        for i in range(self.n):
-            rank = self.lo + i
-            reg = payloads.register(self.topo, rank, run_name=self.plan.run_name, config_json=config, start_ns=now, pid=os.getpid())
-            self._send(reg, rank, "register", 1)
+        now, config, per = time.time_ns(), self.plan.config_json(), self.plan.cadence.ranks_per_batch
+        for a in range(self.lo, self.lo + self.n, per):
+            ranks = range(a, min(a + per, self.lo + self.n))
+            regs = [payloads.register(self.topo, rank, run_name=self.plan.run_name, config_json=config, start_ns=now, pid=os.getpid())
+                    for rank in ranks]  # fmt: skip
+            self._send(pb.RegisterBatch(registers=regs, ranks=ranks), a, "register", len(regs))
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
-        while self.transport.stats().acked < self.n:
+        while self.transport.stats().acked < self.submitted:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"registrations not acknowledged within {REGISTER_TIMEOUT_S:.0f} s: {self.transport.stats()}")
             time.sleep(0.05)
@@ -291,9 +293,15 @@ class Worker:
             self._flush(cohort, force=True)
 
     def _end_all(self, reason: int, now: int) -> None:
+        """The ends of the ranks still running, ``ranks_per_batch`` to a batch: sent one by one, the
+        last of 100,000 would arrive minutes after the first, and the others would look lost meanwhile."""
         sig = int(signal.SIGTERM) if reason == pb.EndOfRank.REASON_SIGNAL else 0
-        for i in np.flatnonzero(~self.ended):
-            self._send(payloads.end(now, reason, signal=sig, message="SIGTERM" if sig else ""), self.lo + int(i), "end", 1)
+        end = payloads.end(now, reason, signal=sig, message="SIGTERM" if sig else "")
+        running = self.lo + np.flatnonzero(~self.ended)
+        per = self.plan.cadence.ranks_per_batch
+        for k in range(0, len(running), per):
+            ranks = running[k : k + per].tolist()
+            self._send(pb.EndBatch(ends=[end] * len(ranks), ranks=ranks), ranks[0], "end", len(ranks))
         self.ended[:] = True
 
     def _send(self, payload: object, rank: int, kind: str, events: int) -> None:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Batch(_message.Message):
-    __slots__ = ("schema_version", "run_id", "rank", "batch_id", "clock_offset_ns", "sent_ns", "attempt", "register", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stack", "end", "action", "selfcheck")
+    __slots__ = ("schema_version", "run_id", "rank", "batch_id", "clock_offset_ns", "sent_ns", "attempt", "register", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stack", "end", "action", "selfcheck", "registers", "ends")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class Batch(_message.Message):
     END_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     SELFCHECK_FIELD_NUMBER: _ClassVar[int]
+    REGISTERS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     rank: int
@@ -43,7 +45,9 @@ class Batch(_message.Message):
     end: _telemetry_pb2.EndOfRank
     action: _telemetry_pb2.Action
     selfcheck: _telemetry_pb2.SelfCheck
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., clock_offset_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., register: _Optional[_Union[_telemetry_pb2.Register, _Mapping]] = ..., spans: _Optional[_Union[_telemetry_pb2.SpanBatch, _Mapping]] = ..., collectives: _Optional[_Union[_telemetry_pb2.CollectiveBatch, _Mapping]] = ..., heartbeats: _Optional[_Union[_telemetry_pb2.HeartbeatBatch, _Mapping]] = ..., metrics: _Optional[_Union[_telemetry_pb2.MetricBatch, _Mapping]] = ..., step_metrics: _Optional[_Union[_telemetry_pb2.StepMetricBatch, _Mapping]] = ..., stack: _Optional[_Union[_telemetry_pb2.StackDump, _Mapping]] = ..., end: _Optional[_Union[_telemetry_pb2.EndOfRank, _Mapping]] = ..., action: _Optional[_Union[_telemetry_pb2.Action, _Mapping]] = ..., selfcheck: _Optional[_Union[_telemetry_pb2.SelfCheck, _Mapping]] = ...) -> None: ...
+    registers: _telemetry_pb2.RegisterBatch
+    ends: _telemetry_pb2.EndBatch
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., clock_offset_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., register: _Optional[_Union[_telemetry_pb2.Register, _Mapping]] = ..., spans: _Optional[_Union[_telemetry_pb2.SpanBatch, _Mapping]] = ..., collectives: _Optional[_Union[_telemetry_pb2.CollectiveBatch, _Mapping]] = ..., heartbeats: _Optional[_Union[_telemetry_pb2.HeartbeatBatch, _Mapping]] = ..., metrics: _Optional[_Union[_telemetry_pb2.MetricBatch, _Mapping]] = ..., step_metrics: _Optional[_Union[_telemetry_pb2.StepMetricBatch, _Mapping]] = ..., stack: _Optional[_Union[_telemetry_pb2.StackDump, _Mapping]] = ..., end: _Optional[_Union[_telemetry_pb2.EndOfRank, _Mapping]] = ..., action: _Optional[_Union[_telemetry_pb2.Action, _Mapping]] = ..., selfcheck: _Optional[_Union[_telemetry_pb2.SelfCheck, _Mapping]] = ..., registers: _Optional[_Union[_telemetry_pb2.RegisterBatch, _Mapping]] = ..., ends: _Optional[_Union[_telemetry_pb2.EndBatch, _Mapping]] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("stack_dump",)

@@ -79,6 +79,14 @@ class Register(_message.Message):
     world: str
     def __init__(self, world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., run_name: _Optional[str] = ..., config_json: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., agent_version: _Optional[str] = ..., time_ns: _Optional[int] = ..., world: _Optional[str] = ...) -> None: ...
 
+class RegisterBatch(_message.Message):
+    __slots__ = ("registers", "ranks")
+    REGISTERS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    registers: _containers.RepeatedCompositeFieldContainer[Register]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, registers: _Optional[_Iterable[_Union[Register, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SpanBatch(_message.Message):
     __slots__ = ("count", "strings", "name", "kind", "step", "microbatch", "start_ns", "end_ns", "attributes", "cpu_ns", "rank")
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +256,14 @@ class EndOfRank(_message.Message):
     signal: int
     message: str
     def __init__(self, time_ns: _Optional[int] = ..., reason: _Optional[_Union[EndOfRank.Reason, str]] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EndBatch(_message.Message):
+    __slots__ = ("ends", "ranks")
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ends: _containers.RepeatedCompositeFieldContainer[EndOfRank]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ends: _Optional[_Iterable[_Union[EndOfRank, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Action(_message.Message):
     __slots__ = ("time_ns", "action", "hosts", "incident_id", "reason", "evidence_json")
