@@ -187,8 +187,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             written, ranks = await self._store(request, received_ns)
         except _Refusal as refusal:
             await self.c.refuse(context, refusal)
-        for rank in ranks:
-            self.c.telemetry.seen(request.run_id, rank)
+        self.c.telemetry.seen(request.run_id, ranks)
         return ingest_pb2.Ack(
             batch_id=request.batch_id,
             duplicate=not written,
