@@ -156,10 +156,10 @@ class RunInfo:
     worlds: dict[str, int] = field(default_factory=dict)
     #: (rank, agent instance) -> the attempt of the world that process registered in
     processes: dict[tuple[int, bytes], int] = field(default_factory=dict)
-    #: group name -> (description, members) as this collector last stored it: every rank's
+    #: group name -> the group as this collector last stored it (``_group_key``): every rank's
     #: registration carries its groups, which need storing once, not once per member (at 100,000
     #: ranks, a data-parallel group of 782 members would be written 782 times)
-    groups: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    groups: dict[str, bytes] = field(default_factory=dict)
 
     def merge(self, other: RunInfo) -> None:
         """Fill what this record lacks from ``other`` (an older record read back from the store)."""
@@ -271,7 +271,7 @@ class RunRegistry:
         if groups is not None and groups.num_rows:
             known = self.run(run_id).groups
             for row in groups.select(["name", "description", "ranks"]).to_pylist():
-                known[row["name"]] = (row["description"], tuple(row["ranks"]))
+                known[row["name"]] = _group_key(telemetry_pb2.Group(**row))
 
 
 def read_run(query: Callable[[str, Mapping[str, object]], pa.Table], run_id: str) -> RunInfo:
@@ -538,7 +538,8 @@ def _registrations(
 ) -> dict[str, pa.Table]:
     """The rows of ``regs`` (rank, its registration), each checked before any is noted: a batch is
     stored whole or refused whole, and a refused one leaves the registry as it was."""
-    times = []
+    times, keys = [], []
+    checked: set[tuple[bytes, int]] = set()  # (group, world size) found inside the world: a batch's ranks share their groups
     for i, (rank, reg) in enumerate(regs):
         if reg.world_size < 1:
             raise IngestError(f"{where(i)}.world_size is {reg.world_size}: it must be at least 1")
@@ -546,10 +547,14 @@ def _registrations(
             raise IngestError(f"the rank of {where(i)} is {rank}: ranks are >= 0")
         if rank >= reg.world_size:
             raise IngestError(f"rank {rank} is not below {where(i)}.world_size {reg.world_size}")
-        for g in reg.groups:  # min and max first: a data-parallel group of 100,000 ranks has thousands of members
-            if g.ranks and (min(g.ranks) < 0 or max(g.ranks) >= reg.world_size):
+        keys.append([_group_key(g) for g in reg.groups])
+        for g, key in zip(reg.groups, keys[-1]):
+            if (key, reg.world_size) in checked:
+                continue
+            if g.ranks and (min(g.ranks) < 0 or max(g.ranks) >= reg.world_size):  # min and max first: thousands of members
                 outside = [r for r in g.ranks if not 0 <= r < reg.world_size]
                 raise IngestError(f"{where(i)}.groups[{g.name!r}]: ranks {outside} outside 0 .. {reg.world_size - 1}")
+            checked.add((key, reg.world_size))
         start = ctx.time(f"{where(i)}.start_time_ns", reg.start_time_ns)
         times.append((start, ctx.time(f"{where(i)}.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns))
     run = registry.run(ctx.run_id)
@@ -559,14 +564,14 @@ def _registrations(
     rows: list[tuple[int, telemetry_pb2.Register, int]] = []
     groups: dict[str, tuple[telemetry_pb2.Group, int]] = {}
     alive = late = False
-    for (rank, reg), (start, at_ns) in zip(regs, times):
+    for (rank, reg), (start, at_ns), group_keys in zip(regs, times, keys):
         ended = run.ended_since(rank, at_ns)
         version = run.register(rank, reg.start_time_ns, reg.time_ns, at_ns, ctx.attempt)
         if version is None:
             continue  # an older registration than the rank's newest (or than its end), delivered late
         rows.append((rank, reg, version))
-        for g in reg.groups:  # stored once, not once per member
-            if run.groups.get(g.name) != (g.description, tuple(g.ranks)):
+        for g, key in zip(reg.groups, group_keys):  # stored once, not once per member
+            if run.groups.get(g.name) != key:
                 groups[g.name] = (g, version)
         # A rank that does not know its coordinates yet (registered before the script set the topology)
         # does not undo the sizes a rank that knew them sent.
@@ -614,6 +619,12 @@ def _registrations(
     elif late:  # the world's size may be news too: the ends that came first may be all of it
         _add_ended_row(parts, ctx, run)
     return parts
+
+
+def _group_key(group: telemetry_pb2.Group) -> bytes:
+    """A group's name, description and members as one comparable value (12 us for 782 members,
+    against 48 us for a tuple of them)."""
+    return telemetry_pb2.Group(name=group.name, description=group.description, ranks=group.ranks).SerializeToString()
 
 
 def _runs_row(ctx: _Context, run: RunInfo, status: str, end_ns: int) -> pa.Table:
