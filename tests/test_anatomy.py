@@ -202,30 +202,6 @@ def test_a_kept_path_is_walked_again_when_late_spans_of_its_step_arrive(store) -
     assert kept is not None and [(link.rank, link.what) for link in kept.links][:3] == [(0, "forward"), (0, "backward"), (0, "loss")], kept.links
 
 
-def test_a_costly_kept_path_is_walked_again_once_its_steps_rows_stop_arriving(store, monkeypatch) -> None:
-    """At 100,000 ranks a step's walk takes seconds and its rows arrive over tens of seconds: a costly path
-    stands while the step's rows keep changing, and is walked again on the first ask that finds them unchanged."""
-    import rankscope.collector.anatomy.path as anatomy_path
-
-    monkeypatch.setattr(anatomy_path, "SETTLE_ABOVE_S", -1.0)  # every walk counts as costly
-    s, _ = store
-    _two_stages(s, "arriving", "running", attempt=0)
-    _insert(s, "spans", [span(0, 1, "forward", "compute", 0, 3, run_id="arriving"), span(0, 1, "loss", "compute", 7, 10, run_id="arriving"),
-                         span(1, 1, "forward", "compute", 12, 20, run_id="arriving")])  # fmt: skip
-    _insert(s, "collectives", [op(0, 1, "pp[0]", 1, "send", 1, 10, 12, run_id="arriving"), op(1, 1, "pp[0]", 1, "recv", 0, 0, 12, run_id="arriving")])
-
-    def first_links() -> list[tuple[int, str]]:
-        kept = _kept_path(q(s), "arriving", 1, None, None)
-        assert kept is not None
-        return [(link.rank, link.what) for link in kept.links][:3]
-
-    walked = first_links()
-    assert (0, "backward") not in walked
-    _insert(s, "spans", [span(0, 1, "backward", "compute", 3, 7, run_id="arriving")])
-    assert first_links() == walked  # the step changed since: its rows may still be arriving
-    assert first_links() == [(0, "forward"), (0, "backward"), (0, "loss")]  # unchanged since the last ask: walked again
-
-
 def test_a_shift_followed_back_to_a_short_send_that_began_when_its_partner_waited_for_it() -> None:
     """Off the path, a rank is followed back to the partner it waited for, from the moment the partner issued the
     transfer; a short transfer (within EPS_NS) that began then is not before it (it was taken for the last

@@ -41,7 +41,6 @@ import bisect
 import logging
 import statistics
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -764,15 +763,10 @@ def _overlap(s: int, e: int, merged: list[tuple[int, int]]) -> int:
 
 #: the steps an incident's cost is the median of (the newest complete ones of its window)
 INCIDENT_STEPS = 3
-#: (run, attempt, step) -> (what the step's frame was, its critical path, seconds its walk took): the live
-#: diagnosis asks every pass
-_PATHS: dict[tuple[str, int, int], tuple[dict[str, Any], CriticalPath | None, float]] = {}
+#: (run, attempt, step) -> (what the step's frame was, its critical path): the live diagnosis asks every pass
+_PATHS: dict[tuple[str, int, int], tuple[dict[str, Any], CriticalPath | None]] = {}
 _PATHS_KEPT = 64
 _PATHS_LOCK = threading.Lock()
-#: a path whose walk took longer is walked again only once its step's rows stop arriving (``_ARRIVING``)
-SETTLE_ABOVE_S = 0.25
-#: (run, attempt, step) -> the frame a costly kept path's step had at the last ask, while its rows arrive
-_ARRIVING: dict[tuple[str, int, int], dict[str, Any]] = {}
 
 
 def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterable[int], *, attempt: int | None = None,
@@ -809,9 +803,6 @@ def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterab
 
 
 def _kept_path(query: Query, run_id: str, step: int, attempt: int | None, groups: GroupIndex | None) -> CriticalPath | None:
-    """The step's critical path, kept while its frame stays the same. A step of 100,000 ranks arrives over
-    tens of seconds, a flush of its ranks at a time, and its walk takes seconds: a path that took longer
-    than ``SETTLE_ABOVE_S`` to walk stands until two asks in a row find the same new frame."""
     key = (run_id, -1 if attempt is None else attempt, step)
     try:
         frame = step_frame(query, run_id, step, attempt)
@@ -819,22 +810,15 @@ def _kept_path(query: Query, run_id: str, step: int, attempt: int | None, groups
             return None
         with _PATHS_LOCK:
             kept = _PATHS.get(key)
-            if kept is not None and kept[0] != frame and kept[2] > SETTLE_ABOVE_S and _ARRIVING.get(key) != frame:
-                _ARRIVING[key] = frame  # still arriving: walked again once a pass finds it unchanged
-                return kept[1]
         if kept is not None and kept[0] == frame:
             return kept[1]
-        started = time.perf_counter()
         path = critical_path(query, run_id, step, attempt=attempt, frame=frame, groups=groups)
     except Exception as e:  # noqa: BLE001
         log.warning("critical path of %s step %d: %s", run_id, step, e)
         return None
     with _PATHS_LOCK:
         _PATHS.pop(key, None)
-        _ARRIVING.pop(key, None)
         if len(_PATHS) >= _PATHS_KEPT:
-            gone = next(iter(_PATHS))
-            del _PATHS[gone]
-            _ARRIVING.pop(gone, None)
-        _PATHS[key] = (frame, path, time.perf_counter() - started)
+            del _PATHS[next(iter(_PATHS))]
+        _PATHS[key] = (frame, path)
     return path
