@@ -27,7 +27,7 @@ from rankscope.collector.orchestration import CLI, free_port, listen_address
 from rankscope.processes import terminate_tree
 from rankscope.testbed.hosts import Testbed
 
-pytest_plugins = ("pytester",)  # tests/test_infra.py runs pytest inside a test.
+pytest_plugins = ("pytester", "suite_clock")  # pytester: tests/test_infra.py runs pytest inside a test
 
 TERM_GRACE_S = 5.0
 

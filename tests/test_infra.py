@@ -77,11 +77,12 @@ def test_output_goes_to_files_and_wait_reports_status(proc_runner) -> None:
 
 
 def test_pytest_timeout_still_kills_children(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    """A test killed by pytest-timeout (method "signal") still runs the fixture teardown."""
+    """A test killed by pytest-timeout (method "signal") fails with its children's stacks, then the fixture teardown still runs."""
     script = tmp_path / "spawner.py"
     script.write_text(SPAWNER)
     pidfile = tmp_path / "pids.json"
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(suite_clock=(Path(__file__).parent / "suite_clock.py").read_text())
     pytester.makeini("[pytest]\ntimeout_method = signal\n")
     pytester.makepyfile(
         f"""
@@ -97,10 +98,12 @@ def test_pytest_timeout_still_kills_children(pytester: pytest.Pytester, tmp_path
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*Timeout*"])
     _wait_for_file(pidfile, timeout=1)
     pids = json.loads(pidfile.read_text())
     assert len(pids) == 4
+    # what the stuck child was doing: its own stack, dumped before the teardown killed it
+    result.stdout.fnmatch_lines(["*Timeout*", "*stacks of the test's child processes (py-spy)*",
+                                 f"--- pid {pids[0]}: *spawner.py*", "*<module> (spawner.py:*"])
     assert [pid for pid in pids if running(pid)] == []
 
 

@@ -1,7 +1,18 @@
-"""``torchrun --nproc-per-node N -m rankscope.trainer [flags]``: one training rank."""
+"""``torchrun --nproc-per-node N -m rankscope.trainer [flags]``: one training rank.
 
+The garbage collector is off while torch imports (a million objects, none of them garbage: 0.5 s of
+CPU a rank) and what was imported is frozen, so the interpreter's last collection at exit does not walk
+it again (3 s for 8 ranks on 2 cores, between the last step and the job's end).
+"""
+
+import gc
 import sys
 
-from rankscope.trainer.train import main
+gc.disable()
+from rankscope.trainer.train import main  # noqa: E402
 
-sys.exit(main())
+gc.freeze()
+gc.enable()
+status = main()
+gc.freeze()  # the objects training made, too: the process ends here
+sys.exit(status)

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from rankscope import agent
 from rankscope.trainer import comm, faults, flops, parallel_state
-from rankscope.trainer.checkpoint import Checkpointer
 from rankscope.trainer.config import ConfigError, TrainConfig, parse_args
 from rankscope.trainer.data import MicroBatches, TokenSource
 from rankscope.trainer.data_parallel import GradSync
@@ -127,7 +126,11 @@ def _train(cfg: TrainConfig, device: torch.device) -> None:
     injector = faults.Injector(faults.parse(cfg.inject), ps.rank)
     comm.install(injector)
 
-    checkpointer = Checkpointer(cfg.ckpt_dir, ps) if cfg.ckpt_dir is not None else None
+    checkpointer = None
+    if cfg.ckpt_dir is not None:  # imported here: torch.distributed.checkpoint costs every rank 0.7 s of CPU to import
+        from rankscope.trainer.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(cfg.ckpt_dir, ps)
     resumed_at = 0
     if checkpointer is not None and cfg.resume:
         resumed_at = checkpointer.latest_step() or 0
