@@ -118,7 +118,8 @@ def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None]
 def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Callable[[str], None]) -> Outcome:
     run_id = f"heal-{drill.name}-{uuid.uuid4().hex[:8]}"
     outcome = Outcome(drill, run_id, target=bed.hosts[drill.target].name)
-    program = trainer("--tp", "2", "--pp", "1", "--dp", "0", "--layers", "2", "--micro-batch", "2", "--global-batch", "12",
+    program = trainer("--tp", "2", "--pp", "1", "--dp", "0", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64",
+                      "--vocab", "256", "--micro-batch", "2", "--global-batch", "12",
                       "--steps", str(STEPS), "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(CKPT_EVERY), "--resume",
                       "--timeout", "120")  # fmt: skip
     applied: list[faults.Applied] = []

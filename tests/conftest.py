@@ -239,3 +239,15 @@ def module_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcRunn
         yield runner
     finally:
         runner.cleanup()
+
+
+@pytest.fixture(scope="session")
+def straggler_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """(work directory, score) of the straggler-1.5 scenario, run once for the whole session: a real
+    collector and an 8-rank ``rankscope train`` with rank 5 1.5x slower. Its diagnosis, the SQL cookbook
+    and the dashboard pages all read this one recorded run; the collector has stopped, the store is kept."""
+    from rankscope.collector.diagnosis import scenarios
+
+    workdir = tmp_path_factory.mktemp("straggler-run")
+    return workdir, scenarios.run(scenarios.SCENARIOS["straggler-1.5"], workdir=workdir, log=lambda line: None)
+

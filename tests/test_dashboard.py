@@ -1,7 +1,7 @@
 """The dashboard on a real recorded run: an 8-rank training run with rank 5 made 1.5x slower.
 
-One run is recorded for the whole module (``scenarios.run``: a real collector, ``rankscope train``
-with the agent on, about a minute on two cores). Then:
+One run is recorded for the whole session (``straggler_run`` in conftest.py: a real collector,
+``rankscope train`` with the agent on; test_diagnosis_scenarios.py scores the same run). Then:
 
 - a collector (``--no-diagnosis``: the incidents stay as the live diagnosis wrote them) serves the
   store, and AppTest runs every page in this process reading through it, as the dashboard does by
@@ -47,11 +47,10 @@ STRAGGLER = "rank 5 (node-2)"
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, scenarios.Score, str]:
+def recorded(straggler_run: tuple[Path, scenarios.Score]) -> tuple[str, Path, Path, scenarios.Score, str]:
     """(run id, store, a copy of the store, the diagnosis's score, what to read if the live diagnosis
-    missed the straggler) of one real straggler run."""
-    workdir = tmp_path_factory.mktemp("dashboard-run")
-    score = scenarios.run(scenarios.SCENARIOS["straggler-1.5"], workdir=workdir, log=lambda line: None)
+    missed the straggler) of the session's real straggler run (conftest.py)."""
+    workdir, score = straggler_run
     copy = workdir / "store-copy"
     shutil.copytree(workdir / "store", copy, symlinks=True)  # chDB links tables into store/ with relative symlinks
     return score.run_id, workdir / "store", copy, score, "" if score.passed else _why_missed(workdir, copy, score.run_id)

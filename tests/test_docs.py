@@ -35,6 +35,7 @@ from conftest import Proc, ProcRunner
 from rankscope.cli.main import COMMANDS as CLI_COMMANDS
 from rankscope.cli.main import build_parser
 from rankscope.testbed import hosts as testbed_hosts
+from rankscope.collector.diagnosis.scenarios import SMALL_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -137,7 +138,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     "rankscope collector --listen unix:/tmp/rankscope.sock &": Run(),
     "rankscope testbed fault throttle-cpu --host node2 --share 0.25 --for 600 &": Run(),
     "rankscope testbed run --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 2 --dp 2 --steps 40":
-        Run("10 steps instead of 40", shorten=((r"--steps 40$", "--steps 10"),), expect="node3: exit 0", timeout_s=400),
+        Run("10 steps of a small model instead of 40 of the default one (2.2 s a step on 2 cores, before the throttle)",
+            shorten=((r"--steps 40$", "--steps 10 " + " ".join(SMALL_MODEL)),), expect="node3: exit 0", timeout_s=400),
     "rankscope diagnose --collector unix:/tmp/rankscope.sock": Run(expect=r"straggler: host node2: ranks 4, 5"),
     "rankscope testbed down": Run(expect="is down"),
     # docs/selfcheck.md
@@ -189,7 +191,8 @@ class Page:
         shutil.copy(USER_SCRIPT, workdir / "train.py")  # the reader's own training script
         self.outputs: dict[str, str] = {}
 
-    def run_all(self) -> None:
+    def run_all(self, *, stop: bool = True) -> None:
+        """Every command in order; then what runs in the background is stopped, unless ``stop`` is False."""
         for i, text in enumerate(shell_commands(PAGES[self.name].read_text())):
             treatment = COMMANDS[text]
             if isinstance(treatment, NotHere):
@@ -198,7 +201,8 @@ class Page:
             if "RUN" in command.split() or "run=RUN" in command:
                 command = re.sub(r"\bRUN\b", self.newest_run(), command)
             self.outputs[text] = self.one(command, treatment, name=f"{i:02d}")
-        self.stop_background()
+        if stop:
+            self.stop_background()
 
     def one(self, command: str, treatment: Run, name: str) -> str:
         background = command.endswith("&")
@@ -242,27 +246,57 @@ def _default_ports_free() -> None:
                 pytest.fail(f"port {port} is taken on this machine: the docs' commands use the default addresses")
 
 
+@dataclass
+class Readme:
+    """The README followed top to bottom, and what its collector raised live about the fault drill's run."""
+
+    page: Page
+    runs: list[str]  # every run the collector holds, newest first
+    live: list[dict]  # the drill's incidents once the collector's final passes over the ended run are done
+
+
 @pytest.fixture(scope="module")
-def readme(tmp_path_factory: pytest.TempPathFactory) -> Page:
+def readme(tmp_path_factory: pytest.TempPathFactory) -> Readme:
     """The README followed top to bottom; its store is the recorded data of the other pages."""
+    from conftest import incidents
+
+    from rankscope.collector.client import Client
+    from rankscope.collector.diagnosis.engine import CONCLUDE_AFTER_S, DIAGNOSE_EVERY_S
+
     _default_ports_free()
     workdir = tmp_path_factory.mktemp("readme")
     runner = ProcRunner(workdir)
     page = Page("README.md", runner, workdir)
     try:
-        page.run_all()
+        page.run_all(stop=False)
+        address = f"127.0.0.1:{DEFAULT_PORTS[0]}"  # the README's collector, with its default flags
+        with Client(address) as client:
+            runs = [r["run_id"] for r in client.query("SELECT run_id FROM runs FINAL ORDER BY start_time DESC").to_pylist()]
+            ended = client.query("SELECT toUnixTimestamp64Nano(max(time)) AS ns FROM heartbeats WHERE run_id = {run:String}",
+                                 {"run": runs[0]}).to_pylist()[0]["ns"]  # fmt: skip
+        # A late second incident would come in the final passes over the ended run: wait them out.
+        settled_at = ended / 1e9 + CONCLUDE_AFTER_S + 2 * DIAGNOSE_EVERY_S
+        live = incidents(address, runs[0], lambda found, client: time.time() > settled_at, max(0.0, settled_at - time.time()) + 30)
+        page.stop_background()
     finally:
         runner.cleanup()
-    return page
+    return Readme(page, runs, live)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_readme_runs_as_written_and_finds_the_straggler(readme: Page) -> None:
-    diagnosed = json.loads(readme.outputs["rankscope diagnose --run RUN --format json"])
+def test_the_readme_runs_as_written_and_finds_the_straggler(readme: Readme) -> None:
+    """The README's commands as written, its fault drill (`rankscope train ... --inject straggler:rank=6`) untuned,
+    against a collector with its default flags: one straggler incident naming rank 6 and this machine, live and after."""
+    host = socket.gethostname()  # the host each rank reports: this machine
+    live = [(i["kind"], sorted(i["ranks"]), sorted(i["hosts"])) for i in readme.live]
+    assert live == [("straggler", [6], [host])], readme.live
+    diagnosed = json.loads(readme.page.outputs["rankscope diagnose --run RUN --format json"])
     found = [(i["kind"], i["ranks"], i["hosts"]) for i in diagnosed]
     assert [k for k, _, _ in found] == ["straggler"] and found[0][1] == [6], found
-    assert found[0][2] == [socket.gethostname()], found  # the host each rank reports: this machine
+    assert found[0][2] == [host], found
+    # two runs, each named by its torchrun (the README sets no run id): the user's DDP script and the drill
+    assert len(readme.runs) == 2 and len(set(readme.runs)) == 2, readme.runs
 
 
 @pytest.mark.slow
@@ -275,7 +309,7 @@ def test_the_page_runs_as_written(name: str, request: pytest.FixtureRequest, pro
         pytest.skip(f"{name} makes namespace hosts: needs root")
     page = Page(name, proc_runner, tmp_path)
     if name in NEEDS_A_COLLECTOR:
-        readme: Page = request.getfixturevalue("readme")
+        readme: Page = request.getfixturevalue("readme").page
         shutil.copytree(readme.workdir / "rankscope-data", tmp_path / "rankscope-data", symlinks=True)  # chDB links metadata/ to store/
         page.one("rankscope collector &", Run(), name="collector")
     named = {m for c in shell_commands(PAGES[name].read_text()) for m in re.findall(r"testbed up .*--name (\w+)", c)}
