@@ -291,6 +291,8 @@ def test_the_readme_runs_as_written_and_finds_the_straggler(readme: Readme) -> N
     host = socket.gethostname()  # the host each rank reports: this machine
     live = [(i["kind"], sorted(i["ranks"]), sorted(i["hosts"])) for i in readme.live]
     assert live == [("straggler", [6], [host])], readme.live
+    drill = next(out for command, out in readme.page.outputs.items() if command.startswith("RANKSCOPE_ENABLE=1 rankscope train"))
+    assert re.search(r"step\s+24/24 \| loss \d", drill), drill[-3000:]  # it trained to its last step, untuned
     diagnosed = json.loads(readme.page.outputs["rankscope diagnose --run RUN --format json"])
     found = [(i["kind"], i["ranks"], i["hosts"]) for i in diagnosed]
     assert [k for k, _, _ in found] == ["straggler"] and found[0][1] == [6], found

@@ -104,6 +104,9 @@ def test_pytest_timeout_still_kills_children(pytester: pytest.Pytester, tmp_path
     # what the stuck child was doing: its own stack, dumped before the teardown killed it
     result.stdout.fnmatch_lines(["*Timeout*", "*stacks of the test's child processes (py-spy)*",
                                  f"--- pid {pids[0]}: *spawner.py*", "*<module> (spawner.py:*"])
+    # and the session ends with the slowest tests' wall and CPU time (tests/suite_clock.py)
+    result.stdout.fnmatch_lines(["*the 1 slowest tests (setup and teardown included)*", "*wall s*cpu s*busy*test",
+                                 "*test_hangs", "*all 1 tests"])
     assert [pid for pid in pids if running(pid)] == []
 
 
