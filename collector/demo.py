@@ -97,7 +97,7 @@ def run(options: DemoOptions, out: Callable[[str], None]) -> int:
     if options.dashboard_port is not None:
         _check_port_free(options.dashboard_port)  # before anything runs: a clear error, nothing to undo
     demo = _Demo(options, out)
-    with _sigterm_as_interrupt():
+    with _stops_as_interrupt():
         try:
             demo.start()
             demo.watch()
@@ -303,17 +303,19 @@ def _wait_for_http(proc: subprocess.Popen[bytes], url: str, log_path: Path, time
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM stops the demo the way Ctrl-C does (a KeyboardInterrupt in the main thread)."""
+def _stops_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops the demo the way Ctrl-C does (a KeyboardInterrupt in the main thread), and so does
+    SIGINT even where the demo was started with it ignored (a shell's `( cmd & )` does that)."""
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextmanager

@@ -29,10 +29,13 @@ HANG_AFTER_S = 10.0
 SILENT_AFTER_S = 8.0
 #: the plain DDP script (a user's own job, not rankscope's trainer), shipped beside this module
 DDP_SCRIPT = Path(__file__).resolve().parent / "ddp_job.py"
-#: the trainer is small in these scenarios (SMALL_MODEL): what they show is the fault, not the model. A step of the
-#: default model takes 2.2 s on 8 ranks of 4 hosts on 2 cores, this one 0.5 s; a throttled host is still 3x slower.
+#: the trainer is small in most scenarios (SMALL_MODEL): what they show is the fault, not the model. A step of the
+#: default model takes 2.2 s on 8 ranks of 4 hosts on 2 cores, the small one's 0.5 s.
 PROGRAMS = {
     "trainer": lambda steps: trainer("--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(steps), "--timeout", "90", *SMALL_MODEL),
+    # the default model, where the fault is about compute or bandwidth: with the small one a throttled host's
+    # 32 kB sends look like a slow link, and 20 Mbit/s moves them fast enough to be missed
+    "trainer-default": lambda steps: trainer("--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(steps), "--timeout", "90"),
     "ddp": lambda steps: [str(DDP_SCRIPT), "--steps", str(steps)],
 }
 
@@ -64,7 +67,7 @@ SCENARIOS: dict[str, Scenario] = {
     for s in (
         Scenario("testbed-clean", "no fault: no incident may appear", None, steps=10),
         Scenario("testbed-throttle-host", "rank 5's host's CPU cut to a third (cgroup quota) from step 4", "straggler",
-                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", steps=14),  # fmt: skip
+                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", steps=14, program="trainer-default"),  # fmt: skip
         Scenario("testbed-freeze-rank", "rank 5 stopped (SIGSTOP) at step 4", "hang",
                  lambda bed, job, r: faults.freeze_rank(r), ends=False),  # fmt: skip
         Scenario("testbed-freeze-host", "every process of rank 5's host frozen (freezer cgroup) at step 4", "hang",
@@ -73,7 +76,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("testbed-kill-host", "every process of rank 5's host killed (SIGKILL) at step 4: a lost host", "lost_host",
                  lambda bed, job, r: faults.kill_host(bed, r.host), names="host"),  # fmt: skip
         Scenario("testbed-slow-link", "rank 5's host's link limited to 20 Mbit/s (tbf) from step 4", "slow_link",
-                 lambda bed, job, r: faults.limit_bandwidth(bed, r.host, 20.0), names="link"),  # fmt: skip
+                 lambda bed, job, r: faults.limit_bandwidth(bed, r.host, 20.0), names="link", program="trainer-default"),  # fmt: skip
         Scenario("testbed-delay-link", "rank 5's host's link delayed 30 ms each way from step 4", "slow_link",
                  lambda bed, job, r: faults.delay_link(bed, r.host, 30.0), names="link"),  # fmt: skip
         Scenario("testbed-ddp-clean", "a plain DDP script: no incident may appear", None, program="ddp", steps=10),

@@ -82,7 +82,7 @@ def test_pytest_timeout_still_kills_children(pytester: pytest.Pytester, tmp_path
     script.write_text(SPAWNER)
     pidfile = tmp_path / "pids.json"
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
-    pytester.makepyfile(suite_clock=(Path(__file__).parent / "suite_clock.py").read_text())
+    pytester.makepyfile(suite_clock=(Path(__file__).parent / "suite_clock.py").read_text())  # a plugin conftest.py loads
     pytester.makeini("[pytest]\ntimeout_method = signal\n")
     pytester.makepyfile(
         f"""

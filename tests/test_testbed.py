@@ -57,6 +57,7 @@ def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Py
     """The fixture's teardown runs when the test fails with a job running on the test bed."""
     record = tmp_path / "name"
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(suite_clock=(Path(__file__).parent / "suite_clock.py").read_text())  # a plugin conftest.py loads
     pytester.makepyfile(
         f"""
         from pathlib import Path
