@@ -32,7 +32,7 @@ pytest_plugins = ("pytester", "suite_clock")  # pytester: tests/test_infra.py ru
 TERM_GRACE_S = 5.0
 
 
-__all__ = ["Proc", "ProcRunner", "Running", "free_port", "make_testbed", "running", "start_collector"]
+__all__ = ["Proc", "ProcRunner", "Running", "free_port", "make_testbed", "running", "start_collector", "use_this_conftest"]
 
 
 class Proc:
@@ -149,6 +149,13 @@ class ProcRunner:
         for proc in self.procs:
             terminate_tree(proc.popen, self.term_grace_s)
 
+
+
+def use_this_conftest(pytester: pytest.Pytester) -> None:
+    """Give a pytest run inside a test this conftest.py and the plugin it loads (tests/suite_clock.py)."""
+    here = Path(__file__).parent
+    pytester.makeconftest((here / "conftest.py").read_text())
+    pytester.makepyfile(suite_clock=(here / "suite_clock.py").read_text())
 
 
 def running(pid: int) -> bool:

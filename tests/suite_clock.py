@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -81,9 +80,8 @@ def _child_stacks() -> str:
     pids = sorted(pid for pid in process_tree(me) if pid != me)
     if not pids:
         return "no child process was running"
-    if not PY_SPY.exists() and not shutil.which("py-spy"):
-        return f"py-spy is not installed: children still running: {pids}"
-    spy = str(PY_SPY) if PY_SPY.exists() else "py-spy"
+    if not PY_SPY.exists():  # a dependency of rankscope: beside this interpreter in an installed venv
+        return f"py-spy is not installed beside {sys.executable}: children still running: {pids}"
     dumps = []
     for pid in pids[-STACKS_OF:]:
         try:
@@ -91,7 +89,7 @@ def _child_stacks() -> str:
         except OSError:
             continue
         try:
-            done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=15)
+            done = subprocess.run([str(PY_SPY), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=15)
             text = done.stdout or done.stderr
         except subprocess.TimeoutExpired:
             text = "py-spy dump took over 15 s"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TERM_GRACE_S, running
+from conftest import TERM_GRACE_S, running, use_this_conftest
 
 # A child that starts three grandchildren: one in its own process group, one in a new session
 # (as torchrun starts its workers), one that ignores SIGTERM (needs the SIGKILL), then writes
@@ -81,8 +81,7 @@ def test_pytest_timeout_still_kills_children(pytester: pytest.Pytester, tmp_path
     script = tmp_path / "spawner.py"
     script.write_text(SPAWNER)
     pidfile = tmp_path / "pids.json"
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
-    pytester.makepyfile(suite_clock=(Path(__file__).parent / "suite_clock.py").read_text())  # a plugin conftest.py loads
+    use_this_conftest(pytester)
     pytester.makeini("[pytest]\ntimeout_method = signal\n")
     pytester.makepyfile(
         f"""

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import running
+from conftest import running, use_this_conftest
 
 from rankscope.testbed import hosts
 from rankscope.testbed.job import launch
@@ -56,8 +56,7 @@ def test_a_job_spans_the_hosts_each_rank_on_its_own_named_host(testbed: hosts.Te
 def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """The fixture's teardown runs when the test fails with a job running on the test bed."""
     record = tmp_path / "name"
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
-    pytester.makepyfile(suite_clock=(Path(__file__).parent / "suite_clock.py").read_text())  # a plugin conftest.py loads
+    use_this_conftest(pytester)
     pytester.makepyfile(
         f"""
         from pathlib import Path
