@@ -19,7 +19,10 @@ from rankscope.dashboard import cookbook
 
 pytestmark = pytest.mark.slow
 
-IN_TESTS = [s for s in scenarios.SCENARIOS.values() if s.in_tests]
+#: scenarios a docs page runs as written: ``rankscope scenario run crash`` (docs/diagnosis.md, tests/test_docs.py)
+#: exits 1 unless the scenario passes, and prints its PASS line, which that test expects
+RUN_BY_THE_DOCS = {"crash"}
+IN_TESTS = [s for s in scenarios.SCENARIOS.values() if s.in_tests and s.name not in RUN_BY_THE_DOCS]
 
 
 @pytest.mark.timeout(420)

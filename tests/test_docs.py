@@ -127,7 +127,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     'rankscope simulate --ranks 12288 --tp 8 --pp 16 --dp 96 --steps 120 --inject "straggler:rank=3000,factor=1.3,from_step=4;hang:rank=7777,step=96"':
         Run("256 ranks, 24 steps and 10 s hung instead of 12,288 ranks, 120 steps and 120 s (benchmarks/diagnosis.py runs the full size)", shorten=SIM_SHORT, timeout_s=300),
     "rankscope scenario list": Run(expect="straggler-1.3"),
-    "rankscope scenario run crash": Run(expect="crash", timeout_s=300),
+    # the suite's run of the crash scenario (tests/test_diagnosis_scenarios.py leaves it to this page)
+    "rankscope scenario run crash": Run(expect=r"(?m)^PASS crash: detected crash", timeout_s=300),
     # docs/sql.md
     'rankscope sql "SHOW TABLES"': Run(expect="step_segments"),
     'rankscope sql --format csv "SELECT run_id, world_size, status FROM runs FINAL ORDER BY start_time DESC LIMIT 5"': Run(expect=",8,"),
@@ -136,7 +137,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     # docs/testbed.md
     "rankscope testbed up --hosts 4 --ranks-per-host 2": Run(expect="node3"),
     "rankscope collector --listen unix:/tmp/rankscope.sock &": Run(),
-    "rankscope testbed fault throttle-cpu --host node2 --share 0.25 --for 600 &": Run(),
+    "rankscope testbed fault throttle-cpu --host node2 --share 0.25 --for 600 &":
+        Run("node2 keeps 35% of its CPU, not 25%: its launcher and ranks import torch under the throttle (over a minute at 25%),"
+            " and its ranks are still 3x slower than their peers", shorten=((r"--share 0\.25 ", "--share 0.35 "),)),
     "rankscope testbed run --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 2 --dp 2 --steps 40":
         Run("10 steps of a small model instead of 40 of the default one (2.2 s a step on 2 cores, before the throttle)",
             shorten=((r"--steps 40$", "--steps 10 " + " ".join(SMALL_MODEL)),), expect="node3: exit 0", timeout_s=400),
@@ -145,17 +148,21 @@ COMMANDS: dict[str, Run | NotHere] = {
     # docs/selfcheck.md
     "rankscope selfcheck": Run(expect="no peers to compare with"),
     "rankscope testbed up --hosts 3 --ranks-per-host 2 --name rscheck": Run(expect="node2"),
-    "rankscope testbed fault throttle-cpu --testbed rscheck --host node2 --share 0.2 --for 300 &": Run(),
+    "rankscope testbed fault throttle-cpu --testbed rscheck --host node2 --share 0.2 --for 300 &":
+        Run("node2 keeps 30% of its CPU, not a fifth: it imports torch twice under the throttle (it fails, so it is measured"
+            " again), and 0.3x its peers fails as 0.2x does", shorten=((r"--share 0\.2 ", "--share 0.3 "),)),
     "rankscope selfcheck --testbed rscheck": Run("exits 1: node2 fails, as the page shows",
                                                  shorten=((r"rscheck$", "rscheck || test $? = 1"),), expect=r"node2 FAIL: matmul"),
     "rankscope testbed down rscheck": Run(expect="is down"),
     # docs/healing.md
     "rankscope testbed up --hosts 3 --ranks-per-host 2 --name rsheal": Run(expect="node2"),
     "rankscope collector --listen unix:/tmp/rankscope.sock --hang-after 10 --silent-after 8 &": Run(),
-    "(sleep 45; rankscope testbed fault kill-host --testbed rsheal --host node1) &": Run(),
+    "(sleep 45; rankscope testbed fault kill-host --testbed rsheal --host node1) &":
+        Run("the kill after 30 s, not 45: 24 steps instead of 60 (the first checkpoint is written by 20 s)",
+            shorten=((r"^\(sleep 45;", "(sleep 30;"),)),
     "rankscope launch --testbed rsheal --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 1 --dp 0 "
     "--global-batch 12 --micro-batch 2 --steps 60 --ckpt-dir ckpt --ckpt-every 2 --resume":
-        Run(expect=r"node1: exit -9 \(evicted\)", timeout_s=420),
+        Run("24 steps instead of 60", shorten=((r"--steps 60 ", "--steps 24 "),), expect=r"node1: exit -9 \(evicted\)", timeout_s=420),
     'rankscope sql --collector unix:/tmp/rankscope.sock "SELECT action, hosts, reason FROM actions ORDER BY time"':
         Run(expect=r"(?s)evict.*node1.*resumed.*finished"),
     "rankscope testbed down rsheal": Run(expect="is down"),
