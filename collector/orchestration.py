@@ -13,10 +13,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
 from rankscope.agent.config import render_host
+
 from rankscope.processes import terminate_tree
 
 #: the ``rankscope`` command of this interpreter (works without the console script on PATH)
@@ -24,7 +26,12 @@ CLI = (sys.executable, "-m", "rankscope.cli.main")
 #: RANKSCOPE_HOST template: two ranks per simulated host (``host_of`` spells it out)
 HOSTS = "node-{rank//2}"
 
-__all__ = ["CLI", "HOSTS", "agent_env", "collector_command", "free_port", "host_of", "listen_address", "start", "start_collector", "stop", "wait_for_address"]
+__all__ = ["CLI", "HOSTS", "agent_env", "await_diagnosis", "collector_command", "diagnosis_passes", "free_port", "host_of", "listen_address",
+           "metrics_url", "start", "start_collector", "stop", "wait_for_address"]
+#: the histogram of the collector's live diagnosis passes (its count: passes finished, per lane)
+PASSES = "rankscope_diagnosis_pass_seconds"
+#: the lanes of the live diagnosis (``rankscope.collector.diagnosis.engine``: URGENT and THOROUGH)
+LANES = ("urgent", "thorough")
 
 
 def host_of(rank: int) -> str:
@@ -32,11 +39,12 @@ def host_of(rank: int) -> str:
     return render_host(HOSTS, rank, 0, 0)
 
 
-def collector_command(store: Path, listen: str, hang_after_s: float) -> list[str]:
-    """``rankscope collector`` on an embedded store, diagnosing every second (incidents show up fast)."""
+def collector_command(store: Path, listen: str, hang_after_s: float, *, metrics: bool = False) -> list[str]:
+    """``rankscope collector`` on an embedded store, diagnosing every second (incidents show up fast);
+    ``metrics``: serving /metrics on a free port too (``await_diagnosis`` reads its passes there)."""
     return [
         *CLI, "collector", "--store", str(store), "--listen", listen, "--hang-after", str(hang_after_s),
-        "--diagnose-every", "1", "--flush-interval", "0.5",
+        "--diagnose-every", "1", "--flush-interval", "0.5", *(["--metrics-port", "0"] if metrics else []),
     ]  # fmt: skip
 
 
@@ -81,6 +89,44 @@ def listen_address(output: str) -> str | None:
         if "listening on " in line:
             return line.split("listening on ", 1)[1].split(",", 1)[0].strip()
     return None
+
+
+def metrics_url(output: str) -> str | None:
+    """The /metrics URL of a collector's start-up line (``..., metrics on URL``), if it serves metrics."""
+    for line in output.splitlines():
+        if "listening on " in line and "metrics on " in line:
+            return line.split("metrics on ", 1)[1].split()[0].rstrip(",")
+    return None
+
+
+def diagnosis_passes(url: str) -> dict[str, int]:
+    """How many live diagnosis passes each lane of the collector at ``url`` (its /metrics) has finished."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    passes = dict.fromkeys(LANES, 0)
+    for family in text_string_to_metric_families(text):
+        if family.name == PASSES:
+            passes.update({s.labels["lane"]: int(s.value) for s in family.samples if s.name == f"{PASSES}_count"})
+    return passes
+
+
+def await_diagnosis(url: str, passes: int = 3, timeout_s: float = 60) -> None:
+    """Return once every lane of the collector's live diagnosis has finished ``passes`` more passes
+    than it had now: what was sent before this call is stored within the writer's flush interval, so
+    a pass that began after that saw it (the first may have begun before, the next after the flush).
+    How a script awaits the diagnosis of data it just sent, instead of sleeping a guessed time."""
+    deadline = time.monotonic() + timeout_s
+    wanted = {lane: count + passes for lane, count in diagnosis_passes(url).items()}
+    while True:
+        done = diagnosis_passes(url)
+        if all(done[lane] >= count for lane, count in wanted.items()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the collector's diagnosis did not finish {passes} more passes per lane in {timeout_s:g} s: "
+                               f"{done} of {wanted} ({url})")  # fmt: skip
+        time.sleep(0.2)
 
 
 def start_collector(store: Path, log_path: Path, *flags: str, timeout_s: float = 120) -> tuple[subprocess.Popen[bytes], str]:

@@ -21,7 +21,14 @@ from pathlib import Path
 
 from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
 from rankscope.collector.diagnosis.scenarios import SMALL_MODEL, verdict
-from rankscope.collector.orchestration import CLI, start, stop, wait_for_address
+from rankscope.collector.orchestration import (
+    CLI,
+    await_diagnosis,
+    metrics_url,
+    start,
+    stop,
+    wait_for_address,
+)
 from rankscope.testbed import faults, hosts
 from rankscope.testbed.job import Job, Rank, launch, trainer
 
@@ -132,11 +139,21 @@ def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str],
         return _play(scenario, bed, address, workdir, log)
 
 
+def metrics_of(workdir: Path) -> str:
+    """The /metrics URL of the collector ``staged`` started in ``workdir``."""
+    url = metrics_url((workdir / "collector.log").read_text(errors="replace"))
+    if url is None:
+        raise RuntimeError(f"the collector in {workdir} serves no metrics")
+    return url
+
+
 @contextlib.contextmanager
 def staged(workdir: Path, host_count: int, ranks_per_host: int) -> Iterator[tuple[hosts.Testbed, str]]:
-    """A collector on a Unix socket in ``workdir`` (the scenarios' thresholds, diagnosing every second)
-    and a fresh test bed of ``host_count`` hosts: (bed, the collector's address). Both are gone afterwards."""
-    flags = ["--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S), "--diagnose-every", "1", "--flush-interval", "0.5"]
+    """A collector on a Unix socket in ``workdir`` (the scenarios' thresholds, diagnosing every second,
+    metrics on a free port: ``metrics_of``) and a fresh test bed of ``host_count`` hosts: (bed, the
+    collector's address). Both are gone afterwards."""
+    flags = ["--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S), "--diagnose-every", "1", "--flush-interval", "0.5",
+             "--metrics-port", "0"]  # fmt: skip
     collector = start([*CLI, "collector", "--store", str(workdir / "store"), "--listen", f"unix:{workdir / 'collector.sock'}", *flags],
                       workdir / "collector.log", os.environ)  # fmt: skip
     bed = None
@@ -173,7 +190,7 @@ def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, l
                 applied = scenario.apply(bed, job, target)
                 score.fault = applied.what
                 log(f"{scenario.name}: {applied.what}")
-            _watch(score, client, job, applied.at_ns if applied else time.time_ns(), log)
+            _watch(score, client, job, applied.at_ns if applied else time.time_ns(), metrics_of(workdir), log)
         finally:
             if applied is not None:
                 applied.undo()
@@ -193,18 +210,29 @@ def _wait_for_step(client: object, run_id: str, step: int, job: Job, timeout_s: 
     raise TimeoutError(f"the job did not reach step {step} in {timeout_s:.0f} s\n{job.output()}")
 
 
-def _watch(score: Score, client: object, job: Job, fault_ns: int, log: Callable[[str], None]) -> None:
+def _watch(score: Score, client: object, job: Job, fault_ns: int, metrics: str, log: Callable[[str], None]) -> None:
     """Poll incidents until the job ended and the diagnosis had its last passes, or the fault was found
     (and some time more, for a second incident that should not come)."""
     s = score.scenario
     settle_s = 8.0
     deadline = time.monotonic() + 90 + 8 * s.steps
-    quiet_since: float | None = None
-    while time.monotonic() < deadline:
+
+    def look() -> None:
         score.incidents = client.query(INCIDENTS_SQL, {"run": score.run_id}).to_pylist()  # type: ignore[attr-defined]
         if score.expected and score.seconds_to_detect is None:
             score.seconds_to_detect = (time.time_ns() - fault_ns) / 1e9
             log(f"{s.name}: {score.expected[0]['summary']} ({score.seconds_to_detect:.1f} s after the fault)")
+
+    quiet_since: float | None = None
+    while time.monotonic() < deadline:
+        if job.finished() and set(job.exited().values()) == {0}:
+            # Every rank ended well and sent its last rows first: the diagnosis passes over them are
+            # what is left, awaited (a job that failed, or one that does not end, gets a settling time:
+            # its ranks may still fall silent, or be heard of, after that).
+            await_diagnosis(metrics)
+            look()
+            return
+        look()
         done = job.finished() or (not s.ends and score.seconds_to_detect is not None)
         if done and quiet_since is None:
             quiet_since = time.monotonic()

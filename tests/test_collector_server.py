@@ -336,6 +336,22 @@ def test_prometheus_serves_the_collector_counters(collector: Running, ingest: in
     assert "rankscope_batches_written_total" in values
 
 
+def test_a_script_awaits_the_diagnosis_passes_over_what_it_sent(collector: Running) -> None:
+    """``await_diagnosis``: the scenarios' way to wait for the last diagnosis of an ended run, not a sleep."""
+    from rankscope.collector.orchestration import await_diagnosis, diagnosis_passes, metrics_url
+
+    line = next(text for text in collector.proc.stdout.splitlines() if "listening on" in text)
+    assert collector.metrics_url and metrics_url(line) == collector.metrics_url
+    assert metrics_url("rankscope collector listening on 127.0.0.1:7777, storing in x (chDB)") is None
+    before = diagnosis_passes(collector.metrics_url)
+    assert set(before) == {"urgent", "thorough"}
+    await_diagnosis(collector.metrics_url, passes=1, timeout_s=30)  # a pass every 5 s here
+    after = diagnosis_passes(collector.metrics_url)
+    assert all(after[lane] >= before[lane] + 1 for lane in before), (before, after)
+    with pytest.raises(TimeoutError, match="did not finish 100 more passes per lane in 0.5 s"):
+        await_diagnosis(collector.metrics_url, passes=100, timeout_s=0.5)
+
+
 def test_a_batch_sent_three_seconds_ago_counts_as_three_seconds_on_its_way(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
     """Delivery is measured on the collector's clock: the agent's send time plus the offset it stamps."""
     assert collector.metrics_url

@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
-from rankscope.collector.orchestration import CLI, agent_env, collector_command, host_of, start, stop, wait_for_address
+from rankscope.collector.orchestration import (
+    CLI,
+    agent_env,
+    await_diagnosis,
+    collector_command,
+    host_of,
+    metrics_url,
+    start,
+    stop,
+    wait_for_address,
+)
 
 HANG_AFTER_S = 10.0
 #: a small model for faults that are not about compute (the test-bed scenarios use it): 8 ranks on 2 cores
@@ -127,10 +137,11 @@ def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str],
     """Run one scenario end to end and score it; every process it starts is stopped before it returns."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rankscope-{scenario.name}-"))
     run_id = f"{scenario.name}-{uuid.uuid4().hex[:8]}"
-    collector = start(collector_command(workdir / "store", "127.0.0.1:0", HANG_AFTER_S), workdir / "collector.log", os.environ)
+    collector = start(collector_command(workdir / "store", "127.0.0.1:0", HANG_AFTER_S, metrics=True), workdir / "collector.log", os.environ)
     training: subprocess.Popen[bytes] | None = None
     try:
         address = wait_for_address(collector, workdir / "collector.log")
+        metrics = metrics_url((workdir / "collector.log").read_text(errors="replace")) or ""
         from rankscope.collector.client import Client
 
         client = Client(address)
@@ -140,7 +151,7 @@ def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str],
             flags += ["--inject", scenario.inject]
         log(f"{scenario.name}: training (run {run_id}): {scenario.doc}")
         training = start([*CLI, "train", *flags], workdir / "train.log", env)
-        score = _watch(scenario, run_id, client, training, log)
+        score = _watch(scenario, run_id, client, training, metrics, log)
         client.close()
         return score
     finally:
@@ -149,16 +160,29 @@ def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str],
                 stop(proc)
 
 
-def _watch(scenario: Scenario, run_id: str, client: object, training: subprocess.Popen[bytes], log: Callable[[str], None]) -> Score:
+def _watch(scenario: Scenario, run_id: str, client: object, training: subprocess.Popen[bytes], metrics: str,
+           log: Callable[[str], None]) -> Score:  # fmt: skip
     """Poll incidents until the training ended and the diagnosis had its final passes (or the fault was found)."""
     score = Score(scenario, run_id, [])
-    ended_at: float | None = None
-    deadline = time.monotonic() + 60 + 6 * scenario.steps
-    while time.monotonic() < deadline:
+
+    def look() -> None:
         score.incidents = client.query(INCIDENTS_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
         if score.expected and score.seconds_to_detect is None:
             _timing(score, client)
             log(f"{scenario.name}: {score.expected[0]['summary']}")
+
+    ended_at: float | None = None
+    deadline = time.monotonic() + 60 + 6 * scenario.steps
+    while time.monotonic() < deadline:
+        if training.poll() == 0:
+            # Ended well: every rank sent its last rows before it exited, and what is left is the
+            # diagnosis passes over them, awaited (a run that failed gets a settling time instead: its
+            # ranks may still be heard of, or fall silent, after its launcher ended).
+            score.training_exit = 0
+            await_diagnosis(metrics)
+            look()
+            break
+        look()
         if training.poll() is not None and ended_at is None:
             ended_at = time.monotonic()
             score.training_exit = training.returncode
