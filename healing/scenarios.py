@@ -59,7 +59,8 @@ DRILLS: dict[str, Drill] = {
         Drill("kill-host", "every process of node0 killed (SIGKILL)", lambda bed, h: faults.kill_host(bed, h), target=0),
         Drill("freeze-host", "every process of node1 frozen (freezer cgroup)", lambda bed, h: faults.freeze_host(h)),
         Drill("throttle-host", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: faults.throttle_cpu(bed, h, 0.2)),
-        Drill("kill-host-spare", "every process of node1 killed; node3 waits as a spare", lambda bed, h: faults.kill_host(bed, h), spares=1),
+        Drill("kill-host-spare", "every process of node0 killed; node3 waits as a spare", lambda bed, h: faults.kill_host(bed, h),
+              spares=1, target=0),  # fmt: skip
     )
 }
 

@@ -36,12 +36,13 @@ HANG_AFTER_S = 10.0
 SILENT_AFTER_S = 8.0
 #: the plain DDP script (a user's own job, not rankscope's trainer), shipped beside this module
 DDP_SCRIPT = Path(__file__).resolve().parent / "ddp_job.py"
-#: the trainer is small in most scenarios (SMALL_MODEL): what they show is the fault, not the model. A step of the
-#: default model takes 2.2 s on 8 ranks of 4 hosts on 2 cores, the small one's 0.5 s.
+#: the trainer is small in most scenarios (SMALL_MODEL): what they show is the fault, not the model. A step
+#: of the default model takes 2.2 s on 8 ranks of 4 hosts on 2 cores, the small one's 0.5 s.
 PROGRAMS = {
     "trainer": lambda steps: trainer("--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(steps), "--timeout", "90", *SMALL_MODEL),
-    # the default model, where the fault is about compute or bandwidth: with the small one a throttled host's
-    # 32 kB sends look like a slow link, and 20 Mbit/s moves them fast enough to be missed
+    # the default model, for the bandwidth fault: the small one's 32 kB sends pass a token bucket's 32 kB
+    # burst at full speed (20 Mbit/s went unseen), and at 5 Mbit/s which of the two pipeline pairs across
+    # the link queue behind its other traffic changed from run to run (one of two runs named one pair)
     "trainer-default": lambda steps: trainer("--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(steps), "--timeout", "90"),
     "ddp": lambda steps: [str(DDP_SCRIPT), "--steps", str(steps)],
 }
@@ -74,7 +75,7 @@ SCENARIOS: dict[str, Scenario] = {
     for s in (
         Scenario("testbed-clean", "no fault: no incident may appear", None, steps=10),
         Scenario("testbed-throttle-host", "rank 5's host's CPU cut to a third (cgroup quota) from step 4", "straggler",
-                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", steps=14, program="trainer-default"),  # fmt: skip
+                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", steps=14),  # fmt: skip
         Scenario("testbed-freeze-rank", "rank 5 stopped (SIGSTOP) at step 4", "hang",
                  lambda bed, job, r: faults.freeze_rank(r), ends=False),  # fmt: skip
         Scenario("testbed-freeze-host", "every process of rank 5's host frozen (freezer cgroup) at step 4", "hang",

@@ -145,9 +145,14 @@ def test_silence_while_the_driver_paused_the_workers_is_not_a_lost_host(monkeypa
     assert any(a[0] == "incident" and a[1] == ["node0"] and "paused the workers" in a[2] for a in cluster.actions)
 
 
+#: the drills the suite runs: not kill-host, whose node0 (the first round's store host) dies in the spare
+#: drill too; a host killed with no spare to take its place is docs/healing.md's drill (tests/test_docs.py)
+IN_TESTS = [d for d in scenarios.DRILLS.values() if d.name != "kill-host"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("drill", scenarios.DRILLS.values(), ids=list(scenarios.DRILLS))
+@pytest.mark.parametrize("drill", IN_TESTS, ids=[d.name for d in IN_TESTS])
 def test_the_job_finishes_without_the_faulty_host(drill: scenarios.Drill, tmp_path: Path) -> None:
     try:
         outcome = scenarios.run(drill, workdir=tmp_path, log=lambda line: None)

@@ -31,9 +31,10 @@ from rankscope.collector.orchestration import (
 )
 
 HANG_AFTER_S = 10.0
-#: a small model for faults that are not about compute (the test-bed scenarios use it): 8 ranks on 2 cores
-#: train it in 0.25 s a step, the default one in about 1 s. These scenarios keep the default model: on the
-#: small one a 9 ms blip of a 32 kB transfer is 16x its pairs, and the crash scenario was named a slow link too.
+#: a small model (the test-bed scenarios and healing drills train it): 8 ranks on 2 cores train it in 0.25 s
+#: a step, the default one in about 1 s. These scenarios keep the default model: on the small one a 9 ms
+#: blip of a 32 kB transfer is 16x its pairs, and the crash scenario was named a slow link too (before a
+#: slow link had to cost a tenth of a step).
 SMALL_MODEL = ("--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "256", "--micro-batch", "2", "--global-batch", "16")
 
 

@@ -13,10 +13,7 @@ ranks across it.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
-
 from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
@@ -60,16 +57,31 @@ def detect(ctx: RunContext) -> list[Finding]:
     typical, compared = _typical(pairs["nbytes"].to_numpy(), median)
     cost_per_step_s = (median - typical) / 1e9 * pairs["transfers"].to_numpy() / max(steps, 1)
     with np.errstate(invalid="ignore"):  # NaN: fewer than two other pairs to compare with
-        slow_rows = (median >= s.slow_link_ratio * np.maximum(typical, 1.0)) & (cost_per_step_s >= min_cost_s)
-    slow: dict[tuple[str, ...], list[dict]] = defaultdict(list)  # the pair of hosts (or ranks) -> its slow rank pairs
+        slower = median >= s.slow_link_ratio * np.maximum(typical, 1.0)
+    costly = np.flatnonzero(slower & (cost_per_step_s >= min_cost_s))
+    if not len(costly):
+        return []
     column = {name: pairs[name].to_numpy() for name in ("src", "dst", "nbytes", "transfers", "first_ns", "last_ns")}
-    for i in np.flatnonzero(slow_rows):  # a few pairs of the window's hundreds of thousands
+
+    def link(i: int) -> tuple[str, ...]:
+        """The pair of hosts of row ``i`` (or of ranks, where both are on one host)."""
         src, dst = int(column["src"][i]), int(column["dst"][i])
         hosts = ctx.hosts_of((src, dst))
-        slow[hosts if len(hosts) == 2 else (str(src), str(dst))].append({
-            "src": src, "dst": dst, "nbytes": int(column["nbytes"][i]), "transfers": int(column["transfers"][i]),
-            "first_ns": int(column["first_ns"][i]), "last_ns": int(column["last_ns"][i]), "median": float(median[i]),
-            "typical": float(typical[i]), "compared": int(compared[i]), "cost_per_step_s": float(cost_per_step_s[i]),
+        return hosts if len(hosts) == 2 else (str(src), str(dst))
+
+    # A link is slow when a pair of ranks across it costs the step a visible share; every pair across
+    # it as many times slower than its peers is named with it, whatever it costs (which pairs queue
+    # behind the link's other traffic changes from step to step).
+    slow: dict[tuple[str, ...], list[dict]] = {link(i): [] for i in costly}  # the slow link -> its slow rank pairs
+    for i in np.flatnonzero(slower):  # a few pairs of the window's hundreds of thousands
+        found = slow.get(link(i))
+        if found is None:
+            continue
+        found.append({
+            "src": int(column["src"][i]), "dst": int(column["dst"][i]), "nbytes": int(column["nbytes"][i]),
+            "transfers": int(column["transfers"][i]), "first_ns": int(column["first_ns"][i]), "last_ns": int(column["last_ns"][i]),
+            "median": float(median[i]), "typical": float(typical[i]), "compared": int(compared[i]),
+            "cost_per_step_s": float(cost_per_step_s[i]),
         })  # fmt: skip
     return [_finding(ctx, found, step_s, last_step) for found in slow.values()]
 
