@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rankscope.agent.config import render_host
-
 from rankscope.processes import terminate_tree
 
 #: the ``rankscope`` command of this interpreter (works without the console script on PATH)
@@ -30,8 +29,6 @@ __all__ = ["CLI", "HOSTS", "agent_env", "await_diagnosis", "collector_command", 
            "metrics_url", "start", "start_collector", "stop", "wait_for_address"]
 #: the histogram of the collector's live diagnosis passes (its count: passes finished, per lane)
 PASSES = "rankscope_diagnosis_pass_seconds"
-#: the lanes of the live diagnosis (``rankscope.collector.diagnosis.engine``: URGENT and THOROUGH)
-LANES = ("urgent", "thorough")
 
 
 def host_of(rank: int) -> str:
@@ -103,9 +100,11 @@ def diagnosis_passes(url: str) -> dict[str, int]:
     """How many live diagnosis passes each lane of the collector at ``url`` (its /metrics) has finished."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from rankscope.collector.diagnosis.engine import THOROUGH, URGENT
+
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    passes = dict.fromkeys(LANES, 0)
+    passes = dict.fromkeys((URGENT.name, THOROUGH.name), 0)  # a lane not passed yet has no sample
     for family in text_string_to_metric_families(text):
         if family.name == PASSES:
             passes.update({s.labels["lane"]: int(s.value) for s in family.samples if s.name == f"{PASSES}_count"})

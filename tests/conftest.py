@@ -12,7 +12,6 @@ files under ``tmp_path``, so a chatty child never blocks on a full pipe.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from rankscope.collector.orchestration import CLI, free_port, listen_address
+from rankscope.collector.orchestration import CLI, free_port, listen_address, metrics_url
 from rankscope.processes import terminate_tree
 from rankscope.testbed.hosts import Testbed
 
@@ -184,8 +183,7 @@ def start_collector(
     proc = runner.start([*CLI, "collector", "--store", str(store), "--listen", listen, *flags], name=name)
     proc.wait_for("listening on", timeout)
     line = next(text for text in proc.stdout.splitlines() if "listening on" in text)
-    metrics_url = re.search(r"metrics on (\S+)", line)
-    return Running(proc, listen_address(line) or "", metrics_url.group(1) if metrics_url else None, store)
+    return Running(proc, listen_address(line) or "", metrics_url(line), store)
 
 
 def incidents(address: str, run_id: str, until: Callable[[list[dict], Any], bool], timeout_s: float) -> list[dict]:

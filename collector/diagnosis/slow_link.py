@@ -14,6 +14,7 @@ ranks across it.
 from __future__ import annotations
 
 import numpy as np
+
 from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.incidents import Finding
