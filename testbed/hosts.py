@@ -8,9 +8,11 @@ leftovers can be found by prefix):
 - namespace ``NAME-hI`` per host I: interface ``eth0`` (``10.200.0.{I+1}/24``), a veth whose peer
   ``hI`` is a port of ``br0``; ``lo`` up; ``/etc/netns/NAME-hI/hosts`` names every host, so host
   names resolve inside the namespaces (``ip netns exec`` mounts it over ``/etc/hosts``);
-- cgroups (v1) ``cpu/rankscope/NAME-hI`` and ``freezer/rankscope/NAME-hI``: a host's processes join
-  them before entering the namespace (``ip netns exec`` remounts /sys), so its CPU can be throttled
-  and all of it frozen from outside.
+- cgroups (v1) ``cpu/MAKER/rankscope/NAME-hI`` and ``freezer/rankscope/NAME-hI``: a host's processes
+  join them before entering the namespace (``ip netns exec`` remounts /sys), so its CPU can be
+  throttled and all of it frozen from outside. ``MAKER`` is the cpu cgroup of the process that made
+  the test bed (empty for a shell in the root group): the hosts get no more CPU weight than their
+  maker has, as its own children would, so a test bed made by a low-priority job yields as that job does.
 
 Each host gets CPU of its own: a fixed quota (``cores`` per host; by default the hosts share 70% of
 the machine) on CPUs of its own where there are enough (``cpus``; else round-robin), as a virtual
@@ -36,7 +38,7 @@ import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 __all__ = [
     "Host", "Testbed", "TestbedError", "command_on", "create", "destroy", "leftovers", "load", "pin_rank", "running", "set_cpu_quota",
@@ -77,9 +79,12 @@ class Host:
     address: str
     #: the CPUs its processes may run on (hosts share them round-robin when there are more hosts than CPUs)
     cpus: tuple[int, ...] = ()
+    #: the cpu cgroup its own group is made in, below the cpu hierarchy's root (see the module's docstring)
+    cpu_parent: str = CGROUP_PARENT
 
     def cgroup(self, controller: str) -> Path:
-        return CGROUP_ROOT / controller / CGROUP_PARENT / self.namespace
+        parent = self.cpu_parent if controller == "cpu" else CGROUP_PARENT
+        return CGROUP_ROOT / controller / parent / self.namespace
 
 
 @dataclass(frozen=True)
@@ -148,7 +153,9 @@ def create(hosts: int, *, ranks_per_host: int = 1, cores: float | None = None, n
     machine = sorted(os.sched_getaffinity(0))
     per_host = max(1, len(machine) // hosts)
     cpus = [tuple(machine[(i * per_host + k) % len(machine)] for k in range(per_host)) for i in range(hosts)]
-    bed = Testbed(name, tuple(Host(i, f"node{i}", f"{name}-h{i}", f"{SUBNET}.{i + 1}", cpus[i]) for i in range(hosts)), ranks_per_host, cores)
+    cpu_parent = "/".join([*_own_cgroup("cpu").parts[1:], CGROUP_PARENT])
+    bed = Testbed(name, tuple(Host(i, f"node{i}", f"{name}-h{i}", f"{SUBNET}.{i + 1}", cpus[i], cpu_parent) for i in range(hosts)),
+                  ranks_per_host, cores)  # fmt: skip
     try:
         _ip("netns", "add", bed.switch)
         _ip("-n", bed.switch, "link", "add", BRIDGE, "type", "bridge")
@@ -252,9 +259,8 @@ def destroy(name: str) -> None:
         shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
     for group in groups:
         _rmdir(group)
-    for controller in CONTROLLERS:  # the test beds' parent group goes with the last of them
-        with contextlib.suppress(OSError):
-            (CGROUP_ROOT / controller / CGROUP_PARENT).rmdir()
+        with contextlib.suppress(OSError):  # the test beds' parent group goes with the last of them
+            group.parent.rmdir()
     (STATE_DIR / f"{name}.json").unlink(missing_ok=True)
 
 
@@ -288,8 +294,18 @@ def _namespaces() -> Iterator[str]:
 
 
 def _cgroups(controller: str) -> list[Path]:
-    parent = CGROUP_ROOT / controller / CGROUP_PARENT
-    return sorted(p for p in parent.glob(f"{PREFIX}*-*") if p.is_dir()) if parent.is_dir() else []
+    """Every test bed's host groups of ``controller``, whatever group their makers ran in."""
+    top = CGROUP_ROOT / controller
+    return sorted(p for p in top.glob(f"**/{CGROUP_PARENT}/{PREFIX}*-*") if p.is_dir()) if top.is_dir() else []
+
+
+def _own_cgroup(controller: str) -> PurePosixPath:
+    """This process's group in ``controller``'s hierarchy (``/`` for the root group), from /proc/self/cgroup."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            return PurePosixPath(path)
+    return PurePosixPath("/")
 
 
 def _members(group: Path) -> set[int]:

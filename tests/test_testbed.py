@@ -3,6 +3,8 @@ torchrun agent per host, and nothing left behind, also when a test fails in the 
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +36,44 @@ def test_hosts_have_their_own_address_and_name_and_go_without_a_trace(testbed: h
     hosts.destroy(testbed.name)
     assert hosts.leftovers(testbed.name) == []
     hosts.destroy(testbed.name)  # idempotent: the fixture calls it again
+
+
+MAKE_IN_GROUP = """
+import json, os, sys
+from rankscope.testbed import hosts
+open(os.path.join(sys.argv[1], "cgroup.procs"), "w").write(str(os.getpid()))
+bed = hosts.create(2)
+print(json.dumps([bed.name, [str(h.cgroup("cpu")) for h in bed.hosts], [str(h.cgroup("freezer")) for h in bed.hosts]]))
+"""
+
+
+def test_a_test_bed_made_in_a_cpu_group_has_its_hosts_in_it_and_another_process_removes_them(tmp_path: Path) -> None:
+    """Hosts get no more CPU weight than the process that made them (the suite's background lane
+    makes test beds that yield to its foreground): their cpu groups nest in the maker's group, and
+    `destroy` from elsewhere still finds and removes them."""
+    maker = hosts.CGROUP_ROOT / "cpu" / f"rsmaker{os.getpid()}"
+    try:
+        maker.mkdir()
+    except OSError as e:
+        pytest.skip(f"no cpu cgroup can be made here: {e}")
+    name = ""
+    try:
+        made = subprocess.run([sys.executable, "-c", MAKE_IN_GROUP, str(maker)], capture_output=True, text=True, timeout=60)
+        if made.returncode != 0 and "TestbedError" in made.stderr:
+            pytest.skip(f"no test bed on this machine: {made.stderr.strip().splitlines()[-1]}")
+        assert made.returncode == 0, made.stderr
+        name, cpu_groups, freezer_groups = json.loads(made.stdout)
+        assert cpu_groups == [str(maker / "rankscope" / f"{name}-h{i}") for i in range(2)]
+        assert freezer_groups == [str(hosts.CGROUP_ROOT / "freezer" / "rankscope" / f"{name}-h{i}") for i in range(2)]
+        assert sorted(hosts.leftovers(name)) == sorted([*cpu_groups, *freezer_groups, *[f"netns {name}-h{i}" for i in range(2)],
+                                                          f"netns {name}-sw", *[str(hosts.NETNS_ETC / f"{name}-h{i}") for i in range(2)]])
+        hosts.destroy(name)
+        assert hosts.leftovers(name) == []
+        assert not (maker / "rankscope").exists()  # the parent group went with its last test bed
+    finally:
+        if name:
+            hosts.destroy(name)
+        maker.rmdir()
 
 
 @pytest.mark.slow
@@ -82,6 +122,7 @@ def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Py
 
 
 @pytest.mark.slow
+@pytest.mark.foreground  # a saved test bed: beside a docs page, that page's commands that name none would find two
 def test_the_command_brings_a_test_bed_up_and_down(tmp_path: Path) -> None:
     rankscope = [sys.executable, "-m", "rankscope.cli.main", "testbed"]
     name = f"rscli{tmp_path.name[-4:].replace('_', '')}"
