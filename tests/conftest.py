@@ -26,12 +26,22 @@ from rankscope.collector.orchestration import CLI, free_port, listen_address, me
 from rankscope.processes import terminate_tree
 from rankscope.testbed.hosts import Testbed
 
-pytest_plugins = ("pytester", "suite_clock")  # pytester: tests/test_infra.py runs pytest inside a test
+pytest_plugins = ("pytester", "suite_clock", "suite_lanes")  # pytester: tests/test_infra.py runs pytest inside a test
 
 TERM_GRACE_S = 5.0
 
 
-__all__ = ["Proc", "ProcRunner", "Running", "free_port", "make_testbed", "running", "start_collector", "use_this_conftest"]
+__all__ = ["Proc", "ProcRunner", "Running", "by_speed", "free_port", "make_testbed", "running", "start_collector", "use_this_conftest"]
+
+#: incident kinds found by comparing how fast ranks run next to each other; None: a healthy run,
+#: where no false alarm may appear
+RELATIVE_SPEED = {None, "straggler", "slow_link"}
+
+
+def by_speed(value: Any, name: str, kind: str | None) -> Any:
+    """A scenario's test case, in the foreground lane (tests/suite_lanes.py) when what it expects
+    (``kind``) is read from relative speed; a hang, a crash or a lost host is not."""
+    return pytest.param(value, id=name, marks=[pytest.mark.foreground] if kind in RELATIVE_SPEED else [])
 
 
 class Proc:
@@ -151,10 +161,10 @@ class ProcRunner:
 
 
 def use_this_conftest(pytester: pytest.Pytester) -> None:
-    """Give a pytest run inside a test this conftest.py and the plugin it loads (tests/suite_clock.py)."""
+    """Give a pytest run inside a test this conftest.py and the plugins it loads (tests/suite_*.py)."""
     here = Path(__file__).parent
     pytester.makeconftest((here / "conftest.py").read_text())
-    pytester.makepyfile(suite_clock=(here / "suite_clock.py").read_text())
+    pytester.makepyfile(**{p.stem: p.read_text() for p in here.glob("suite_*.py")})
 
 
 def running(pid: int) -> bool:

@@ -3,8 +3,10 @@
 - Each test's wall time and the CPU time spent for it (pytest's own and that of the child processes
   it started and reaped), setup and teardown included, so a shared fixture's cost shows on the test
   that made it. A test that is busy for little of its wall time is waiting: on a timer, a poll or a
-  sleep. At the end the slowest tests are printed, and every test's figures are written to
-  ``test-artifacts/durations.json`` (docs/architecture.md's table is made from it).
+  sleep. The figures are taken where the test runs (an xdist worker, tests/suite_lanes.py) and travel
+  with its teardown report to the pytest that prints them. At the end the slowest tests are printed,
+  and every test's figures are written to ``test-artifacts/durations.json`` (docs/architecture.md's
+  table is made from it).
 - A test stopped by its deadline (pytest-timeout) fails with the Python stacks of the processes it
   left running (py-spy), not only with pytest's own: what a stuck child waits on is what one needs.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,6 +48,11 @@ class Spent:
 
 
 _spent: list[Spent] = []
+_outcomes: dict[str, str] = {}  # node id -> its worst phase outcome so far
+_started = time.monotonic()
+_gathers = True  # False on an xdist worker: its reports go to the pytest that hands out the tests
+CLOCK = pytest.StashKey[tuple[float, float]]()
+PROPERTY = "suite_clock"  # the teardown report's user property carrying (wall s, CPU s)
 
 
 def _cpu() -> float:
@@ -52,26 +60,37 @@ def _cpu() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    global _gathers
+    _gathers = not hasattr(config, "workerinput")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    wall, cpu = time.monotonic(), _cpu()
+    item.stash[CLOCK] = (time.monotonic(), _cpu())
     yield
-    outcome = "passed"
-    for phase in ("setup", "call", "teardown"):
-        report = getattr(item, f"_suite_clock_{phase}", None)
-        if report is not None and report.outcome != "passed":
-            outcome = report.outcome
-            break
-    _spent.append(Spent(item.nodeid, time.monotonic() - wall, _cpu() - cpu, outcome))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
-    setattr(item, f"_suite_clock_{report.when}", report)
     if report.failed and call.excinfo is not None and str(call.excinfo.value).startswith("Timeout (>"):
         report.sections.append(("stacks of the test's child processes (py-spy)", _child_stacks()))
+    if report.when == "teardown" and CLOCK in item.stash:  # the figures travel with the report (xdist sends it on)
+        wall, cpu = item.stash[CLOCK]
+        report.user_properties.append((PROPERTY, (time.monotonic() - wall, _cpu() - cpu)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not _gathers:
+        return
+    nodeid = re.sub(r"@[^\]]*$", "", report.nodeid)  # xdist's group suffix
+    if report.outcome != "passed" and _outcomes.get(nodeid, "passed") == "passed":
+        _outcomes[nodeid] = report.outcome
+    for name, value in report.user_properties:
+        if name == PROPERTY:
+            _spent.append(Spent(nodeid, *value, _outcomes.pop(nodeid, "passed")))
 
 
 def _child_stacks() -> str:
@@ -110,6 +129,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for s in slowest[:SHOWN]:
         write(f"{s.wall_s:8.1f} {s.cpu_s:8.1f} {s.busy:5.2f}  {s.nodeid}")
     write(f"{total_wall:8.1f} {total_cpu:8.1f} {total_cpu / total_wall if total_wall else 0:5.2f}  all {len(_spent)} tests")
+    write(f"{time.monotonic() - _started:8.1f} {'':8} {'':5}  from the start of the session to here (tests run side by side under xdist)")
     try:
         REPORT.parent.mkdir(parents=True, exist_ok=True)
         REPORT.write_text(json.dumps([asdict(s) | {"busy": round(s.busy, 3)} for s in slowest], indent=1))

@@ -28,6 +28,7 @@ TRAIN = [sys.executable, "-m", "rankscope.cli.main", "train", "--tp", "1", "--pp
          "--steps", str(STEPS)]  # fmt: skip
 
 
+@pytest.mark.foreground  # step times with the collector down and up, compared
 @pytest.mark.timeout(400)
 def test_collector_started_mid_run_gets_everything_once(proc_runner: ProcRunner, tmp_path: Path) -> None:
     port = free_port()

@@ -33,6 +33,9 @@ from test_agent_transport import TOKEN, Collector, agent_config, collector, free
 
 # --- metrics ---------------------------------------------------------------------------------------
 
+#: heartbeats, reports and stalls in windows of a second or less: the background lane could starve them
+pytestmark = pytest.mark.foreground
+
 
 def _gpu_here() -> bool:
     """Whether the agent's own NVML look-up finds a GPU on this machine."""

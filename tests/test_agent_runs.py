@@ -95,6 +95,7 @@ def compute_ms(client: Client, run: str, name: str) -> dict[tuple[int, int], flo
     return {(r["rank"], r["step"]): r["ms"] for r in rows}
 
 
+@pytest.mark.foreground
 def test_a_stragglers_peer_keeps_its_own_compute_time(
     torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:

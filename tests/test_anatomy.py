@@ -380,6 +380,7 @@ def slow_link_run(module_runner, tmp_path_factory: pytest.TempPathFactory) -> tu
 
 
 @pytest.mark.slow
+@pytest.mark.foreground
 @pytest.mark.timeout(420)
 def test_a_slow_link_is_the_pairs_bubble_and_on_the_critical_path_delay_by_delay(slow_link_run) -> None:
     store, run_id = slow_link_run
@@ -447,6 +448,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
+@pytest.mark.foreground
 @pytest.mark.timeout(420)
 def test_a_stragglers_cost_is_what_it_adds_to_the_step_against_a_clean_run(straggler_runs) -> None:
     """The straggler's cost on the critical path of each slow step against the step time it added over a clean run.

@@ -80,7 +80,8 @@ def test_the_collector_yields_the_cpu_and_its_session_only_when_it_leads_one(own
     done = subprocess.run([sys.executable, "-c", YIELD], capture_output=True, text=True, timeout=60, start_new_session=own_session)
     assert done.returncode == 0, done.stderr
     mine = _autogroup().split()[-1]
-    assert done.stdout.split() == ["[7]", "7" if own_session else mine]
+    lowered = max(7, os.getpriority(os.PRIO_PROCESS, 0))  # lowered to 7, never raised (the suite's background lane runs at 15)
+    assert done.stdout.split() == [f"[{lowered}]", "7" if own_session else mine]
 
 
 def test_a_collector_on_a_unix_socket_answers_there(proc_runner: ProcRunner, tmp_path: Path) -> None:

@@ -320,9 +320,11 @@ def _metric_values(url: str) -> dict[str, float]:
 
 def test_prometheus_serves_the_collector_counters(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
     send(ingest, spans("prometheus", 0, 5))
-    time.sleep(1.2)  # the insert-latency histogram is filled once a second
     assert collector.metrics_url
-    values = _metric_values(collector.metrics_url)
+    deadline = time.monotonic() + 30  # the insert-latency histogram is filled once a second: await it
+    while (values := _metric_values(collector.metrics_url)).get('rankscope_insert_seconds_count{table="spans"}', 0) < 1:
+        assert time.monotonic() < deadline, f"no insert timed in 30 s: {values}"
+        time.sleep(0.2)
     assert values['rankscope_rows_received_total{table="spans"}'] >= 5
     assert values['rankscope_rows_written_total{table="spans"}'] >= 5
     assert values['rankscope_batches_received_total{kind="spans"}'] >= 1

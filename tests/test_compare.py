@@ -387,6 +387,7 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.foreground
 @pytest.mark.timeout(600)
 def test_compare_names_the_straggler_segment_and_rank_first_on_real_runs(recorded):
     collector, clean, slow = recorded
@@ -406,6 +407,7 @@ def test_compare_names_the_straggler_segment_and_rank_first_on_real_runs(recorde
 
 
 @pytest.mark.slow
+@pytest.mark.foreground  # the recorded runs' module fixture is made in one lane
 @pytest.mark.timeout(600)
 def test_compare_refuses_an_unknown_run_in_one_line(recorded):
     collector, clean, _ = recorded

@@ -36,7 +36,7 @@ from rankscope.collector.diagnosis import scenarios
 from rankscope.dashboard import connection, cookbook, data, export
 from rankscope.dashboard.connection import Source
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.foreground]  # the session's straggler run: made in the foreground lane
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"

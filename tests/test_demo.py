@@ -29,6 +29,7 @@ EXE = [sys.executable, "-m", "rankscope.cli.main"]
 
 
 @pytest.mark.slow
+@pytest.mark.foreground
 @pytest.mark.timeout(300)
 def test_demo_runs_reports_the_straggler_and_stops_everything(proc_runner: ProcRunner, tmp_path: Path) -> None:
     store = tmp_path / "store"

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import by_speed
 
 from rankscope.collector.diagnosis import scenarios
 from rankscope.dashboard import cookbook
@@ -26,7 +27,7 @@ IN_TESTS = [s for s in scenarios.SCENARIOS.values() if s.in_tests and s.name not
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("scenario", IN_TESTS, ids=[s.name for s in IN_TESTS])
+@pytest.mark.parametrize("scenario", [by_speed(s, s.name, s.kind) for s in IN_TESTS])
 def test_scenario_is_diagnosed(scenario: scenarios.Scenario, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if scenario.name == "straggler-1.5":  # the session's recorded run (conftest.py), which the dashboard pages read too
         workdir, score = request.getfixturevalue("straggler_run")

@@ -151,6 +151,7 @@ IN_TESTS = [d for d in scenarios.DRILLS.values() if d.name != "kill-host"]
 
 
 @pytest.mark.slow
+@pytest.mark.foreground  # every drill's self-check compares the hosts' speeds
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("drill", IN_TESTS, ids=[d.name for d in IN_TESTS])
 def test_the_job_finishes_without_the_faulty_host(drill: scenarios.Drill, tmp_path: Path) -> None:

@@ -134,3 +134,48 @@ def test_torchrun_workers_die_with_the_test(torchrun, proc_runner, tmp_path: Pat
     assert os.getpgid(pids[0]) != proc.pid  # really outside torchrun's group
     proc_runner.cleanup()
     assert [pid for pid in pids if running(pid)] == []
+
+
+LANE_PROBE = """
+import os, subprocess, sys, pytest
+
+def where():
+    # what a child started by the test inherits: its nice value and its cpu cgroup
+    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0)); print(open('/proc/self/cgroup').read())"],
+                         capture_output=True, text=True, check=True).stdout.split("\\n", 1)
+    cpu = [line.split(":", 2)[2] for line in out[1].splitlines() if line and "cpu" in line.split(":")[1].split(",")]
+    return int(out[0]), cpu[0]
+
+@pytest.mark.foreground
+def test_timing():
+    print("LANE foreground", *where(), os.environ["PYTEST_XDIST_WORKER"])
+
+@pytest.mark.foreground
+def test_timing_too():
+    print("LANE foreground", *where(), os.environ["PYTEST_XDIST_WORKER"])
+
+def test_other_a():
+    print("LANE background", *where(), os.environ["PYTEST_XDIST_WORKER"])
+
+def test_other_b():
+    print("LANE background", *where(), os.environ["PYTEST_XDIST_WORKER"])
+"""
+
+
+def test_the_timing_tests_run_in_the_foreground_lane_and_the_rest_yield(pytester: pytest.Pytester) -> None:
+    """Under two xdist workers, the tests marked foreground run on one worker, and they and what they
+    start run at nice 0 in the foreground cgroup (weight 1024), the others at nice 15 in the
+    background one (weight 36); the groups go with the run (tests/suite_lanes.py)."""
+    use_this_conftest(pytester)
+    pytester.makepyfile(test_lanes=LANE_PROBE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "-rA")
+    result.assert_outcomes(passed=4)
+    seen = sorted(line.split()[1:] for line in result.outlines if line.startswith("LANE "))
+    assert [(lane, int(nice)) for lane, nice, _, _ in seen] == [("background", 15)] * 2 + [("foreground", 0)] * 2, result.outlines
+    assert len({worker for lane, _, _, worker in seen if lane == "foreground"}) == 1, seen  # one after the other
+    if os.geteuid() == 0 and Path("/sys/fs/cgroup/cpu").is_dir():
+        groups = {lane: group for lane, _, group, _ in seen}
+        assert groups["foreground"].endswith("/foreground") and groups["background"].endswith("/background"), seen
+        assert Path(groups["foreground"]).parent == Path(groups["background"]).parent  # one run's groups
+        suite = Path("/sys/fs/cgroup/cpu") / Path(groups["foreground"]).parent.relative_to("/")
+        assert not suite.exists(), "the run's lane groups outlived it"

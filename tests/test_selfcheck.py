@@ -374,22 +374,16 @@ def test_the_command_defaults_are_the_apis() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.foreground
 @pytest.mark.timeout(240)
-def test_a_throttled_host_fails_on_matmul_and_a_frozen_host_fails_on_a_timeout(testbed: testbed_hosts.Testbed) -> None:
+def test_a_frozen_host_fails_on_a_timeout_and_its_links_are_not_judged(testbed: testbed_hosts.Testbed) -> None:
+    """A throttled host failing on matmul, and only that host, is docs/selfcheck.md's run as written
+    (tests/test_docs.py expects its verdict lines)."""
     from rankscope.testbed import faults
 
     runner = selfcheck.TestbedRunner(testbed)
     names = runner.hosts
     assert run_on(runner, "node1", ["hostname"], timeout_s=10).stdout == "node1\n"  # the command runs inside the host
-    throttled = faults.throttle_cpu(testbed, testbed.host("node1"), 0.3)  # 0.3x its peers: fails as clearly as 0.2x, starts faster
-    try:
-        report = check_hosts(names, runner, timeout_s=45)
-    finally:
-        throttled.undo()
-    assert report.failed == ["node1"], cli.table(report)
-    assert not report.host("node1").figure("matmul").passed, cli.table(report)
-    assert report.host("node1").figure("matmul").value < report.host("node1").figure("matmul").reference / 2
-
     frozen = faults.freeze_host(testbed.host("node2"))
     try:
         began = time.monotonic()

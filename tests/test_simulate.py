@@ -111,6 +111,7 @@ def simulate(proc_runner, address: str, run_id: str, *flags: str):
 
 
 @pytest.mark.slow
+@pytest.mark.foreground
 def test_straggler_among_256_ranks_is_named_with_its_host(proc_runner, collector: str) -> None:
     sim = simulate(proc_runner, collector, "straggler", "--steps", "12", "--inject", "straggler:rank=77,factor=1.3,from_step=3")
     assert sim.wait(90) == 0, sim.output()

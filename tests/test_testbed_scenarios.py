@@ -12,13 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import by_speed
 
 from rankscope.testbed import hosts, scenarios
 
 pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("scenario", scenarios.SCENARIOS.values(), ids=list(scenarios.SCENARIOS))
+@pytest.mark.parametrize("scenario", [by_speed(s, s.name, s.kind) for s in scenarios.SCENARIOS.values()])
 def test_an_external_fault_is_diagnosed(scenario: scenarios.Scenario, tmp_path: Path) -> None:
     try:
         score = scenarios.run(scenario, workdir=tmp_path, log=lambda line: None)

@@ -195,6 +195,7 @@ def test_nan_and_slow_link(module_runner: ProcRunner, tmp_path: Path) -> None:
     assert all(line["step_time_s"] >= 0.3 for line in lines[1:]), lines
 
 
+@pytest.mark.foreground
 def test_straggler_compute_really_slows(module_runner: ProcRunner, tmp_path: Path) -> None:
     """Two ranks on two cores (nothing masks the sleep): the dp all-reduce waits for the straggler."""
     metrics = tmp_path / "m.jsonl"
