@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -85,7 +84,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not _gathers:
         return
-    nodeid = re.sub(r"@[^\]]*$", "", report.nodeid)  # xdist's group suffix
+    nodeid = report.nodeid
     if report.outcome != "passed" and _outcomes.get(nodeid, "passed") == "passed":
         _outcomes[nodeid] = report.outcome
     for name, value in report.user_properties:

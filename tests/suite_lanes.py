@@ -45,7 +45,7 @@ LANE = pytest.StashKey[str]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "foreground: what the test checks depends on relative speed: its module runs in the foreground lane (tests/suite_lanes.py)"
+        "markers", "foreground: what the test checks depends on relative speed: it runs in the foreground lane (tests/suite_lanes.py)"
     )
     if not _worker(config) and _distributed(config):
         _remove_groups(stale_only=True)
@@ -109,7 +109,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def _groups_file(pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"rankscope-suite-{pid}.json"
+    return Path(tempfile.gettempdir()) / f"{SUITE_GROUP}{pid}.json"
 
 
 @pytest.hookimpl(tryfirst=True)

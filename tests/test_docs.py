@@ -298,7 +298,7 @@ def readme(tmp_path_factory: pytest.TempPathFactory) -> Readme:
 
 
 @pytest.mark.slow
-@pytest.mark.foreground  # and the default ports: every page run is in the one foreground lane
+@pytest.mark.foreground  # and the default ports, as every page that takes them
 @pytest.mark.timeout(900)
 def test_the_readme_runs_as_written_and_finds_the_straggler(readme: Readme) -> None:
     """The README's commands as written, its fault drill (`rankscope train ... --inject straggler:rank=6`) untuned,
