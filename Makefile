@@ -6,7 +6,7 @@
 #   make gpu-check   the CUDA paths on this machine's GPU, in one table (refuses without a CUDA GPU)
 #   make demo        the demo (rankscope demo: collector, dashboard, 8-rank run; Ctrl-C stops it)
 #   make screenshot  the README's picture: the browser test's heat map, copied to docs/images/
-#   make protos      regenerate protos/rankscope/v1/*_pb2*.py from the .proto files
+#   make protos      regenerate rankscope/protos/v1/*_pb2*.py from the .proto files
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -80,7 +80,7 @@ screenshot: install browser
 	$(PY) -m pytest tests/test_dashboard.py -q -k "real_browser and heatmap"
 	cp test-artifacts/dashboard/heatmap.png docs/images/dashboard.png
 
-# Regenerate the wire contract's Python code after editing protos/rankscope/v1/*.proto.
+# Regenerate the wire contract's Python code after editing rankscope/protos/v1/*.proto.
 protos: install
 	$(PY) -m rankscope.protos.generate
 

@@ -1,26 +1,15 @@
-"""Package layout for setuptools; everything else is in pyproject.toml.
+"""The one build step pyproject.toml cannot say: the agent's start-up hook.
 
-The parts of rankscope are top-level folders (trainer/, agent/, ...) imported as
-``rankscope.<folder>``. This file maps each folder onto that name with ``package_dir`` and
-finds its subpackages itself, so a new subfolder with an ``__init__.py`` (collector/store/,
-dashboard/pages/, ...) is packaged without editing anything. A new *top-level* part is one more
-entry in PARTS (and, for an editable install, one more `make install`, which reruns because
-this file is newer than the install stamp).
-
-- wheel / sdist: setuptools copies each mapped folder to ``rankscope/<folder>/``.
-- editable (``pip install -e .``): setuptools installs a small import hook in site-packages
-  (``__editable___rankscope_*_finder.py``) that maps ``rankscope`` to rankscope/ and each
-  ``rankscope.<folder>`` to its folder here; subpackages and new modules are found through
-  the package's ``__path__``, so they need no reinstall.
-
-Both also install ``rankscope-agent.pth`` at the root of site-packages: the one line that lets
+Everything else (metadata, packages: every ``rankscope*`` package under rankscope/, found by
+path, so a module's path is its name) is in pyproject.toml. Wheels and editable installs alike
+install ``rankscope-agent.pth`` at the root of site-packages: the one line that lets
 ``RANKSCOPE_ENABLE=1`` start the agent in scripts that never import rankscope
-(agent/autoload.py). It is written by the build sub-command ``build_agent_pth`` below.
+(rankscope/agent/autoload.py). It is written by the build sub-command ``build_agent_pth`` below.
 """
 
 from pathlib import Path
 
-from setuptools import Command, find_packages, setup
+from setuptools import Command, setup
 from setuptools.command.build import build
 
 AGENT_PTH = "rankscope-agent.pth"
@@ -74,20 +63,6 @@ class build_with_agent_pth(build):
     sub_commands = [*build.sub_commands, ("build_agent_pth", None)]
 
 
-PARTS = ("agent", "cli", "collector", "dashboard", "healing", "protos", "testbed", "trainer")
-
-package_dir = {"rankscope": "rankscope"}
-packages = ["rankscope"]
-for part in PARTS:
-    name = f"rankscope.{part}"
-    package_dir[name] = part
-    packages.append(name)
-    # Subpackages resolve through their parent's mapping (rankscope.collector.store ->
-    # collector/store), so only the top-level folders need package_dir entries.
-    packages += [f"{name}.{sub}" for sub in find_packages(where=part)]
-
 setup(
-    package_dir=package_dir,
-    packages=packages,
     cmdclass={"build": build_with_agent_pth, "build_agent_pth": build_agent_pth},
 )

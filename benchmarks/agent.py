@@ -15,7 +15,7 @@
    collective (a 1-rank gloo ``dist.all_reduce``) with the agent off (torch's own methods, the
    API's no-op span), with this agent's wrappers installed but passing calls straight through,
    with this agent recording, and, with ``--baseline REV``, with the agent of git revision REV
-   recording (its ``agent/__init__.py``, ``recorder.py`` and ``collectives.py``, loaded beside
+   recording (its ``rankscope/agent/__init__.py``, ``recorder.py`` and ``collectives.py``, loaded beside
    this one). ``--rounds`` interleaved rounds (the order reversed every other round) of blocks of
    1,000 collectives, 10,000 collectives with torch's calls stubbed (the method returns a
    completed Work, its ``wait`` returns at once: what is left is the agent's own work) and 10,000
@@ -326,8 +326,11 @@ def micro(args: argparse.Namespace, workdir: Path) -> dict:
         baseline = str(workdir / "baseline")
         os.makedirs(baseline)
         for name in ("__init__.py", "recorder.py", "collectives.py"):
-            source = subprocess.run(["git", "show", f"{args.baseline}:agent/{name}"], cwd=ROOT, capture_output=True, text=True)
-            if source.returncode != 0:
+            for folder in ("rankscope/agent", "agent"):  # the layout since session 24, and before it
+                source = subprocess.run(["git", "show", f"{args.baseline}:{folder}/{name}"], cwd=ROOT, capture_output=True, text=True)
+                if source.returncode == 0:
+                    break
+            else:
                 sys.exit(f"--baseline {args.baseline}: {source.stderr.strip()}")
             Path(baseline, name).write_text(source.stdout)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
@@ -395,7 +398,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds of the per-span and per-collective costs")
     parser.add_argument("--baseline", metavar="REV", default="",
                         help="also measure the per-span and per-collective costs of the agent of git revision REV "
-                             "(its agent/recorder.py and agent/collectives.py), side by side")  # fmt: skip
+                             "(its rankscope/agent/recorder.py and rankscope/agent/collectives.py), side by side")  # fmt: skip
     parser.add_argument("--parts", default="steps,micro,transport",
                         help="comma-separated sections to run: steps (1.), micro (2.), transport (3.)")
     args = parser.parse_args()

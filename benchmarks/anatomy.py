@@ -3,9 +3,9 @@
     python benchmarks/anatomy.py [--tp 8 --pp 16 --dp 96] [--microbatches 8] [--repeats 5]
                                  [--run-tp 8 --run-pp 8 --run-dp 16] [--run-steps 1000] [--run-microbatches 4]
 
-The rows are the scale simulator's full timelines (collector/simulate: every span and every
+The rows are the scale simulator's full timelines (rankscope/collector/simulate: every span and every
 collective of every rank, as a real agent records them, with a straggler injected), written
-straight into one embedded store (chDB) by ``collector/anatomy/synthetic.py``, then read as
+straight into one embedded store (chDB) by ``rankscope/collector/anatomy/synthetic.py``, then read as
 ``rankscope anatomy --store`` reads them (a StoreReader: the read-only guard, limits, a connection
 per query):
 

@@ -22,8 +22,8 @@ from rankscope.collector.ingest import LastHeard, RunRegistry, decode
 from rankscope.collector.simulate import payloads
 from rankscope.collector.simulate.hang import Flight
 from rankscope.collector.simulate.topology import build
-from rankscope.protos.rankscope.v1 import ingest_pb2
-from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+from rankscope.protos.v1 import ingest_pb2
+from rankscope.protos.v1 import telemetry_pb2 as pb
 
 TOPOLOGY = (8, 16, 782)
 

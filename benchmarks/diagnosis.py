@@ -2,7 +2,7 @@
 
     python benchmarks/diagnosis.py [--skip-scenarios] [--tp 8 --pp 16 --dp 96] [--batches-per-s 300] [--step-time 2]
 
-(a) every built-in fault scenario (collector/diagnosis/scenarios.py) on a real 8-rank training run
+(a) every built-in fault scenario (rankscope/collector/diagnosis/scenarios.py) on a real 8-rank training run
     with the agent and a real collector: passed (right kind, rank and host, nothing else), seconds
     and steps from the fault to the incident;
 (b) one ``rankscope simulate`` run of TP x PP x DP ranks (12,288 by default) against one real

@@ -3,8 +3,8 @@
     python benchmarks/diagnosis_growth.py [--tp 8 --pp 4 --dp 32] [--checkpoints 100,1000,10000] [--repeats 4]
                                           [--baseline REV] [--heatmap]
 
-The run is the scale simulator's (collector/simulate), written straight into one embedded store
-(chDB) by ``collector/anatomy/synthetic.py``: every span and collective of every rank, each rank's
+The run is the scale simulator's (rankscope/collector/simulate), written straight into one embedded store
+(chDB) by ``rankscope/collector/anatomy/synthetic.py``: every span and collective of every rank, each rank's
 step time and heartbeat every step, the last stage's loss, GPU gauges every 5 steps, and a 1.3x
 straggler from step 30 (so that a pass also finds and costs an incident, as a live one would).
 
@@ -59,8 +59,13 @@ def detectors_of(rev: str, into: Path) -> SimpleNamespace:
     root = Path(__file__).resolve().parent.parent
     modules: dict[str, ModuleType] = {}
     for name in DETECTOR_MODULES:
-        source = subprocess.run(["git", "show", f"{rev}:collector/diagnosis/{name}.py"], cwd=root, check=True,
-                                capture_output=True, text=True).stdout  # fmt: skip
+        for folder in ("rankscope/collector/diagnosis", "collector/diagnosis"):  # the layout since session 24, and before it
+            shown = subprocess.run(["git", "show", f"{rev}:{folder}/{name}.py"], cwd=root, capture_output=True, text=True)
+            if shown.returncode == 0:
+                break
+        else:
+            raise SystemExit(f"{rev}: no diagnosis module {name}: {shown.stderr.strip()}")
+        source = shown.stdout
         path = into / f"baseline_{name}.py"
         path.write_text(source)
         spec = importlib.util.spec_from_file_location(f"rankscope_baseline.{name}", path)

@@ -4,14 +4,14 @@
 
 On a machine without a CUDA GPU it refuses in one line and exits 1. On one with a GPU it runs:
 
-1. CUDA-event timing: the agent's CUDA clock (agent/timing.py: a pool of CUDA events, resolved
+1. CUDA-event timing: the agent's CUDA clock (rankscope/agent/timing.py: a pool of CUDA events, resolved
    off the hot path) times a bf16 matmul of known size, against torch.cuda.Event measured
    directly around the same kernel; then spans taken through the public API while the GPU is
    busy with queued matmuls must return before the GPU finishes (no synchronisation on the hot
    path; torch's sync debug mode set to "error" meanwhile), and the cost of a span with the
    agent on and off.
 2. NCCL completion: a 1-rank NCCL process group (FileStore) with the agent's collective
-   recorder (agent/collectives.py) on a CUDA clock; every all_reduce must become a completed row
+   recorder (rankscope/agent/collectives.py) on a CUDA clock; every all_reduce must become a completed row
    with start and end times, its duration compared with NCCL's own (``Work._get_duration()``,
    TORCH_NCCL_ENABLE_TIMING=1), and torch's flight recorder must hold a duration for every
    completed NCCL entry, which the agent's reader turns into start and end times.
@@ -21,7 +21,7 @@ On a machine without a CUDA GPU it refuses in one line and exits 1. On one with 
    script that acknowledges every batch and stores nothing); median step time of each side and their ratio,
    and what reached the collector.
 4. MFU: the trainer on a ~1B-parameter GPT (18 layers, hidden 2048, 16 heads, seq 2048, vocab
-   32768) for a few steps; tokens/s and MFU from trainer/flops.py against the device's bf16 peak.
+   32768) for a few steps; tokens/s and MFU from rankscope/trainer/flops.py against the device's bf16 peak.
    The trainer computes in bf16 under torch.autocast with fp32 weights and AdamW state: that is
    what is measured.
 
@@ -60,7 +60,7 @@ PARTS = {"1": "CUDA timing", "2": "NCCL", "3": "agent cost", "4": "MFU"}
 #: trainer flags of part 3 (agent on vs off): a step of tens of ms on an H100, GPU-bound
 OVERHEAD_MODEL = {"tp": 1, "pp": 1, "dp": 1, "layers": 12, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32768,
                   "micro_batch": 4, "global_batch": 16}  # fmt: skip
-#: trainer flags of part 4 (MFU): ~1.04B parameters by trainer/flops.py's count
+#: trainer flags of part 4 (MFU): ~1.04B parameters by rankscope/trainer/flops.py's count
 MFU_MODEL = {"tp": 1, "pp": 1, "dp": 1, "layers": 18, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": 32768,
              "micro_batch": 4, "global_batch": 16}  # fmt: skip
 #: the agent's goal for its cost in step time (docs/benchmarks.md)
@@ -74,11 +74,10 @@ _CHILD_DROPS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def bootstrap() -> str:
-    """Make ``rankscope.<folder>`` importable: "installed" when it already is, else "checkout".
+    """Make ``rankscope`` importable: "installed" when it already is, else "checkout".
 
     Without an installed package (the lent GPU machine, where nothing can be installed), the
-    repository root goes on sys.path for ``rankscope/__init__.py`` and onto ``rankscope.__path__``
-    for the parts, so ``rankscope.agent`` is ``<root>/agent``: the mapping setup.py installs.
+    repository root goes on sys.path: the package is rankscope/ there, as installed.
     """
     try:
         if importlib.util.find_spec("rankscope.trainer") is not None:
@@ -87,10 +86,6 @@ def bootstrap() -> str:
         pass
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    import rankscope
-
-    if str(ROOT) not in rankscope.__path__:
-        rankscope.__path__.append(str(ROOT))
     return "checkout"
 
 
@@ -170,7 +165,7 @@ def trainer_flags(model: dict[str, Any]) -> list[str]:
 
 
 def model_args(model: dict[str, Any]) -> Any:
-    """trainer/model.py's ModelArgs for a model dict (ffn 4 x hidden, the trainer's default)."""
+    """rankscope/trainer/model.py's ModelArgs for a model dict (ffn 4 x hidden, the trainer's default)."""
     from rankscope.trainer.model import ModelArgs
 
     return ModelArgs(vocab=model["vocab"], hidden=model["hidden"], heads=model["heads"], ffn=4 * model["hidden"],
@@ -296,7 +291,7 @@ def child_timing(args: argparse.Namespace) -> Iterator[Row]:
     from rankscope.agent.recorder import Recorder
     from rankscope.agent.state import RankState
     from rankscope.agent.timing import EVENT_LIMIT, CudaClock, TorchCuda
-    from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+    from rankscope.protos.v1 import telemetry_pb2 as pb
 
     torch.cuda.set_device(0)
     n = args.matmul
@@ -470,7 +465,7 @@ def _nccl_checks(args: argparse.Namespace) -> Iterator[Row]:
     from rankscope.agent.recorder import COMPLETED, Recorder
     from rankscope.agent.state import RankState
     from rankscope.agent.timing import CudaClock, TorchCuda
-    from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+    from rankscope.protos.v1 import telemetry_pb2 as pb
 
     x = torch.ones(args.nccl_mib * 2**20 // 4, device="cuda")
     clock = CudaClock(TorchCuda())
@@ -684,7 +679,7 @@ class Sink:
 
         import grpc
 
-        from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc
+        from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc
 
         sink = self
 
@@ -838,14 +833,14 @@ def _reached(proc: Any, address: str, last_on: tuple[str, list[dict[str, Any]]],
 
 
 def part_mfu(args: argparse.Namespace, workdir: Path, device_name: str) -> list[Row]:
-    """Part 4: tokens/s and MFU of a ~1B GPT on one GPU, as trainer/flops.py counts them."""
+    """Part 4: tokens/s and MFU of a ~1B GPT on one GPU, as rankscope/trainer/flops.py counts them."""
     from rankscope.trainer import flops
     from rankscope.trainer.model import count_parameters
 
     margs = model_args(MFU_MODEL)
     params = count_parameters(margs)
     per_token = flops.flops_per_token(margs)
-    rows = [Row("4", "GPT parameters (trainer/flops.py: count_parameters)", f"{params:,}", "params", 0.9e9 <= params <= 1.3e9,
+    rows = [Row("4", "GPT parameters (rankscope/trainer/flops.py: count_parameters)", f"{params:,}", "params", 0.9e9 <= params <= 1.3e9,
                 f"{describe(MFU_MODEL)}; {per_token / 1e9:.2f} GFLOP per token (6N + 12LHQT); check: ~1B")]  # fmt: skip
     print(f"   GPT {params / 1e9:.2f}B ({args.mfu_steps} steps)", file=sys.stderr, flush=True)
     run = train(MFU_MODEL, args.mfu_steps, {}, workdir, "mfu", args.run_timeout)
@@ -857,7 +852,7 @@ def part_mfu(args: argparse.Namespace, workdir: Path, device_name: str) -> list[
                     f"median step {step_ms:,.1f} ms over {stats.steps} steps after {args.mfu_warmup} warm-up; "
                     f"{MFU_MODEL['global_batch'] * MFU_MODEL['seq']:,} tokens per step"))  # fmt: skip
     if peak is None:
-        rows.append(Row("4", "MFU", "n/a", "%", None, f"trainer/flops.py knows no bf16 peak for {device_name!r}"))
+        rows.append(Row("4", "MFU", "n/a", "%", None, f"rankscope/trainer/flops.py knows no bf16 peak for {device_name!r}"))
         return rows
     mfu = flops.mfu(stats.tokens_per_s, margs, 1, peak)
     assert mfu is not None

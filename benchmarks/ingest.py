@@ -29,7 +29,7 @@ GROUPS = ["tp[0]", "tp[1]", "pp[0]", "dp[0]", "dp[1]"]
 
 
 def spans(rank: int, n: int, t0: int, step: int):
-    from rankscope.protos.rankscope.v1 import telemetry_pb2
+    from rankscope.protos.v1 import telemetry_pb2
 
     start = t0 + np.arange(n, dtype=np.int64) * 1_000_000
     return telemetry_pb2.SpanBatch(
@@ -45,7 +45,7 @@ def spans(rank: int, n: int, t0: int, step: int):
 
 
 def collectives(rank: int, n: int, t0: int, step: int):
-    from rankscope.protos.rankscope.v1 import telemetry_pb2
+    from rankscope.protos.v1 import telemetry_pb2
 
     issue = t0 + np.arange(n, dtype=np.int64) * 500_000
     return telemetry_pb2.CollectiveBatch(
@@ -101,7 +101,7 @@ def raw_insert_rate(store: Path, rows_per_table: int) -> float:
     """Rows/s of one INSERT ... SELECT FROM Python(arrow) of the same decoded rows, spans and collectives."""
     from rankscope.collector.ingest import RunRegistry, decode
     from rankscope.collector.store.base import open_store
-    from rankscope.protos.rankscope.v1 import ingest_pb2
+    from rankscope.protos.v1 import ingest_pb2
 
     now = time.time_ns()
     tables = {}

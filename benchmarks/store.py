@@ -12,7 +12,7 @@ In one run, on one temporary store:
     rows/s, the Writer's insert latency, and b/a (medians of ``--insert-repeats`` alternated runs);
 (c) a run of ``--ranks`` ranks x ``--steps`` steps (20 spans, 8 collectives and one heartbeat
     per rank and step: 10M spans by default), then the dashboard's own queries
-    (``dashboard/data.py``), each ``--repeats`` times: heat map by rank and by host, timeline,
+    (``rankscope/dashboard/data.py``), each ``--repeats`` times: heat map by rank and by host, timeline,
     collective skew, the 3D-parallel graph's rank states, collective matching.
 """
 
@@ -261,7 +261,7 @@ def registrations(run_id: str, ranks: int) -> pa.Table:
 
 
 def dashboard_queries(ranks: int, steps: int) -> dict[str, tuple[str, str, dict[str, object]]]:
-    """name -> (what it shows, SQL, parameters): the dashboard's own queries (``dashboard/data.py``)."""
+    """name -> (what it shows, SQL, parameters): the dashboard's own queries (``rankscope/dashboard/data.py``)."""
     import streamlit.logger
 
     streamlit.logger.set_log_level("error")  # not one "no runtime" warning per cached function

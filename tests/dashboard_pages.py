@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 from rankscope.agent import autoload
 from rankscope.dashboard.connection import SOURCE_VARIABLE, Source
 
-APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+APP = Path(__file__).resolve().parents[1] / "rankscope" / "dashboard" / "app.py"
 PAGES = ("runs", "overview", "heatmap", "timeline", "anatomy", "graph", "hosts", "incidents", "sql")
 #: the elements that carry the page's messages and prose
 MESSAGES = ("error", "warning", "info", "success", "markdown", "caption")
@@ -26,7 +26,7 @@ def read_from(mp: pytest.MonkeyPatch, source: Source) -> None:
 
 
 def open_page(name: str, **params: str) -> AppTest:
-    """The page ``name`` (a file under dashboard/views/) opened with these query parameters; it raised nothing."""
+    """The page ``name`` (a file under rankscope/dashboard/views/) opened with these query parameters; it raised nothing."""
     at = AppTest.from_file(str(APP), default_timeout=60)
     at.query_params.update(params)
     at.run()

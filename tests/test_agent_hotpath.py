@@ -20,7 +20,7 @@ from conftest import ProcRunner
 from rankscope.agent.recorder import Recorder
 from rankscope.agent.state import RankState
 from rankscope.agent.timing import CpuClock
-from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+from rankscope.protos.v1 import telemetry_pb2 as pb
 
 SETUP = """
     import gc, json, tempfile, time
@@ -29,7 +29,7 @@ SETUP = """
     from rankscope.agent.recorder import Recorder
     from rankscope.agent.state import RankState
     from rankscope.agent.timing import CpuClock
-    from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+    from rankscope.protos.v1 import telemetry_pb2 as pb
 
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
     import atexit; atexit.register(dist.destroy_process_group)  # gloo's threads left to the exit abort it now and then

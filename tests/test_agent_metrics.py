@@ -26,7 +26,7 @@ from rankscope.agent.heartbeat import Heartbeat
 from rankscope.agent.metrics import MetricsReporter, to_metric_batch
 from rankscope.agent.state import RankState
 from rankscope.agent.transport import Transport
-from rankscope.protos.rankscope.v1 import query_pb2, query_pb2_grpc
+from rankscope.protos.v1 import query_pb2, query_pb2_grpc
 
 from conftest import ProcRunner
 from test_agent_transport import TOKEN, Collector, agent_config, collector, free_port, register, run_name, wait_until  # noqa: F401 - fixture

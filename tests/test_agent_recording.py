@@ -27,7 +27,7 @@ from rankscope.agent.collectives import FlightRecorder
 from rankscope.agent.recorder import Recorder, StringTable
 from rankscope.agent.state import RankState
 from rankscope.agent.timing import EVENT_LIMIT, WALL_MIN, CpuClock, CudaClock
-from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+from rankscope.protos.v1 import telemetry_pb2 as pb
 
 
 def recorder(**kwargs: Any) -> Recorder:

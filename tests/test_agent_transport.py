@@ -29,7 +29,7 @@ from rankscope.agent.config import AgentConfig, load_config
 from rankscope.agent.spool import Spool, leftovers
 from rankscope.agent.transport import MAX_ATTEMPTS, Transport
 from rankscope.collector.client import Client
-from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
+from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 
 import conftest
 from conftest import Proc, ProcRunner, free_port
@@ -222,7 +222,7 @@ def test_unreachable_collector_one_warning_fast_submit(proc_runner: ProcRunner, 
         from pathlib import Path
         from test_agent_transport import agent_config
         from rankscope.agent.transport import MAX_ATTEMPTS, Transport
-        from rankscope.protos.rankscope.v1 import telemetry_pb2
+        from rankscope.protos.v1 import telemetry_pb2
         for address in (sys.argv[1], "no-such-host.invalid:7777"):
             t = Transport(agent_config(address, Path({str(tmp_path)!r}) / address), "run", 0)
             t.start()

@@ -49,7 +49,7 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_shared_detector_flags_default_to_the_detectors_own_settings() -> None:
-    """``collector`` and ``diagnose`` take --hang-after / --silent-after from cli/args.py, which must not import the
+    """``collector`` and ``diagnose`` take --hang-after / --silent-after from rankscope/cli/args.py, which must not import the
     detectors at parse time: their defaults are copies of ``Settings``' and must stay equal."""
     import argparse
 

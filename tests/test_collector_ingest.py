@@ -1,4 +1,4 @@
-"""Batch -> Arrow tables (collector/ingest.py), in-process; also the batch builders the collector's
+"""Batch -> Arrow tables (rankscope/collector/ingest.py), in-process; also the batch builders the collector's
 end-to-end tests send.
 
 Batches are built here the way the protocol defines them: numpy columns packed with tobytes().
@@ -23,7 +23,7 @@ from rankscope.collector.ingest import (
 )
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.schema import BY_NAME
-from rankscope.protos.rankscope.v1 import ingest_pb2, telemetry_pb2
+from rankscope.protos.v1 import ingest_pb2, telemetry_pb2
 
 # --- builders (imported by test_collector_server.py and test_sql_cli.py) ------------------------
 

@@ -1,4 +1,4 @@
-"""The read-only guard (collector/query.py) on its own; the engine's side is in test_collector_server.py."""
+"""The read-only guard (rankscope/collector/query.py) on its own; the engine's side is in test_collector_server.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from test_collector_ingest import end, heartbeats, register, spans
 from conftest import start_collector
 
 from rankscope.collector.client import Client
-from rankscope.protos.rankscope.v1 import ingest_pb2_grpc
+from rankscope.protos.v1 import ingest_pb2_grpc
 
 if TYPE_CHECKING:
     from conftest import ProcRunner

@@ -26,7 +26,7 @@ from rankscope.collector.query import guard_for
 from rankscope.collector.store.base import open_store
 from rankscope.collector.store.migrations import migrate
 from rankscope.collector.writer import Writer
-from rankscope.protos.rankscope.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
+from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
 from conftest import Running, start_collector
 

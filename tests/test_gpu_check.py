@@ -45,7 +45,7 @@ def test_help_works_anywhere() -> None:
 
 def test_runs_from_a_checkout_without_the_package_installed(tmp_path: Path) -> None:
     """As on the lent GPU machine: no installed rankscope (-S: no site-packages, so no editable install);
-    the script maps the checkout's folders onto rankscope.<folder> itself."""
+    the script puts the checkout on sys.path itself."""
     code = (
         "import runpy, sys; ns = runpy.run_path(sys.argv[1]); print(ns['bootstrap']());"
         "import rankscope.trainer.faults as f, rankscope.cmdline as c; print(f.__file__); print(c.__file__)"
@@ -54,7 +54,7 @@ def test_runs_from_a_checkout_without_the_package_installed(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr
     origin, faults, cmdline = done.stdout.split()
     assert origin == "checkout"
-    assert Path(faults) == ROOT / "trainer" / "faults.py"
+    assert Path(faults) == ROOT / "rankscope" / "trainer" / "faults.py"
     assert Path(cmdline) == ROOT / "rankscope" / "cmdline.py"
 
 

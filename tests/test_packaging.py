@@ -1,4 +1,4 @@
-"""The wheel maps each top-level folder to rankscope.<folder>, subfolders and data files included.
+"""The wheel holds the rankscope package as laid out in rankscope/, subpackages and data files included.
 
 The wheel is built (not installed) from a copy of the source tree, so the build leaves nothing
 in the work tree; the copy gets a few probe files that stand for future subpackages and data.
@@ -16,20 +16,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("agent", "cli", "collector", "dashboard", "protos", "testbed", "trainer")
+PARTS = ("agent", "cli", "collector", "dashboard", "healing", "protos", "testbed", "trainer")
 SKIP = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
     "rankscope-data", "test-artifacts", ".whl", ".gl", "tests", "benchmarks",
 )
 # Files added to the copy: a future subpackage, and data files of each kind that must ship.
 PROBES = (
-    "collector/_probe_pkg/__init__.py",
-    "collector/_probe_pkg/deeper/__init__.py",
-    "collector/_probe_pkg/schema.sql",
-    "protos/_probe.proto",
-    "dashboard/_probe.css",
-    "dashboard/_probe_pkg/__init__.py",
-    "dashboard/_probe_pkg/layout.json",
+    "rankscope/collector/_probe_pkg/__init__.py",
+    "rankscope/collector/_probe_pkg/deeper/__init__.py",
+    "rankscope/collector/_probe_pkg/schema.sql",
+    "rankscope/protos/_probe.proto",
+    "rankscope/dashboard/_probe.css",
+    "rankscope/dashboard/_probe_pkg/__init__.py",
+    "rankscope/dashboard/_probe_pkg/layout.json",
 )
 
 
@@ -63,15 +63,10 @@ def test_wheel_holds_every_part_under_rankscope(wheel: tuple[Path, zipfile.ZipFi
         *(f"rankscope/{part}/__init__.py" for part in PARTS),
     }
     assert sorted(required - names) == []
-    # Every Python file of every part, at any depth, is in the wheel under rankscope/<part>/.
-    sources = {
-        f"rankscope/{path.relative_to(src).as_posix()}"
-        for part in PARTS
-        for path in (src / part).rglob("*.py")
-        if "__pycache__" not in path.parts
-    }
+    # Every Python file, at any depth, is in the wheel at its path in the source tree.
+    sources = {path.relative_to(src).as_posix() for path in (src / "rankscope").rglob("*.py") if "__pycache__" not in path.parts}
     assert sorted(sources - names) == []
-    assert {f"rankscope/{probe}" for probe in PROBES} <= names
+    assert set(PROBES) <= names
     # Nothing else at the top: no bare trainer/, tests/, setup.py; the agent's start-up hook is meant to be there.
     assert {name.split("/")[0] for name in names} == {"rankscope", "rankscope-0.1.0.dist-info", "rankscope-agent.pth"}
 

@@ -70,7 +70,7 @@ def test_a_batch_of_several_ranks_keeps_each_rows_rank_group_and_op() -> None:
     from rankscope.collector.simulate import payloads
     from rankscope.collector.simulate.rows import OP_NAMES
     from rankscope.collector.simulate.worker import _rows_of
-    from rankscope.protos.rankscope.v1 import ingest_pb2
+    from rankscope.protos.v1 import ingest_pb2
 
     topo = build(2, 4, 2)
     model = StepModel(topo, Timing.for_step(1.0, 4, 4), 4, seed=0, factors=[])
@@ -152,7 +152,7 @@ def test_one_transport_for_many_ranks_registers_each_again_with_a_new_collector(
     from test_agent_transport import agent_config, free_port, start_collector
 
     from rankscope.agent.transport import Transport
-    from rankscope.protos.rankscope.v1 import telemetry_pb2 as pb
+    from rankscope.protos.v1 import telemetry_pb2 as pb
 
     def beat() -> pb.HeartbeatBatch:
         return pb.HeartbeatBatch(heartbeats=[pb.Heartbeat(time_ns=time.time_ns(), step=1, phase="forward", status="running")])

@@ -18,7 +18,7 @@ from test_collector_ingest import register, spans, step_metrics
 from conftest import Running, start_collector
 
 from rankscope.cli.main import main
-from rankscope.protos.rankscope.v1 import ingest_pb2_grpc
+from rankscope.protos.v1 import ingest_pb2_grpc
 
 if TYPE_CHECKING:
     from conftest import ProcRunner

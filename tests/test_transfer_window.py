@@ -1,4 +1,4 @@
-"""The slow-link detector's window (collector/diagnosis/transfer_window.py) against a store that
+"""The slow-link detector's window (rankscope/collector/diagnosis/transfer_window.py) against a store that
 answers the two queries by hand: a step is read once, again only when the store holds more of it,
 and the per-pair medians are exact over the window."""
 

@@ -1,1 +1,0 @@
-"""The dashboard's pages, one small module each; Streamlit runs them by path (see ``dashboard/app.py``)."""

@@ -1,0 +1,104 @@
+"""Heartbeats and stall detection: what makes a hung rank visible.
+
+A daemon thread reports the rank's state (``RankState``) every ``interval_s``. It keeps beating
+while the training thread is blocked in a collective, in ``time.sleep`` or in any C call that
+releases the GIL, which is exactly when the collector needs to hear that the rank is alive but
+not progressing. When nothing has progressed (no span or collective ended) for ``stall_s``, the
+status becomes "stalled" and one stack dump is sent per stall episode. The same thread takes
+stack dumps the collector asks for (``on_command``), so neither the training thread nor the
+transport's sender ever runs py-spy.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from rankscope.agent.config import warn_once
+from rankscope.agent.stacks import dump_stack
+from rankscope.agent.state import RankState
+from rankscope.agent.transport import Transport
+from rankscope.protos.v1 import ingest_pb2, telemetry_pb2
+
+__all__ = ["Heartbeat"]
+
+IN_FLIGHT_LIMIT = 16
+_STOP = object()
+
+
+class Heartbeat:
+    """Beats for one rank into ``transport``; ``start()`` it, ``stop()`` it at the end."""
+
+    def __init__(self, state: RankState, transport: Transport, *, interval_s: float, stall_s: float) -> None:
+        self.state = state
+        self.transport = transport
+        self.interval_s = interval_s
+        self.stall_s = stall_s
+        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._stall_episode: int | None = None  # last_progress_ns of the stall already dumped
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rankscope-heartbeat", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop beating (a dump in progress may take up to its own timeout)."""
+        if self._thread is not None:
+            self._requests.put(_STOP)
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def on_command(self, command: ingest_pb2.Command) -> None:
+        """The Transport's ``on_command``: queue the collector's requests for this thread."""
+        if command.HasField("stack_dump"):
+            self._requests.put("requested")
+
+    def beat(self) -> telemetry_pb2.Heartbeat:
+        """Build and submit one heartbeat now; a new stall episode also gets its stack dump."""
+        state = self.state
+        now = time.time_ns()
+        last = state.last_progress_ns
+        stalled = now - last > self.stall_s * 1e9
+        heartbeat = telemetry_pb2.Heartbeat(
+            time_ns=now,
+            step=state.step,
+            phase=state.phase,
+            status="stalled" if stalled else "running",
+            last_progress_ns=last,
+            in_flight=[
+                telemetry_pb2.InFlight(group=op.group, seq=op.seq, op=op.op, peer=op.peer, issue_ns=op.issue_ns, waiting=op.waiting)
+                for op in state.in_flight(IN_FLIGHT_LIMIT)
+            ],
+            # What submitters lost (they count refused submits there) and what the transport lost later.
+            events_dropped=state.dropped + self.transport.stats().dropped_events,
+        )
+        self._submit(telemetry_pb2.HeartbeatBatch(heartbeats=[heartbeat]))
+        if stalled and self._stall_episode != last:
+            self._stall_episode = last
+            self._submit(dump_stack("stalled"))
+        return heartbeat
+
+    def _submit(self, payload: telemetry_pb2.HeartbeatBatch | telemetry_pb2.StackDump) -> None:
+        if not self.transport.submit(payload):
+            self.state.dropped += 1
+
+    def _run(self) -> None:
+        next_beat = time.monotonic()
+        while True:
+            try:
+                request = self._requests.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                request = None
+            try:
+                if request is _STOP:
+                    return
+                if request is not None:
+                    self._submit(dump_stack(str(request)))
+                    continue
+                self.beat()
+            except Exception as exc:  # noqa: BLE001 - a broken beat must not end the thread
+                warn_once("heartbeat", f"a heartbeat failed ({exc!r})")
+            next_beat = max(next_beat + self.interval_s, time.monotonic())

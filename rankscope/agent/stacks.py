@@ -1,0 +1,77 @@
+"""Stack dumps of this process: where every thread is when a rank stalls or the collector asks.
+
+py-spy reads the stacks from outside (including threads blocked in C, with their native
+frames' Python callers) and is what an engineer would run by hand; it is started as a child
+on our own pid and takes about 15 ms. Clusters often deny ptrace, and py-spy may be missing:
+then Python's own view, ``sys._current_frames()``, is the fallback ("python-frames").
+
+Dumps run on the agent's threads (heartbeat), never on the training thread: py-spy pauses the
+process while it reads it, and a dump can take up to ``PY_SPY_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from rankscope.agent.config import warn_once
+from rankscope.protos.v1 import telemetry_pb2
+
+__all__ = ["dump_stack", "py_spy_path"]
+
+PY_SPY_TIMEOUT_S = 10.0
+
+
+def dump_stack(reason: str) -> telemetry_pb2.StackDump:
+    """Every thread's stack now, by py-spy or else Python's frames; ``reason`` as in the proto."""
+    text = _py_spy_dump()
+    method = "py-spy"
+    if text is None:
+        text, method = _python_frames(), "python-frames"
+    return telemetry_pb2.StackDump(time_ns=time.time_ns(), reason=reason, method=method, text=text)
+
+
+def py_spy_path() -> str | None:
+    """The py-spy executable installed with this Python (its wheel puts it next to python), or on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("py-spy")
+
+
+def _py_spy_dump() -> str | None:
+    exe = py_spy_path()
+    if exe is None:
+        warn_once("py-spy", "py-spy is not installed: stack dumps use Python's own frames")
+        return None
+    try:
+        done = subprocess.run(
+            [exe, "dump", "--pid", str(os.getpid())],
+            capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        warn_once("py-spy", f"py-spy failed ({exc!r}): stack dumps use Python's own frames")
+        return None
+    if done.returncode != 0 or not done.stdout.strip():
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        warn_once("py-spy", f"py-spy cannot read this process ({why}; ptrace denied?): stack dumps use Python's own frames")
+        return None
+    return done.stdout
+
+
+def _python_frames() -> str:
+    """py-spy's layout from ``sys._current_frames()``: innermost frame first, per thread."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    blocks = [f"Process {os.getpid()}: {' '.join(sys.argv)}"]
+    for ident, frame in sys._current_frames().items():
+        lines = [f'Thread {ident}: "{names.get(ident, "?")}"']
+        for entry in reversed(traceback.extract_stack(frame)):
+            lines.append(f"    {entry.name} ({entry.filename}:{entry.lineno})")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"

@@ -1,0 +1,204 @@
+"""Stragglers: a rank whose own compute is slower than that of the ranks doing the same work.
+
+Ranks of one pipeline stage run the same layers on the same amount of data, so each compute,
+data and optimizer segment is compared, step by step, with the median of its stage (robust to
+the straggler itself). Compute time comes from ``step_segments``: the pieces of a segment with
+its waits in collectives cut out, so a tensor-parallel peer waiting for the straggler does not
+look slow. Communication time is the wrong signal: the fast ranks are the ones that wait.
+Corroboration: in the groups it belongs to, the straggler arrives last at collectives.
+Where the agent measured the CPU time of every piece of a segment (host-only runs on shared
+cores, see agent.recorder), that is compared instead of wall time: it measures the work, while
+wall time there mostly measures the scheduler. Wall time is compared too, on the step's compute
+as a whole and with a far higher bar (``straggler_wall_excess``, at all steps of the window but
+one): a rank starved of CPU (a throttled host, a CPU quota) does the same work in the same CPU
+time, and only waits longer to run.
+A rank is a straggler when it has been slow for several steps in a row (a single fast step among
+them allowed): slow steps scattered among fast ones are a busy host's scheduler, not a slow rank.
+A host is named when every rank on it (two or more) is a straggler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
+from rankscope.collector.diagnosis.context import RunContext, Settings
+from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.collector.diagnosis.segment_window import STEP_COMPUTE, SegmentWindow, Series
+
+#: the kinds of incident this detector names
+KINDS = ("straggler",)
+NEWEST_SQL = (
+    "SELECT max(step) AS newest FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step >= {since:UInt32}"
+)
+EVIDENCE_SQL = (
+    "SELECT step, rank, round(sum(total_ns) / 1e6, 2) AS wall_ms, round(sum(total_cpu_ns) / 1e6, 2) AS cpu_ms FROM step_segments "
+    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND name IN {segments:Array(String)} AND rank IN {ranks:Array(UInt32)} "
+    "GROUP BY step, rank ORDER BY step, rank"
+)
+
+# Only the groups of the ranks asked about: every group's collectives would be a million rows at scale.
+ARRIVALS_SQL = (
+    "SELECT rank, count() AS collectives, countIf(is_last) AS last FROM ("
+    "  SELECT rank, issue_time = max(issue_time) OVER (PARTITION BY group_name, seq) AS is_last,"
+    "         count() OVER (PARTITION BY group_name, seq) AS members"
+    "  FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1 AND step >= {first_step:UInt32}"
+    "  AND group_name IN (SELECT DISTINCT group_name FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1"
+    "                     AND step >= {first_step:UInt32} AND rank IN {ranks:Array(UInt32)})"
+    ") WHERE members > 1 AND rank IN {ranks:Array(UInt32)} GROUP BY rank"
+)
+
+
+def detect(ctx: RunContext) -> list[Finding]:
+    """Stragglers over the last steps of the run (``straggler_window`` of them and a margin)."""
+    s = ctx.settings
+    last_step = ctx.newest_step(NEWEST_SQL)
+    if last_step == 0:
+        return []
+    # Completed steps only: the newest is in progress (or was cut short by a hang or crash), and
+    # the first two carry start-up and warm-up costs (allocations, first-time code paths).
+    last_step -= 1
+    first_step = max(3, last_step - 4 * s.straggler_window)
+    if last_step < first_step:
+        return []
+    window = SegmentWindow.of(ctx)
+    window.refresh(ctx, first_step, last_step)
+    series = _slow_series(ctx, window, first_step, last_step, wall=False)
+    if window.cpu_measured:
+        series += _slow_series(ctx, window, first_step, last_step, wall=True)
+    if not series:
+        return []
+    started = window.started(ctx, first_step, last_step, {x.rank for x, _ in series})
+    slow: dict[int, dict] = {}
+    for x, wall in series:
+        info = _slow_episode(x, wall, started, s)
+        if info is not None and (x.rank not in slow or info["ratio"] > slow[x.rank]["ratio"]):
+            slow[x.rank] = {**info, "segments": window.names if x.segment == STEP_COMPUTE else [x.segment]}
+    if not slow:
+        return []
+    arrivals = _arrivals(ctx, first_step, sorted(slow))
+    return _findings(ctx, slow, arrivals)
+
+
+def _slow_series(ctx: RunContext, window: SegmentWindow, first_step: int, last_step: int, *, wall: bool) -> list[tuple[Series, bool]]:
+    """The series slow often enough to be looked at, each with ``wall``: compare the step's compute in
+    wall time even where CPU time was measured, with the higher bar ``straggler_wall_excess`` met at
+    all steps of the window but one (its noise comes in runs of steps)."""
+    s = ctx.settings
+    found = window.slow_series(
+        ctx.stage, wall=wall, window=s.straggler_window, min_steps=_min_steps(s, wall),
+        min_excess_ns=max(s.straggler_min_excess_s, s.straggler_step_share * ctx.median_step_s(first_step, last_step)) * 1e9,
+        excess=max(s.straggler_excess, s.straggler_wall_excess) if wall else s.straggler_excess,
+    )  # fmt: skip
+    return [(x, wall) for x in found]
+
+
+def _min_steps(s: Settings, wall: bool) -> int:
+    """How many of the window's steps must be slow: for wall time all but one (the step's compute as a
+    whole; a quota's bursts can still spare one), for CPU time ``straggler_min_steps``."""
+    return s.straggler_window - 1 if wall else s.straggler_min_steps
+
+
+def _slow_episode(x: Series, wall: bool, started: dict[tuple[int, str, int], int], s: Settings) -> dict | None:
+    """The series' slow episode if it is slow lately: {segment, measure, ratio, threshold, since_step,
+    since_ns, last_ns, steps} (``detect`` adds the segments it sums); None when it was not slow often
+    enough lately, or is no longer."""
+    min_steps = _min_steps(s, wall)
+    recent = x.points[-s.straggler_window :]
+    slow = [p for p in recent if p[1] >= p[4]]
+    if len(slow) < min_steps or not any(p[1] >= p[4] for p in recent[-2:]):
+        return None  # not slow often enough, or no longer: two fast steps in a row (one is noise, as in an episode)
+    episode = _episode(x.points)
+    if sum(p[1] >= p[4] for p in episode) < min_steps:
+        return None  # slow steps scattered among fast ones: the scheduler's noise, not a slow rank
+    return {
+        "segment": x.segment,
+        "measure": "wall time" if x.wall_only else "CPU time",
+        "ratio": round(float(np.median([p[1] for p in episode if p[1] >= p[4]])), 3),
+        "threshold": round(x.threshold, 3),
+        "since_step": episode[0][0],
+        "since_ns": started.get((x.rank, x.segment, episode[0][0]), 0),
+        "last_ns": started.get((x.rank, x.segment, recent[-1][0]), 0),
+        "steps": [{"step": p[0], "ratio": round(p[1], 3), "ms": round(p[2] / 1e6, 2), "stage_median_ms": round(p[3] / 1e6, 2),
+                   "slow_above_ratio": round(p[4], 3)} for p in recent],  # fmt: skip
+    }
+
+
+def _episode(points: list[tuple]) -> list[tuple]:
+    """The newest run of slow steps, allowing single steps below the bar inside it (noise)."""
+    start = len(points) - 1
+    i = start - 1
+    while i >= 0:
+        if points[i][1] >= points[i][4]:
+            start = i
+        elif i == 0 or points[i - 1][1] < points[i - 1][4]:
+            break  # two fast steps in a row (or the first step): the episode began after them
+        i -= 1
+    return points[start:]
+
+
+def _arrivals(ctx: RunContext, first_step: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
+    """rank -> (collectives it took part in, times it arrived last), for ``ranks``."""
+    table = ctx.query(ARRIVALS_SQL, {"run": ctx.run_id, "first_step": first_step, "ranks": ranks}).to_pydict()
+    return {r: (n, last) for r, n, last in zip(table["rank"], table["collectives"], table["last"])}
+
+
+def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[int, int]]) -> list[Finding]:
+    slow_hosts = ctx.whole_hosts(slow)
+    findings: list[Finding] = []
+    for host in sorted(slow_hosts):
+        ranks = ctx.ranks_of_host[host]
+        worst = max(ranks, key=lambda r: slow[r]["ratio"])
+        info = slow[worst]
+        summary = (f"host {host}: ranks {', '.join(map(str, ranks))} are all slower than their stage peers; "
+                   f"{ctx.who(worst)} {info['segment']} {_pct(info['ratio'])} slower since step {info['since_step']}")  # fmt: skip
+        found = _finding(ctx, f"straggler:host={host}", ranks, info, arrivals, summary)
+        findings.append(replace(found, absorbs=tuple(f"straggler:rank={r}" for r in sorted(ranks, key=lambda r: slow[r]["since_step"]))))
+    for rank in sorted(r for r in slow if ctx.host.get(r) not in slow_hosts):
+        info = slow[rank]
+        summary = f"{ctx.who(rank)}: {info['segment']} {_pct(info['ratio'])} slower than its stage peers since step {info['since_step']}"
+        found = _finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary)
+        # a rank of a host named before, alone now (its host-mate's slowness dipped): the same fault
+        host = ctx.host.get(rank)
+        findings.append(replace(found, absorbs=(f"straggler:host={host}",)) if host else found)
+    return findings
+
+
+def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: dict[int, tuple[int, int]], summary: str) -> Finding:
+    stage_ranks = sorted(r for r, st in ctx.stage.items() if st == ctx.stage.get(ranks[0], 0))
+    segments = info["segments"]
+    evidence = {
+        "segment": info["segment"],
+        "segments": segments,
+        "measure": info["measure"],
+        "slow_above_ratio": info["threshold"],
+        "ratio_to_stage_median": info["ratio"],
+        "since_step": info["since_step"],
+        "recent_steps": info["steps"],
+        "stage_ranks": stage_ranks,
+        "arrived_last": {str(r): {"collectives": arrivals[r][0], "last": arrivals[r][1]} for r in ranks if r in arrivals},
+    }
+    # what its links on the critical paths of the latest steps cost them (rankscope/collector/anatomy)
+    cost = incident_cost(ctx.query, ctx.run_id, [p["step"] for p in info["steps"][-INCIDENT_STEPS:]], ranks, attempt=ctx.attempt, groups=ctx.group_index)
+    if cost is not None:
+        evidence["critical_path_cost"] = cost
+        summary = f"{summary}; {cost['text']}"
+    return Finding(
+        kind="straggler",
+        key=key,
+        severity="warning",
+        ranks=tuple(ranks),
+        hosts=ctx.hosts_of(ranks),
+        first_seen_ns=info["since_ns"],
+        last_seen_ns=info["last_ns"],
+        summary=summary,
+        evidence=evidence,
+        sql=ctx.literal_sql(EVIDENCE_SQL, segments=segments, ranks=stage_ranks),
+    )
+
+
+def _pct(ratio: float) -> str:
+    return f"{round(100 * (ratio - 1))}%"
+
