@@ -49,7 +49,7 @@ from typing import NamedTuple
 from prometheus_client.process_collector import ProcessCollector
 
 from ingest import sender  # benchmarks/ingest.py, beside this file
-from rankscope.collector.orchestration import start_collector, stop
+from rankscope.harness.orchestration import start_collector, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,9 +3,9 @@
     python benchmarks/anatomy.py [--tp 8 --pp 16 --dp 96] [--microbatches 8] [--repeats 5]
                                  [--run-tp 8 --run-pp 8 --run-dp 16] [--run-steps 1000] [--run-microbatches 4]
 
-The rows are the scale simulator's full timelines (rankscope/collector/simulate: every span and every
+The rows are the scale simulator's full timelines (rankscope/harness/simulate: every span and every
 collective of every rank, as a real agent records them, with a straggler injected), written
-straight into one embedded store (chDB) by ``rankscope/collector/anatomy/synthetic.py``, then read as
+straight into one embedded store (chDB) by ``rankscope/harness/simulate/anatomy_rows.py``, then read as
 ``rankscope anatomy --store`` reads them (a StoreReader: the read-only guard, limits, a connection
 per query):
 
@@ -30,10 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rankscope.collector.anatomy import anatomy, breakdown, critical_path, synthetic, waterfall
+from rankscope.collector.anatomy import anatomy, breakdown, critical_path, waterfall
+
+from rankscope.harness.simulate import anatomy_rows
 from rankscope.collector.anatomy.categories import CHUNK_RANK_STEPS
 from rankscope.collector.client import StoreReader
-from rankscope.collector.simulate import topology
+from rankscope.harness.simulate import topology
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate
 from store import settle  # benchmarks/store.py: this script runs from benchmarks/
@@ -66,7 +68,7 @@ def accuracy(query: Any, topo: Any, microbatches: int, run_id: str, step: Any, r
     same step without it)."""
     path = critical_path(query, run_id, step.number)
     assert path is not None
-    clean = synthetic.model(topo, microbatches=microbatches, step_time_s=STEP_TIME_S).step(step.number, step.start_ns)
+    clean = anatomy_rows.model(topo, microbatches=microbatches, step_time_s=STEP_TIME_S).step(step.number, step.start_ns)
     added = (step.duration_ns - clean.duration_ns) / 1e6
     cost = path.cost_of([rank]) / 1e6
     return (f"(a) 1.3x straggler {where} (rank {rank}): its cost on the path vs the step time it added",
@@ -100,9 +102,9 @@ def main() -> None:
         # simulator's last stage also computes the loss), so that its excess sets the step's length
         topo = topology.build(args.tp, args.pp, args.dp)
         last_stage = topo.world_size - topo.tp * topo.dp + 3
-        model = synthetic.model(topo, microbatches=args.microbatches, step_time_s=STEP_TIME_S, stragglers=[(last_stage, 2, 1.3)])
+        model = anatomy_rows.model(topo, microbatches=args.microbatches, step_time_s=STEP_TIME_S, stragglers=[(last_stage, 2, 1.3)])
         started = time.perf_counter()
-        steps = synthetic.write_run(store, topo, model, range(1, 4), run_id="big", steps_per_insert=1)
+        steps = anatomy_rows.write_run(store, topo, model, range(1, 4), run_id="big", steps_per_insert=1)
         loaded = time.perf_counter() - started
         settle(store)
         world, step = topo.world_size, 2
@@ -120,17 +122,17 @@ def main() -> None:
         table.append(accuracy(query, topo, args.microbatches, "big", steps[1], last_stage, "in the last stage"))
         # the same 1.3x straggler where the pipeline has slack (stage pp/4): the first-order cost overstates
         early = topo.world_size // 4 + 3
-        slack = synthetic.model(topo, microbatches=args.microbatches, step_time_s=STEP_TIME_S, stragglers=[(early, 2, 1.3)])
-        slack_steps = synthetic.write_run(store, topo, slack, range(1, 4), run_id="slack", steps_per_insert=1)
+        slack = anatomy_rows.model(topo, microbatches=args.microbatches, step_time_s=STEP_TIME_S, stragglers=[(early, 2, 1.3)])
+        slack_steps = anatomy_rows.write_run(store, topo, slack, range(1, 4), run_id="slack", steps_per_insert=1)
         settle(store)
         table.append(accuracy(query, topo, args.microbatches, "slack", slack_steps[1], early, f"in stage {args.pp // 4}, with slack"))
 
         # (b) a whole run
         run_topo = topology.build(args.run_tp, args.run_pp, args.run_dp)
-        run_model = synthetic.model(run_topo, microbatches=args.run_microbatches, step_time_s=STEP_TIME_S,
+        run_model = anatomy_rows.model(run_topo, microbatches=args.run_microbatches, step_time_s=STEP_TIME_S,
                                     stragglers=[(run_topo.world_size // 2 + 1, args.run_steps // 2, 1.2)])  # fmt: skip
         started = time.perf_counter()
-        synthetic.write_run(store, run_topo, run_model, range(1, args.run_steps + 1), run_id="run",
+        anatomy_rows.write_run(store, run_topo, run_model, range(1, args.run_steps + 1), run_id="run",
                             steps_per_insert=max(1, 1_000_000 // (run_topo.world_size * 45)))  # fmt: skip
         loaded = time.perf_counter() - started
         waited = settle(store)

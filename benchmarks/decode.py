@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 
 from rankscope.collector.ingest import LastHeard, RunRegistry, decode
-from rankscope.collector.simulate import payloads
-from rankscope.collector.simulate.hang import Flight
-from rankscope.collector.simulate.topology import build
+from rankscope.harness.simulate import payloads
+from rankscope.harness.simulate.freeze import Flight
+from rankscope.harness.simulate.topology import build
 from rankscope.protos.v1 import ingest_pb2
 from rankscope.protos.v1 import telemetry_pb2 as pb
 

@@ -2,7 +2,7 @@
 
     python benchmarks/diagnosis.py [--skip-scenarios] [--tp 8 --pp 16 --dp 96] [--batches-per-s 300] [--step-time 2]
 
-(a) every built-in fault scenario (rankscope/collector/diagnosis/scenarios.py) on a real 8-rank training run
+(a) every built-in fault scenario (rankscope/harness/local_scenarios.py) on a real 8-rank training run
     with the agent and a real collector: passed (right kind, rank and host, nothing else), seconds
     and steps from the fault to the incident;
 (b) one ``rankscope simulate`` run of TP x PP x DP ranks (12,288 by default) against one real
@@ -31,8 +31,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from rankscope.collector.diagnosis.scenarios import FAULT_START_SQL
-from rankscope.collector.orchestration import CLI, free_port, start, start_collector, stop
+from rankscope.harness.local_scenarios import FAULT_START_SQL
+from rankscope.harness.orchestration import CLI, free_port, start, start_collector, stop
 
 STRAGGLER = (3000, 1.3, 4)  # rank, factor, from step
 HANG_RANK = 7777
@@ -45,7 +45,7 @@ FIRST_WRITTEN_SQL = (
 
 def scenarios_table(log: Callable[[str], None]) -> list[str]:
     """(a): every built-in scenario, in order."""
-    from rankscope.collector.diagnosis import scenarios
+    from rankscope.harness import local_scenarios as scenarios
 
     rows = ["| scenario | fault | passed | seconds to detect | steps to detect |", "|---|---|---|---|---|"]
     for scenario in scenarios.SCENARIOS.values():
@@ -123,7 +123,7 @@ class Lag:
 def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]) -> list[str]:
     """(b): one simulated run with a straggler and a hang, then each detector's pass over it."""
     from rankscope.collector.client import Client
-    from rankscope.collector.simulate.plan import Cadence
+    from rankscope.harness.simulate.plan import Cadence
 
     world = args.tp * args.pp * args.dp
     cadence = Cadence.for_world(world, args.batches_per_s)
@@ -235,7 +235,8 @@ def _incident_rows(found: list[dict], straggler_start: int | None) -> list[str]:
 def _pass_rows(address: str, run_id: str, silent_after: float, repeats: int) -> list[str]:
     from rankscope.collector.client import Client
     from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, slow_link, straggler
-    from rankscope.collector.diagnosis.context import RunContext, Settings
+    from rankscope.collector.diagnosis.context import RunContext
+    from rankscope.common.settings import Settings
 
     settings = Settings(hang_after_s=HANG_AFTER_S, silent_after_s=silent_after)
     with Client(address, timeout_s=300) as client:

@@ -3,8 +3,8 @@
     python benchmarks/diagnosis_growth.py [--tp 8 --pp 4 --dp 32] [--checkpoints 100,1000,10000] [--repeats 4]
                                           [--baseline REV] [--heatmap]
 
-The run is the scale simulator's (rankscope/collector/simulate), written straight into one embedded store
-(chDB) by ``rankscope/collector/anatomy/synthetic.py``: every span and collective of every rank, each rank's
+The run is the scale simulator's (rankscope/harness/simulate), written straight into one embedded store
+(chDB) by ``rankscope/harness/simulate/anatomy_rows.py``: every span and collective of every rank, each rank's
 step time and heartbeat every step, the last stage's loss, GPU gauges every 5 steps, and a 1.3x
 straggler from step 30 (so that a pass also finds and costs an incident, as a live one would).
 
@@ -34,10 +34,11 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 from rankscope.collector.anatomy import path as anatomy_path
-from rankscope.collector.anatomy import synthetic
+from rankscope.harness.simulate import anatomy_rows
 from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, slow_link, straggler
-from rankscope.collector.diagnosis.context import RunContext, Settings
-from rankscope.collector.simulate import topology
+from rankscope.collector.diagnosis.context import RunContext
+from rankscope.common.settings import Settings
+from rankscope.harness.simulate import topology
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate
 from store import settle  # benchmarks/store.py: this script runs from benchmarks/
@@ -132,7 +133,7 @@ def main() -> None:
         parser.error(f"--checkpoints: the first must be above {STRAGGLER_FROM + args.repeats + 10} (the straggler starts at step {STRAGGLER_FROM})")
 
     topo = topology.build(args.tp, args.pp, args.dp)
-    model = synthetic.model(topo, microbatches=args.microbatches, step_time_s=STEP_TIME_S,
+    model = anatomy_rows.model(topo, microbatches=args.microbatches, step_time_s=STEP_TIME_S,
                             stragglers=[(topo.world_size - 5, STRAGGLER_FROM, 1.3)])  # fmt: skip
     per_insert = max(1, 400_000 // (topo.world_size * 20))
     tmp = Path(tempfile.mkdtemp(prefix="rankscope-bench-growth-"))
@@ -143,12 +144,12 @@ def main() -> None:
     try:
         migrate(store, store.database, None)
         print(f"store: {store.describe()}; {topo.world_size:,} ranks (tp {args.tp}, pp {args.pp}, dp {args.dp})\n", flush=True)
-        written, end_ns, ctx = 0, synthetic.T0, None
+        written, end_ns, ctx = 0, anatomy_rows.T0, None
         results: dict[tuple[str, int], dict[str, float]] = {}
         for checkpoint in checkpoints:
             started = time.perf_counter()
             upto = checkpoint - args.repeats
-            steps = synthetic.write_run(store, topo, model, range(written + 1, upto + 1), run_id=RUN, start_ns=end_ns,
+            steps = anatomy_rows.write_run(store, topo, model, range(written + 1, upto + 1), run_id=RUN, start_ns=end_ns,
                                         register=written == 0, steps_per_insert=per_insert, signals=True)  # fmt: skip
             written, end_ns = upto, steps[-1].end_ns
             waited = settle(store, limit_s=600)
@@ -158,7 +159,7 @@ def main() -> None:
                 one_pass(store, ctx, end_ns, d)  # what a live pass keeps from the one before
             timings: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
             for repeat in range(args.repeats):
-                steps = synthetic.write_run(store, topo, model, range(written + 1, written + 2), run_id=RUN, start_ns=end_ns,
+                steps = anatomy_rows.write_run(store, topo, model, range(written + 1, written + 2), run_id=RUN, start_ns=end_ns,
                                             register=False, steps_per_insert=1, signals=True)  # fmt: skip
                 written, end_ns = written + 1, steps[-1].end_ns
                 # each side first after the insert in turn: the first pass meets its parts unmerged

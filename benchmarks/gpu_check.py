@@ -610,7 +610,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_child(argv: list[str], env: dict[str, str], timeout_s: float, log: Path) -> tuple[int | None, str]:
     """Run ``gpu_check.py --child ARGV`` in a session of its own; (exit status or None on timeout, output)."""
-    from rankscope.collector.orchestration import start, stop
+    from rankscope.harness.orchestration import start, stop
 
     proc = start([sys.executable, str(SCRIPT), "--child", *argv], log, env)
     try:
@@ -651,7 +651,7 @@ class TrainRun:
 
 def train(model: dict[str, Any], steps: int, extra_env: dict[str, str], workdir: Path, name: str, timeout_s: float) -> TrainRun:
     """One 1-GPU run of the bundled trainer (rank 0 of 1, this machine's loopback as its rendezvous)."""
-    from rankscope.collector.orchestration import free_port
+    from rankscope.harness.orchestration import free_port
 
     metrics = workdir / f"{name}.jsonl"
     argv = [*trainer_flags(model), f"--steps={steps}", f"--metrics-json={metrics}", f"--log-every={steps}"]
@@ -705,7 +705,7 @@ class Sink:
 
 def start_collector(workdir: Path, timeout_s: float) -> tuple[Any, str, str]:
     """(process or Sink, address, what the agent sends to): a real collector when chDB is installed."""
-    from rankscope.collector.orchestration import start, stop, wait_for_address
+    from rankscope.harness.orchestration import start, stop, wait_for_address
 
     if importlib.util.find_spec("chdb") is None:
         sink = Sink()
@@ -765,7 +765,7 @@ def compute_share(compute_ns: dict[int, int], lines: list[dict[str, Any]], last:
 
 def part_overhead(args: argparse.Namespace, workdir: Path) -> list[Row]:
     """Part 3: the trainer with the agent off and on, alternating, against a local collector."""
-    from rankscope.collector.orchestration import stop
+    from rankscope.harness.orchestration import stop
 
     proc, address, target = start_collector(workdir, timeout_s=args.part_timeout)
     pairs: list[tuple[list[float], list[float]]] = []

@@ -2,7 +2,7 @@
 
     sudo python benchmarks/healing.py [--drill NAME ...]
 
-Runs each drill of rankscope/healing/scenarios.py: 3 namespace hosts of 2 ranks, the bundled trainer (TP2
+Runs each drill of rankscope/harness/healing_drills.py: 3 namespace hosts of 2 ranks, the bundled trainer (TP2
 inside a host, dp 3 over the hosts, a DCP checkpoint every 2 steps) under `rankscope launch`'s
 driver, a fault from outside at step 5 (a host killed, frozen, or its CPU cut to a fifth). It
 prints one markdown row per fault: the seconds from the fault to the incident the driver acted on,
@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from rankscope.healing import scenarios
+from rankscope.harness import healing_drills as scenarios
 from rankscope.testbed.hosts import TestbedError
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rankscope.collector.orchestration import free_port, start_collector, stop
+from rankscope.harness.orchestration import free_port, start_collector, stop
 
 SPAN_NAMES = ["forward", "backward", "optimizer", "data", "send_forward_recv_backward", "grad_sync"]
 GROUPS = ["tp[0]", "tp[1]", "pp[0]", "dp[0]", "dp[1]"]

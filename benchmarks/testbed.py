@@ -2,7 +2,7 @@
 
     sudo python benchmarks/testbed.py [--scenario NAME ...]
 
-Runs every test-bed scenario (rankscope/testbed/scenarios.py: four hosts of two ranks each, the bundled
+Runs every test-bed scenario (rankscope/harness/testbed_scenarios.py: four hosts of two ranks each, the bundled
 trainer or a plain DDP script, the agent on, one real collector each) and prints one markdown row
 per fault: what was done to which host or rank, the incident expected, whether the diagnosis named
 exactly that (kind, ranks, host, nothing else), and the seconds from the fault to the incident as
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rankscope.testbed import scenarios
+from rankscope.harness import testbed_scenarios as scenarios
 from rankscope.testbed.hosts import TestbedError
 
 

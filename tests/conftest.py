@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from rankscope.collector.orchestration import CLI, free_port, listen_address, metrics_url
-from rankscope.processes import terminate_tree
+from rankscope.harness.orchestration import CLI, free_port, listen_address, metrics_url
+from rankscope.common.processes import terminate_tree
 from rankscope.testbed.hosts import Testbed
 
 pytest_plugins = ("pytester", "suite_clock", "suite_lanes")  # pytester: tests/test_infra.py runs pytest inside a test
@@ -199,7 +199,7 @@ def start_collector(
 def incidents(address: str, run_id: str, until: Callable[[list[dict], Any], bool], timeout_s: float) -> list[dict]:
     """Poll a run's incidents until ``until(incidents, client)`` holds (or time runs out); returns the last answer."""
     from rankscope.collector.client import Client
-    from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
+    from rankscope.common.incidents import INCIDENTS_SQL
 
     with Client(address) as client:
         deadline = time.monotonic() + timeout_s
@@ -261,7 +261,7 @@ def straggler_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """(work directory, score) of the straggler-1.5 scenario, run once for the whole session: a real
     collector and an 8-rank ``rankscope train`` with rank 5 1.5x slower. Its diagnosis, the SQL cookbook
     and the dashboard pages all read this one recorded run; the collector has stopped, the store is kept."""
-    from rankscope.collector.diagnosis import scenarios
+    from rankscope.harness import local_scenarios as scenarios
 
     workdir = tmp_path_factory.mktemp("straggler-run")
     return workdir, scenarios.run(scenarios.SCENARIOS["straggler-1.5"], workdir=workdir, log=lambda line: None)

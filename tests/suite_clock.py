@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from rankscope.processes import process_tree
+from rankscope.common.processes import process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "test-artifacts" / "durations.json"

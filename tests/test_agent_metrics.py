@@ -21,7 +21,7 @@ from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from rankscope.agent.gpu import host_memory, network_counters, open_gpu
+from rankscope.agent.hardware import host_memory, network_counters, open_gpu
 from rankscope.agent.heartbeat import Heartbeat
 from rankscope.agent.metrics import MetricsReporter, to_metric_batch
 from rankscope.agent.state import RankState

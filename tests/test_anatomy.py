@@ -22,7 +22,8 @@ import pyarrow as pa
 import pytest
 
 from rankscope.cli.main import main
-from rankscope.collector.anatomy import CATEGORIES, breakdown, categories, critical_path, synthetic, waterfall
+from rankscope.collector.anatomy import CATEGORIES, breakdown, categories, critical_path, waterfall
+from rankscope.harness.simulate import anatomy_rows
 from rankscope.collector.anatomy.categories import Split
 from rankscope.collector.anatomy.path import Item, _kept_path, _Shifts, incident_cost
 from rankscope.collector.store.base import arrow_schema
@@ -102,16 +103,16 @@ def _two_stages(store: EmbeddedStore, run_id: str, status: str, attempt: int) ->
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedStore, list]]:
     """One store: run ``hand`` and run ``sim`` (with the simulator's steps, and the same steps without the straggler)."""
-    from rankscope.collector.simulate import topology
+    from rankscope.harness.simulate import topology
 
     path = tmp_path_factory.mktemp("anatomy") / "store"
     s = EmbeddedStore(path)
     migrate(s, s.database, None)
     _hand_run(s)
     topo = topology.build(SIM["tp"], SIM["pp"], SIM["dp"])
-    model = synthetic.model(topo, microbatches=SIM["microbatches"], stragglers=[SIM["straggler"]])
-    steps = synthetic.write_run(s, topo, model, SIM["steps"], run_id="sim")
-    clean = synthetic.model(topo, microbatches=SIM["microbatches"])
+    model = anatomy_rows.model(topo, microbatches=SIM["microbatches"], stragglers=[SIM["straggler"]])
+    steps = anatomy_rows.write_run(s, topo, model, SIM["steps"], run_id="sim")
+    clean = anatomy_rows.model(topo, microbatches=SIM["microbatches"])
     truth = [(step, clean.step(step.number, step.start_ns)) for step in steps]
     yield s, truth
     s.close()
@@ -334,7 +335,7 @@ def _collect(runner, tmp: Path, runs: list[tuple[str, list[str], int, int]], inc
     from conftest import start_collector
 
     from rankscope.collector.client import Client
-    from rankscope.collector.orchestration import CLI, agent_env
+    from rankscope.harness.orchestration import CLI, agent_env
 
     collector = start_collector(runner, tmp / "store", "--diagnose-every", "1", "--flush-interval", "0.5", name=f"collector-{tmp.name}")
     with Client(collector.target) as client:

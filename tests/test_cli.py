@@ -34,9 +34,9 @@ def test_help_lists_train_and_imports_no_torch() -> None:
 
 def test_train_forwards_every_argument_unparsed(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    fake = types.ModuleType("rankscope.trainer.launch")
+    fake = types.ModuleType("rankscope.trainer.torchrun")
     fake.main = lambda argv: seen.append(argv) or 7  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "rankscope.trainer.launch", fake)
+    monkeypatch.setitem(sys.modules, "rankscope.trainer.torchrun", fake)
     argv = ["--help", "--inject", "straggler:rank=5,factor=1.5", "--", "-x", "pos"]
     assert main(["train", *argv]) == 7
     assert main(["train"]) == 7
@@ -54,7 +54,7 @@ def test_the_shared_detector_flags_default_to_the_detectors_own_settings() -> No
     import argparse
 
     from rankscope.cli.args import add_thresholds, thresholds
-    from rankscope.collector.diagnosis.context import Settings
+    from rankscope.common.settings import Settings
 
     parser = argparse.ArgumentParser()
     add_thresholds(parser)

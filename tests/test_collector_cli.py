@@ -13,7 +13,7 @@ from conftest import ProcRunner, start_collector
 
 from rankscope.cli import collector as cli
 from rankscope.cli.main import main
-from rankscope.collector.orchestration import CLI
+from rankscope.harness.orchestration import CLI
 from rankscope.collector.server import ServerOptions
 
 
@@ -54,7 +54,7 @@ def test_the_flag_defaults_are_the_collectors_own() -> None:
 YIELD = """
 import os, sys, threading
 threading.Thread(target=threading.Event().wait, daemon=True).start()  # a thread that exists before
-from rankscope.processes import yield_cpu
+from rankscope.common.processes import yield_cpu
 yield_cpu(7)
 threading.Thread(target=threading.Event().wait, daemon=True).start()  # and one started after
 nices = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})

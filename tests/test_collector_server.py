@@ -340,7 +340,7 @@ def test_prometheus_serves_the_collector_counters(collector: Running, ingest: in
 
 def test_a_script_awaits_the_diagnosis_passes_over_what_it_sent(collector: Running) -> None:
     """``await_diagnosis``: the scenarios' way to wait for the last diagnosis of an ended run, not a sleep."""
-    from rankscope.collector.orchestration import await_diagnosis, diagnosis_passes, metrics_url
+    from rankscope.harness.orchestration import await_diagnosis, diagnosis_passes, metrics_url
 
     assert collector.metrics_url and re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", collector.metrics_url)  # read by metrics_url
     assert metrics_url("rankscope collector listening on 127.0.0.1:7777, storing in x (chDB)") is None

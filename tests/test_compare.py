@@ -25,7 +25,7 @@ from rankscope.cli import source
 from rankscope.cli.main import build_parser
 from rankscope.collector.client import StoreReader
 from rankscope.collector.compare import CompareError, Side, compare, parse_steps
-from rankscope.collector.orchestration import CLI
+from rankscope.harness.orchestration import CLI
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate

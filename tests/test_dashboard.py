@@ -32,7 +32,7 @@ from conftest import free_port, start_collector
 from dashboard_pages import PAGES, array, open_page, page_text, read_from
 from streamlit.testing.v1 import AppTest
 
-from rankscope.collector.diagnosis import scenarios
+from rankscope.harness import local_scenarios as scenarios
 from rankscope.dashboard import connection, cookbook, data, export
 from rankscope.dashboard.connection import Source
 

@@ -23,7 +23,7 @@ from conftest import free_port
 from dashboard_pages import APP, PAGES, array, open_page, read_from, said
 from streamlit.testing.v1 import AppTest
 
-from rankscope.collector.diagnosis.incidents import from_rows
+from rankscope.common.incidents import from_rows
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import migrate

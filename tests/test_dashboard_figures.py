@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rankscope.collector.diagnosis.incidents import Finding, Incident
+from rankscope.common.incidents import Finding, Incident
 from rankscope.dashboard import cookbook, export, figures, healing, states
 from rankscope.dashboard.connection import SOURCE_VARIABLE, Source
 

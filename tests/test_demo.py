@@ -22,7 +22,7 @@ from conftest import ProcRunner, free_port
 
 from rankscope.cli import demo as demo_command
 from rankscope.cli.main import main
-from rankscope.processes import alive, process_tree
+from rankscope.common.processes import alive, process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 EXE = [sys.executable, "-m", "rankscope.cli.main"]

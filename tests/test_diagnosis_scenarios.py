@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import by_speed
 
-from rankscope.collector.diagnosis import scenarios
+from rankscope.harness import local_scenarios as scenarios
 from rankscope.dashboard import cookbook
 
 pytestmark = pytest.mark.slow

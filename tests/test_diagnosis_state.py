@@ -17,10 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rankscope.collector.anatomy import synthetic
+from rankscope.harness.simulate import anatomy_rows
 from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, segment_window, straggler
-from rankscope.collector.diagnosis.context import RunContext, Settings
-from rankscope.collector.simulate import topology
+from rankscope.collector.diagnosis.context import RunContext
+from rankscope.common.settings import Settings
+from rankscope.harness.simulate import topology
 from rankscope.collector.store.base import Store, arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.migrations import DIAGNOSIS_ROLLUPS, MIGRATIONS, migrate
@@ -90,7 +91,7 @@ def write_faults(store: Store, end_ns: int) -> None:
         inflight_issue=[[t[0]], [t[0], t[1]], []], inflight_waiting=[[1], [1, 0], []]))  # fmt: skip
     throttle, ecc, xid = "hw.gpu.throttle.hw_thermal", "hw.errors.ecc_uncorrected", "hw.gpu.xid.79"
     store.insert_arrow("metrics", rows(
-        "metrics", 5, run_id=RUN, rank=[5, 5, 6, 6, 1], host="node-0", device=synthetic.DEVICE, time=[t[0], t[1], t[0], t[2], t[3]],
+        "metrics", 5, run_id=RUN, rank=[5, 5, 6, 6, 1], host="node-0", device=anatomy_rows.DEVICE, time=[t[0], t[1], t[0], t[2], t[3]],
         name=[throttle, throttle, ecc, ecc, xid], value=[1.0, 1.0, 0.0, 2.0, 1.0]))  # fmt: skip
     # the last stage reports a second loss, 1000, at one step (the step's median jumps); at NAN_STEP a
     # rank's outputs are not finite, and it reports a NaN loss
@@ -106,8 +107,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedStor
     store = EmbeddedStore(tmp_path_factory.mktemp("state") / "store")
     migrate(store, store.database, None)
     topo = topology.build(2, 2, 2)
-    model = synthetic.model(topo, microbatches=2, step_time_s=0.5, stragglers=[(6, 10, 1.5)])
-    steps = synthetic.write_run(store, topo, model, range(1, STEPS + 1), run_id=RUN, steps_per_insert=4, signals=True)
+    model = anatomy_rows.model(topo, microbatches=2, step_time_s=0.5, stragglers=[(6, 10, 1.5)])
+    steps = anatomy_rows.write_run(store, topo, model, range(1, STEPS + 1), run_id=RUN, steps_per_insert=4, signals=True)
     write_faults(store, steps[-1].end_ns)
     yield store, steps[-1].end_ns
     store.close()
@@ -209,7 +210,7 @@ def test_version_3_fills_the_state_from_the_rows_a_store_holds_once(run: tuple[E
             store.command(f"DROP TABLE IF EXISTS {store.database}.{name}_mv")
             store.command(f"DROP TABLE IF EXISTS {store.database}.{name}")
         topo = topology.build(2, 1, 2)
-        synthetic.write_run(store, topo, synthetic.model(topo, step_time_s=0.2), range(1, 6), run_id=RUN, signals=True)
+        anatomy_rows.write_run(store, topo, anatomy_rows.model(topo, step_time_s=0.2), range(1, 6), run_id=RUN, signals=True)
         history = [read(store, HISTORY[what]) for what in ("state", "entered")]
         assert migrate(store, store.database, None) == MIGRATIONS[-1].version
         assert [read(store, STATE[what]) for what in ("state", "entered")] == history

@@ -35,7 +35,7 @@ from conftest import Proc, ProcRunner
 from rankscope.cli.main import COMMANDS as CLI_COMMANDS
 from rankscope.cli.main import build_parser
 from rankscope.testbed import hosts as testbed_hosts
-from rankscope.collector.diagnosis.scenarios import SMALL_MODEL
+from rankscope.harness.local_scenarios import SMALL_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

@@ -48,14 +48,14 @@ def test_runs_from_a_checkout_without_the_package_installed(tmp_path: Path) -> N
     the script puts the checkout on sys.path itself."""
     code = (
         "import runpy, sys; ns = runpy.run_path(sys.argv[1]); print(ns['bootstrap']());"
-        "import rankscope.trainer.faults as f, rankscope.cmdline as c; print(f.__file__); print(c.__file__)"
+        "import rankscope.trainer.injector as f, rankscope.common.cmdline as c; print(f.__file__); print(c.__file__)"
     )
     done = subprocess.run([sys.executable, "-S", "-c", code, str(SCRIPT)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     origin, faults, cmdline = done.stdout.split()
     assert origin == "checkout"
-    assert Path(faults) == ROOT / "rankscope" / "trainer" / "faults.py"
-    assert Path(cmdline) == ROOT / "rankscope" / "cmdline.py"
+    assert Path(faults) == ROOT / "rankscope" / "trainer" / "injector.py"
+    assert Path(cmdline) == ROOT / "rankscope" / "common" / "cmdline.py"
 
 
 def test_installed_package_is_used_when_present() -> None:

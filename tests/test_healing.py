@@ -13,8 +13,9 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
-from rankscope.healing import driver, scenarios
+from rankscope.common.incidents import INCIDENTS_SQL
+from rankscope.healing import driver
+from rankscope.harness import healing_drills as scenarios
 from rankscope.healing.policy import Policy, Verdict
 from rankscope.testbed import hosts
 

@@ -10,7 +10,7 @@ import pytest
 from test_store import migrated, sample_rows, store  # noqa: F401 (fixtures)
 
 from rankscope.collector.diagnosis import engine
-from rankscope.collector.diagnosis.context import Settings
+from rankscope.common.settings import Settings
 from rankscope.collector.diagnosis.engine import LiveDiagnosis
 from rankscope.collector.ingest import Decoded, LastHeard
 from rankscope.collector.store.base import Store
@@ -82,7 +82,8 @@ def test_a_run_with_nothing_new_stored_is_passed_over_until_the_recheck(migrated
 
 def test_a_host_finding_continues_the_incident_of_its_first_straggler_rank() -> None:
     """A straggler rank is named first; once its whole host is slow the same incident names the host."""
-    from rankscope.collector.diagnosis.incidents import Finding, Ledger
+    from rankscope.collector.diagnosis.ledger import Ledger
+    from rankscope.common.incidents import Finding
 
     rank = Finding("straggler", "straggler:rank=5", "warning", (5,), ("node2",), 10, 20, "rank 5 (node2): backward 180% slower")
     host = Finding("straggler", "straggler:host=node2", "warning", (4, 5), ("node2",), 12, 30, "host node2: ranks 4, 5 are all slower",
@@ -110,7 +111,8 @@ def test_a_host_finding_continues_the_incident_of_its_first_straggler_rank() -> 
 def test_a_host_finding_merges_the_incidents_of_its_ranks_named_alone_in_turn() -> None:
     """Rank 5 named alone, then rank 4 alone (rank 5's slowness dipped), then their host: one fault,
     one incident listed; rank 4's stays stored as merged into it, and rank 4 named alone later goes on with it."""
-    from rankscope.collector.diagnosis.incidents import Finding, Ledger
+    from rankscope.collector.diagnosis.ledger import Ledger
+    from rankscope.common.incidents import Finding
 
     def alone(rank: int, host: str = "node2") -> Finding:
         return Finding("straggler", f"straggler:rank={rank}", "warning", (rank,), (host,), 10 + rank, 20, f"rank {rank} slower",
@@ -199,7 +201,8 @@ def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) ->
 
 def test_a_lane_closes_only_the_incidents_of_its_own_kinds() -> None:
     """The urgent lane finds no straggler because it does not look for one: that closes nothing."""
-    from rankscope.collector.diagnosis.incidents import Finding, Ledger
+    from rankscope.collector.diagnosis.ledger import Ledger
+    from rankscope.common.incidents import Finding
 
     slow = Finding("straggler", "straggler:rank=5", "warning", (5,), ("node2",), 10, 20, "rank 5 (node2): backward 180% slower")
     hung = Finding("hang", "hang", "critical", (3,), ("node1",), 30, 40, "hang: rank 3 never reached the all-reduce")

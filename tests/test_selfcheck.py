@@ -22,6 +22,7 @@ from rankscope.healing import selfcheck
 from rankscope.healing.record import Figure
 from rankscope.healing.selfcheck import LocalRunner, check_hosts, judge, run_on
 from rankscope.testbed import hosts as testbed_hosts
+from rankscope.testbed.fleet import TestbedRunner
 
 NAN = math.nan
 
@@ -203,6 +204,7 @@ class FakeRunner:
     #: how a host's local tests go from their second run on (a machine that was busy only for a while)
     then: dict[str, dict[str, Any]] = field(default_factory=dict)
     started: list[tuple[str, list[str]]] = field(default_factory=list)
+    networks: tuple[str, ...] = ("10.200.0.0/24",)
 
     def command(self, host: str, argv: Sequence[str]) -> list[str]:
         local = [a for h, a in self.started if h == host and "local" in a]
@@ -307,7 +309,7 @@ def test_the_link_probe_measures_a_server_and_contacts_nothing_outside_the_test_
     )  # fmt: skip
     try:
         port = json.loads(server.stdout.readline().removeprefix(selfcheck.MARK))["port"]  # type: ignore[union-attr]
-        probe = [sys.executable, "-m", "rankscope.healing.selfcheck", "--probe", "links", "--seconds", "0.1"]
+        probe = [sys.executable, "-m", "rankscope.healing.selfcheck", "--probe", "links", "--seconds", "0.1", "--allow", "10.200.0.0/24", "--allow", "127.0.0.0/8"]
         answer = run_on(LocalRunner(), "me", [*probe, "--peer", f"me=127.0.0.1:{port}", "--peer", "far=8.8.8.8:53"], timeout_s=30)
     finally:
         server.kill()
@@ -379,9 +381,9 @@ def test_the_command_defaults_are_the_apis() -> None:
 def test_a_frozen_host_fails_on_a_timeout_and_its_links_are_not_judged(testbed: testbed_hosts.Testbed) -> None:
     """A throttled host failing on matmul, and only that host, is docs/selfcheck.md's run as written
     (tests/test_docs.py expects its verdict lines)."""
-    from rankscope.testbed import faults
+    from rankscope.testbed import host_faults as faults
 
-    runner = selfcheck.TestbedRunner(testbed)
+    runner = TestbedRunner(testbed)
     names = runner.hosts
     assert run_on(runner, "node1", ["hostname"], timeout_s=10).stdout == "node1\n"  # the command runs inside the host
     frozen = faults.freeze_host(testbed.host("node2"))

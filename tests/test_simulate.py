@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from rankscope.collector.simulate.hang import PHASES, freeze
-from rankscope.collector.simulate.model import StepModel, Timing, one_f_one_b, topological
-from rankscope.collector.simulate.rows import ALL_REDUCE, RECV, SEND, Slice
-from rankscope.collector.simulate.topology import build
+from rankscope.harness.simulate.freeze import PHASES, freeze
+from rankscope.harness.simulate.model import StepModel, Timing, one_f_one_b, topological
+from rankscope.harness.simulate.rows import ALL_REDUCE, RECV, SEND, Slice
+from rankscope.harness.simulate.topology import build
 
 from conftest import incidents, start_collector
 
@@ -67,9 +67,9 @@ def test_a_batch_of_several_ranks_keeps_each_rows_rank_group_and_op() -> None:
     import numpy as np
 
     from rankscope.collector.ingest import RunRegistry, decode
-    from rankscope.collector.simulate import payloads
-    from rankscope.collector.simulate.rows import OP_NAMES
-    from rankscope.collector.simulate.worker import _rows_of
+    from rankscope.harness.simulate import payloads
+    from rankscope.harness.simulate.rows import OP_NAMES
+    from rankscope.harness.simulate.worker import _rows_of
     from rankscope.protos.v1 import ingest_pb2
 
     topo = build(2, 4, 2)

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import by_speed
 
-from rankscope.testbed import hosts, scenarios
+from rankscope.testbed import hosts
+
+from rankscope.harness import testbed_scenarios as scenarios
 
 pytestmark = pytest.mark.slow
 

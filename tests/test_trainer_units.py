@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rankscope.trainer import faults
+from rankscope.common import fault_spec
+from rankscope.trainer.injector import Injector
 from rankscope.trainer.checkpoint import SavedLayout
 from rankscope.trainer.config import LAUNCHER_ONLY, ConfigError, TrainConfig, build_parser, flag, parse_args, rank_argv
-from rankscope.trainer.launch import planned, torchrun_command
+from rankscope.trainer.torchrun import planned, torchrun_command
 from rankscope.trainer.data import MicroBatches, TokenSource
 from rankscope.trainer.flops import flops_per_token, mfu, peak_flops
 from rankscope.trainer.layers import TPContext, vocab_parallel_cross_entropy
@@ -211,14 +212,14 @@ def test_no_trainer_flag_can_be_read_as_a_torchrun_option(tmp_path: Path) -> Non
 
 
 def test_fault_spec_parses_every_kind() -> None:
-    parsed = faults.parse(
+    parsed = fault_spec.parse(
         "straggler:rank=5,factor=1.3,from_step=4; hang:rank=2,step=9;crash:rank=1,step=3;"
         "nan:rank=0,step=2;slow_link:src=1,dst=5,delay_ms=20"
     )
     assert [f.kind for f in parsed] == ["straggler", "hang", "crash", "nan", "slow_link"]
     assert parsed[0].rank == 5 and parsed[0].factor == 1.3 and parsed[0].from_step == 4
     assert (parsed[4].src, parsed[4].dst, parsed[4].delay_ms) == (1, 5, 20.0)
-    assert faults.parse("") == []
+    assert fault_spec.parse("") == []
 
 
 @pytest.mark.parametrize(
@@ -234,16 +235,16 @@ def test_fault_spec_parses_every_kind() -> None:
     ],
 )
 def test_fault_spec_errors_name_the_problem_in_one_line(spec: str, problem: str) -> None:
-    with pytest.raises(faults.FaultSpecError) as exc:
-        faults.parse(spec)
+    with pytest.raises(fault_spec.FaultSpecError) as exc:
+        fault_spec.parse(spec)
     assert problem in str(exc.value) and "\n" not in str(exc.value)
     assert "straggler:rank=R,factor=F,from_step=S" in build_parser().format_help()  # where the message points
 
 
 def test_injector_applies_only_this_ranks_faults() -> None:
-    spec = faults.parse("crash:rank=1,step=3;straggler:rank=1,factor=2,from_step=2;nan:rank=0,step=2;"
+    spec = fault_spec.parse("crash:rank=1,step=3;straggler:rank=1,factor=2,from_step=2;nan:rank=0,step=2;"
                         "slow_link:src=1,dst=5,delay_ms=30")  # fmt: skip
-    one, zero = faults.Injector(spec, rank=1), faults.Injector(spec, rank=0)
+    one, zero = Injector(spec, rank=1), Injector(spec, rank=0)
     one.begin_step(1)
     assert not one.stretching
     one.begin_step(2)

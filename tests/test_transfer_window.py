@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from rankscope.collector.diagnosis.context import RunContext, Settings
+from rankscope.collector.diagnosis.context import RunContext
+
+from rankscope.common.settings import Settings
 from rankscope.collector.diagnosis.transfer_window import COUNTS_SQL, TRANSFERS_SQL, TransferWindow
 
 

@@ -44,7 +44,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData, PeriodicExportingMetricReader
 
 from rankscope.agent.config import warn_once
-from rankscope.agent.gpu import THROTTLE_REASONS, CpuSampler, GpuDevice, host_memory, network_counters, open_gpu
+from rankscope.agent.hardware import THROTTLE_REASONS, CpuSampler, GpuDevice, host_memory, network_counters, open_gpu
 from rankscope.agent.transport import Transport
 from rankscope.protos.v1 import telemetry_pb2
 

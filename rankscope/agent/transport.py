@@ -47,13 +47,12 @@ from google.protobuf.message import Message
 from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import AgentConfig, warn_once
 from rankscope.agent.spool import Segment, Spool
-from rankscope.protos.v1 import ingest_pb2
+from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2
 
 __all__ = ["Transport", "TransportStats", "replay_leftovers"]
 
 log = logging.getLogger("rankscope.agent")
 
-SCHEMA_VERSION = 1
 METHOD = "/rankscope.v1.Ingest/Send"
 WINDOW = 64  # calls in flight: the collector acknowledges a batch once written, in bulk
 CALL_TIMEOUT_S = 30.0  # acknowledgements follow the write: a busy collector is slow, not gone
@@ -335,7 +334,7 @@ class Transport:
         kind = _FIELDS[payload.DESCRIPTOR.full_name]
         self._seq += 1
         batch = ingest_pb2.Batch(
-            schema_version=SCHEMA_VERSION,
+            schema_version=BATCH_SCHEMA_VERSION,
             run_id=self.run_id,
             rank=rank,
             batch_id=self._instance + self._seq.to_bytes(8, "big"),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rankscope.collector.diagnosis.context import Settings
+    from rankscope.common.settings import Settings
 
 #: the detectors' thresholds shared by ``collector`` and ``diagnose`` (``Settings``' defaults: a test keeps them equal)
 HANG_AFTER_S = 30.0
@@ -91,6 +91,6 @@ def add_thresholds(parser: argparse.ArgumentParser) -> None:
 
 def thresholds(args: argparse.Namespace) -> Settings:
     """The detectors' settings from ``add_thresholds``' flags."""
-    from rankscope.collector.diagnosis.context import Settings  # pyarrow: only once the command runs
+    from rankscope.common.settings import Settings  # pyarrow: only once the command runs
 
     return Settings(hang_after_s=args.hang_after, silent_after_s=args.silent_after)

@@ -102,7 +102,7 @@ def _log_to_the_terminal() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.agent.autoload import forbid
-    from rankscope.processes import yield_cpu
+    from rankscope.common.processes import yield_cpu
 
     forbid("collector")  # never a training rank, nor anything it starts
     yield_cpu(args.nice)  # first: the threads started from here on take its priority

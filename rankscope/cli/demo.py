@@ -4,7 +4,7 @@ run (TP2 x PP2 x DP2, two ranks per simulated host) that develops a straggler an
 It prints the dashboard's address and what to look at, a line every few steps and one per
 incident. Once the hang is diagnosed the training run is stopped and the dashboard stays up until
 Ctrl-C; Ctrl-C (or SIGTERM) stops every process the demo started and prints the follow-up
-commands that read the store it leaves. The processes themselves are ``rankscope/collector/demo.py``'s.
+commands that read the store it leaves. The processes themselves are ``rankscope/harness/demo.py``'s.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankscope.collector.demo import DemoError, DemoOptions, check_faults, default_faults
-    from rankscope.collector.demo import run as run_demo
+    from rankscope.harness.demo import DemoError, DemoOptions, check_faults, default_faults
+    from rankscope.harness.demo import run as run_demo
 
     try:
         inject = args.inject or default_faults(args.steps, args.straggler_rank, args.hang_rank)

@@ -34,7 +34,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rankscope.collector.client import QueryFailed
     from rankscope.collector.diagnosis.engine import diagnose
-    from rankscope.collector.diagnosis.incidents import Ledger, headline
+    from rankscope.collector.diagnosis.ledger import Ledger
+    from rankscope.common.incidents import headline
 
     _warn_unsent()
     try:

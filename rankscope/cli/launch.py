@@ -36,7 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankscope.healing import launch
+    from rankscope.testbed import healing_job
     from rankscope.healing.policy import Policy
     from rankscope.testbed import hosts
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         policy = Policy(act_on=tuple(k.strip() for k in args.act_on.split(",") if k.strip()), straggler_steps=args.straggler_steps,
                         min_hosts=min_hosts)  # fmt: skip
         run_id = args.run_id or f"launch-{uuid.uuid4().hex[:8]}"
-        exits, driver = launch.run(bed, program, collector=args.collector, run_id=run_id, workdir=args.workdir, policy=policy,
+        exits, driver = healing_job.run(bed, program, collector=args.collector, run_id=run_id, workdir=args.workdir, policy=policy,
                                    max_restarts=args.max_restarts, log=lambda line: print(line, flush=True), spares=args.spares)  # fmt: skip
     except (hosts.TestbedError, ValueError) as e:
         print(f"rankscope launch: {e}", file=sys.stderr)

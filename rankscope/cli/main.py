@@ -24,7 +24,7 @@ import sys
 from types import ModuleType
 
 import rankscope
-from rankscope.cmdline import Parser
+from rankscope.common.cmdline import Parser
 
 # Subcommand name -> module under rankscope.cli. Add a command by adding one module and one
 # entry here.

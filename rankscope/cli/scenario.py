@@ -24,13 +24,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankscope.collector.diagnosis import scenarios
-    from rankscope.testbed import scenarios as testbed
+    from rankscope.harness import local_scenarios
+    from rankscope.harness import testbed_scenarios
 
-    known = {**scenarios.SCENARIOS, **testbed.SCENARIOS}
+    known = {**local_scenarios.SCENARIOS, **testbed_scenarios.SCENARIOS}
     if args.action == "list":
         for s in known.values():
-            tag = " [test bed, root]" if s.name in testbed.SCENARIOS else "" if s.in_tests else " [benchmark]"
+            tag = " [test bed, root]" if s.name in testbed_scenarios.SCENARIOS else "" if s.in_tests else " [benchmark]"
             print(f"{s.name:28} {s.doc}{tag}")
         return 0
     names = list(known) if args.all else args.names
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     scores = []
     for name in names:
-        play = testbed.run if name in testbed.SCENARIOS else scenarios.run
+        play = testbed_scenarios.run if name in testbed_scenarios.SCENARIOS else local_scenarios.run
         try:
             scores.append(play(known[name], log=lambda line: print(f"  {line}", flush=True)))  # type: ignore[arg-type]
         except TestbedError as e:

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.collector) != bool(args.run):
         return _bad("--collector and --run go together")
     from rankscope.healing import selfcheck
+    from rankscope.testbed.fleet import TestbedRunner
 
     if args.testbed is None and not args.host:
         report = selfcheck.check_local(ranks=args.ranks_per_host or 0, timeout_s=args.timeout, device=args.device)
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         if missing:
             return _bad(f"test bed {bed.name} is not up ({', '.join(missing)} is gone): rankscope testbed up makes one")
         ranks = args.ranks_per_host or max(2, bed.ranks_per_host)
-        report = selfcheck.check_hosts(names, selfcheck.TestbedRunner(bed), ranks=ranks, timeout_s=args.timeout, factor=args.factor,
+        report = selfcheck.check_hosts(names, TestbedRunner(bed), ranks=ranks, timeout_s=args.timeout, factor=args.factor,
                                        links=not args.no_links, device=args.device)  # fmt: skip
     if args.json:
         print(json.dumps(report.as_json()))

@@ -1,7 +1,7 @@
 """``rankscope simulate``: a 3D-parallel job of thousands of simulated ranks, sent to a real collector.
 
 MegaScale ran 12,288 GPUs; one machine cannot run that many trainers, so a few worker processes
-play them (see ``rankscope.collector.simulate`` for what is simulated and how much detail is
+play them (see ``rankscope.harness.simulate`` for what is simulated and how much detail is
 sent). Faults use the trainer's ``--inject`` grammar (straggler, hang, crash).
 """
 
@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.agent.autoload import forbid
 
     forbid("simulate")  # the simulated ranks speak through their own Transports, never through an agent here
-    from rankscope.collector.simulate.runner import Options, make_plan
-    from rankscope.collector.simulate.runner import run as simulate
-    from rankscope.trainer.faults import FaultSpecError
+    from rankscope.harness.simulate.runner import Options, make_plan
+    from rankscope.harness.simulate.runner import run as simulate
+    from rankscope.common.fault_spec import FaultSpecError
 
     world = args.tp * args.pp * args.dp
     if args.ranks is not None and args.ranks != world:

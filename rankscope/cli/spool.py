@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rankscope.cli.args import seconds
+from rankscope.common.agent_env import agent_environment
 
 if TYPE_CHECKING:
     from rankscope.agent.config import AgentConfig
@@ -41,12 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.dir.is_dir():
         print(f"rankscope spool: {args.dir} is not a directory", file=sys.stderr)
         return 2
-    settings = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_SPOOL_DIR": str(args.dir)}
-    for name, value in (("RANKSCOPE_COLLECTOR", args.collector), ("RANKSCOPE_TOKEN", args.token),
-                        ("RANKSCOPE_TLS_CA", os.environ.get("RANKSCOPE_TLS_CA"))):
-        if value:
-            settings[name] = value
-    config = load_config(settings)
+    config = load_config(agent_environment(args.collector or None, spool_dir=args.dir, token=args.token or None,
+                                           tls_ca=os.environ.get("RANKSCOPE_TLS_CA") or None))
     if config is None:  # load_config said which value is wrong
         return 2
     return 0 if replay(config, args.timeout, "rankscope spool") else 1

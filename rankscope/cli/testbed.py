@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rankscope.cli.args import count
+from rankscope.common.agent_env import agent_environment
 
 if TYPE_CHECKING:
     from rankscope.testbed.hosts import Testbed
@@ -97,7 +98,7 @@ def _run_job(bed: Testbed, args: argparse.Namespace) -> int:
         if not args.collector.startswith("unix:/"):
             print("rankscope testbed run: --collector must be unix:/PATH (the hosts' networks reach nothing else)", file=sys.stderr)
             return 2
-        env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": args.collector}
+        env = agent_environment(args.collector)
     run_id = args.run_id or f"testbed-{uuid.uuid4().hex[:8]}"
     job = launch(bed, program, run_id=run_id, workdir=args.workdir, env=env, ranks_per_host=args.ranks_per_host)
     print(f"run {run_id}: {job.world_size} ranks on {len(job.launchers)} hosts; logs in {args.workdir}/", flush=True)
@@ -121,7 +122,7 @@ def _run_job(bed: Testbed, args: argparse.Namespace) -> int:
 
 
 def _fault(bed: Testbed, args: argparse.Namespace) -> int:
-    from rankscope.testbed import faults
+    from rankscope.testbed import host_faults
     from rankscope.testbed.job import find_ranks
 
     host = bed.host(int(args.host) if args.host.isdigit() else args.host) if args.host else None
@@ -136,13 +137,13 @@ def _fault(bed: Testbed, args: argparse.Namespace) -> int:
         print(f"rankscope testbed fault: {args.kind} needs --host", file=sys.stderr)
         return 2
     applied = {
-        "throttle-cpu": lambda: faults.throttle_cpu(bed, host, args.share),
-        "freeze-rank": lambda: faults.freeze_rank(rank),
-        "freeze-host": lambda: faults.freeze_host(host),
-        "kill-rank": lambda: faults.kill_rank(rank),
-        "kill-host": lambda: faults.kill_host(bed, host),
-        "limit-bandwidth": lambda: faults.limit_bandwidth(bed, host, args.mbit),
-        "delay-link": lambda: faults.delay_link(bed, host, args.delay_ms),
+        "throttle-cpu": lambda: host_faults.throttle_cpu(bed, host, args.share),
+        "freeze-rank": lambda: host_faults.freeze_rank(rank),
+        "freeze-host": lambda: host_faults.freeze_host(host),
+        "kill-rank": lambda: host_faults.kill_rank(rank),
+        "kill-host": lambda: host_faults.kill_host(bed, host),
+        "limit-bandwidth": lambda: host_faults.limit_bandwidth(bed, host, args.mbit),
+        "delay-link": lambda: host_faults.delay_link(bed, host, args.delay_ms),
     }[args.kind]()
     print(applied.what, flush=True)
     if args.kind.startswith("kill"):

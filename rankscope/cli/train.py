@@ -18,7 +18,7 @@ REPLAY_TIMEOUT_S = 120.0
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `rankscope --help` never imports torch.
-    from rankscope.trainer.launch import main as launch_main
+    from rankscope.trainer.torchrun import main as launch_main
 
     status = launch_main(list(args.argv))
     _replay_leftovers()

@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
-from .query import (
+from rankscope.collector.query import (
     Limits,
     QueryFailed,
     QueryRefused,
@@ -34,7 +34,7 @@ from .query import (
     params_to_wire,
     run_read_only,
 )
-from .store.base import Store, StoreBusyError, StoreError, StoreUnreachableError, open_store
+from rankscope.collector.store.base import Store, StoreBusyError, StoreError, StoreUnreachableError, open_store
 
 DEFAULT_COLLECTOR = "127.0.0.1:7777"
 

@@ -25,11 +25,10 @@ import pyarrow as pa
 
 from rankscope.collector.store import schema
 from rankscope.collector.store.base import arrow_schema, arrow_type
-from rankscope.protos.v1 import ingest_pb2, telemetry_pb2
+from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2, telemetry_pb2
 
 log = logging.getLogger("rankscope.collector")
 
-SUPPORTED_SCHEMA_VERSION = 1
 BATCH_ID_BYTES = 16
 #: payloads about the run as a whole (their batch's rank is 0 and says nothing about rank 0)
 RUN_LEVEL = ("action", "selfcheck")
@@ -881,10 +880,10 @@ _PAYLOADS: dict[str, Callable[[_Context, Any, RunRegistry], dict[str, pa.Table]]
 
 def check_envelope(batch: ingest_pb2.Batch) -> str:
     """The payload kind of ``batch`` after checking its envelope; raises before any decoding."""
-    if batch.schema_version != SUPPORTED_SCHEMA_VERSION:
+    if batch.schema_version != BATCH_SCHEMA_VERSION:
         raise UnsupportedSchemaVersion(
             f"schema_version {batch.schema_version} is not supported by this collector (it speaks"
-            f" {SUPPORTED_SCHEMA_VERSION}): upgrade the collector or run a matching agent"
+            f" {BATCH_SCHEMA_VERSION}): upgrade the collector or run a matching agent"
         )
     if not batch.run_id:
         raise IngestError("run_id is empty: every batch names its run")

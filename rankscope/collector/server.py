@@ -28,15 +28,15 @@ import grpc
 
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
-from .control import PendingCommands
-from .diagnosis.context import Settings
-from .diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
-from .ingest import REGISTRATIONS, Decoded, IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
-from .query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
-from .store.base import Store, StoreError, open_store
-from .store.migrations import migrate
-from .telemetry import Telemetry
-from .writer import FLUSH_INTERVAL_S, BatchKey, Writer
+from rankscope.collector.control import PendingCommands
+from rankscope.common.settings import Settings
+from rankscope.collector.diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
+from rankscope.collector.ingest import REGISTRATIONS, Decoded, IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
+from rankscope.collector.query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
+from rankscope.collector.store.base import Store, StoreError, open_store
+from rankscope.collector.store.migrations import migrate
+from rankscope.collector.telemetry import Telemetry
+from rankscope.collector.writer import FLUSH_INTERVAL_S, BatchKey, Writer
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 DEFAULT_LISTEN = "127.0.0.1:7777"

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .writer import Writer
+from rankscope.collector.writer import Writer
 
 #: a rank counts as connected while its last batch is younger than this
 CONNECTED_WINDOW_S = 30.0

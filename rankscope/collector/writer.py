@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from .store.base import QueryError, Store, StoreError, arrow_schema, conform, table_spec
-from .ingest import REGISTRATIONS
-from .store.schema import BY_NAME
+from rankscope.collector.store.base import QueryError, Store, StoreError, arrow_schema, conform, table_spec
+from rankscope.collector.ingest import REGISTRATIONS
+from rankscope.collector.store.schema import BY_NAME
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import pandas as pd
 import streamlit as st
 
-from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, Incident, from_rows
+from rankscope.common.incidents import INCIDENTS_SQL, Incident, from_rows
 from rankscope.dashboard.connection import query
 
 #: seconds a live run's answers are kept (live pages redraw every ui.REFRESH_S)

@@ -22,8 +22,8 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from rankscope.collector.diagnosis.context import Settings
-from rankscope.collector.diagnosis.incidents import Incident
+from rankscope.common.settings import Settings
+from rankscope.common.incidents import Incident
 
 STATES: tuple[str, ...] = ("crashed", "silent", "blocked", "straggler", "waiting", "computing", "finished", "not started")
 #: the collector's default: a rank quiet this long without a last word is lost

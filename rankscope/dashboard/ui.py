@@ -18,8 +18,7 @@ import pandas as pd
 import streamlit as st
 
 from rankscope.collector.client import QueryFailed, ResultTooLarge, Unauthenticated, Unreachable
-from rankscope.collector.diagnosis.context import who  # noqa: F401 - the pages name ranks as the incidents do: ui.who
-from rankscope.collector.diagnosis.incidents import Incident
+from rankscope.common.incidents import Incident, who  # noqa: F401 - who: the pages name ranks as the incidents do (ui.who)
 from rankscope.dashboard import connection, data, healing
 from rankscope.dashboard.data import Run
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rankscope.collector.client import Client, QueryFailed
-from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
+from rankscope.common.incidents import INCIDENTS_SQL
 from rankscope.healing import record
 from rankscope.healing.fleet import Fleet
 from rankscope.healing.policy import Policy, Verdict

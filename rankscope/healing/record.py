@@ -14,8 +14,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from rankscope.collector.ingest import SUPPORTED_SCHEMA_VERSION
-from rankscope.protos.v1 import ingest_pb2, telemetry_pb2
+from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2, telemetry_pb2
 
 __all__ = ["Figure", "action_batch", "selfcheck_batch"]
 
@@ -34,7 +33,7 @@ class Figure:
 
 def _batch(run_id: str, attempt: int, **payload: object) -> ingest_pb2.Batch:
     return ingest_pb2.Batch(
-        schema_version=SUPPORTED_SCHEMA_VERSION, run_id=run_id, rank=0, batch_id=secrets.token_bytes(16), attempt=attempt,
+        schema_version=BATCH_SCHEMA_VERSION, run_id=run_id, rank=0, batch_id=secrets.token_bytes(16), attempt=attempt,
         sent_ns=time.time_ns(), **payload,
     )  # fmt: skip
 

@@ -29,8 +29,9 @@ slow fails twice. With no peer, figures are measured but not judged. Measurement
 about 0.1 s or more (many 10 ms CPU-quota periods), best of a few, so that a throttled host
 measures slow instead of fitting one lucky burst into its quota.
 
-Where a host's commands run is a ``Runner``: ``TestbedRunner`` (inside a test bed's namespace
-host, through ``rankscope.testbed.hosts.command_on``) or ``LocalRunner`` (this machine itself).
+Where a host's commands run is a ``Runner``: ``LocalRunner`` (this machine itself) here, a test
+bed's namespace hosts with ``rankscope.testbed.fleet.TestbedRunner``. A runner also names the only
+networks the link tests may contact.
 """
 
 from __future__ import annotations
@@ -53,15 +54,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rankscope.healing.record import Figure, selfcheck_batch
-from rankscope.testbed.hosts import SUBNET
 
 if TYPE_CHECKING:
     from rankscope.protos.v1 import ingest_pb2
-    from rankscope.testbed.hosts import Testbed
 
 __all__ = [
     "FACTOR", "LOCAL_CHECKS", "SPECS", "TIMEOUT_S", "Answer", "HostResult", "LocalRunner", "Report", "Runner", "Spec",
-    "TestbedRunner", "check_hosts", "check_local", "judge", "run_on",
+    "check_hosts", "check_local", "judge", "run_on",
 ]  # fmt: skip
 
 #: a figure fails when it is worse than its peers' median by more than this factor
@@ -70,8 +69,8 @@ FACTOR = 2.0
 TIMEOUT_S = 60.0
 #: the tests run on each host itself, in this order (``matmul`` last: nothing forks after it)
 LOCAL_CHECKS = ("memory_bandwidth", "loopback_allreduce", "matmul")
-#: the only networks a link test may contact: the test bed's namespaces and loopback
-ALLOWED_NETWORKS = (ipaddress.ip_network(f"{SUBNET}.0/24"), ipaddress.ip_network("127.0.0.0/8"))
+#: the networks a link test may contact unless its runner names others (``Runner.networks``)
+LOOPBACK = ("127.0.0.0/8",)
 #: what the probes print before each JSON line (anything else on their stdout is ignored)
 MARK = "@selfcheck "
 #: bytes and seconds of a link test: the stream stops at whichever comes first
@@ -106,7 +105,9 @@ ORDER = ("matmul", "memory_bandwidth", "loopback_allreduce", "link_server", "lin
 
 class Runner(Protocol):
     """Where a host's commands run: ``command`` wraps an argv to run inside the host; ``address`` is
-    where the host's peers reach it."""
+    where the host's peers reach it; ``networks`` (CIDRs) are the only ones a link test may contact."""
+
+    networks: tuple[str, ...]
 
     def command(self, host: str, argv: Sequence[str]) -> list[str]: ...
 
@@ -114,27 +115,10 @@ class Runner(Protocol):
 
 
 @dataclass(frozen=True)
-class TestbedRunner:
-    """The hosts of a test bed: a command runs in the host's cgroups, CPUs, namespace and host name."""
-
-    bed: Testbed
-
-    @property
-    def hosts(self) -> list[str]:
-        return [h.name for h in self.bed.hosts]
-
-    def command(self, host: str, argv: Sequence[str]) -> list[str]:
-        from rankscope.testbed.hosts import command_on
-
-        return command_on(self.bed.host(host), argv)
-
-    def address(self, host: str) -> str:
-        return self.bed.host(host).address
-
-
-@dataclass(frozen=True)
 class LocalRunner:
     """This machine: ``rankscope selfcheck`` runs on the host it checks."""
+
+    networks: tuple[str, ...] = LOOPBACK
 
     @property
     def hosts(self) -> list[str]:
@@ -361,6 +345,10 @@ def _probe(*args: str) -> list[str]:
     return [sys.executable, "-m", "rankscope.healing.selfcheck", *args]
 
 
+def _allow(runner: Runner) -> list[str]:
+    return [a for net in runner.networks for a in ("--allow", net)]
+
+
 def _local(runner: Runner, host: str, *, ranks: int, timeout_s: float, device: str) -> tuple[list[Figure], str]:
     """The local tests on one host: their figures, and why the host is not to be asked anything more
     ("" unless it gave no answer in time)."""
@@ -423,7 +411,7 @@ def _links(
         for host in tested:
             began = time.monotonic()
             backstop = len(hosts) ** 2 * timeout_s + 30  # the server ends by itself even if nobody stops it
-            child = _Child(runner, host, _probe("--serve-links", "--bind", runner.address(host), "--for", f"{backstop:g}"))
+            child = _Child(runner, host, _probe("--serve-links", "--bind", runner.address(host), "--for", f"{backstop:g}", *_allow(runner)))
             try:
                 message = child.message(timeout_s)
                 problem = "" if message and "port" in message else f"it ended ({child.why()})"
@@ -468,7 +456,8 @@ def _link_tests(
     if not peers:
         return []
     args = [a for p in peers for a in ("--peer", f"{p}={runner.address(p)}:{servers[p][1]}")]
-    probe = _probe("--probe", "links", "--bytes", str(link_bytes), "--seconds", f"{link_seconds:g}", "--socket-timeout", f"{timeout_s / 3:g}", *args)
+    probe = _probe("--probe", "links", "--bytes", str(link_bytes), "--seconds", f"{link_seconds:g}", "--socket-timeout", f"{timeout_s / 3:g}",
+                   *_allow(runner), *args)  # fmt: skip
     child = _Child(runner, host, probe)
     figures, why = [], ""
     try:
@@ -784,18 +773,18 @@ def _probe_local(checks: Sequence[str], ranks: int, device: str) -> None:
         _say({"figures": [figure]})
 
 
-def _allowed(address: str) -> None:
-    if not any(ipaddress.ip_address(address) in net for net in ALLOWED_NETWORKS):
-        raise ValueError(f"a link test contacts only {', '.join(map(str, ALLOWED_NETWORKS))}, not {address}")
+def _allowed(address: str, networks: Sequence[str]) -> None:
+    if not any(ipaddress.ip_address(address) in ipaddress.ip_network(net) for net in networks):
+        raise ValueError(f"a link test contacts only {', '.join(networks)}, not {address}")
 
 
-def _probe_links(peers: Sequence[str], total_bytes: int, seconds: float, socket_timeout_s: float) -> None:
+def _probe_links(peers: Sequence[str], total_bytes: int, seconds: float, socket_timeout_s: float, networks: Sequence[str]) -> None:
     for spec in peers:
         name, _, target = spec.partition("=")
         address, _, port = target.rpartition(":")
         checks = [f"link_throughput:{name}", f"link_rtt:{name}"]
         try:
-            _allowed(address)
+            _allowed(address, networks)
             rtt = _ping(address, int(port), socket_timeout_s)
             mbit = _stream(address, int(port), total_bytes, seconds, socket_timeout_s)
         except (OSError, ValueError) as e:
@@ -845,10 +834,10 @@ def _read_exactly(s: socket.socket, n: int) -> bytes:
     return data
 
 
-def _serve_links(bind: str, for_s: float) -> None:
+def _serve_links(bind: str, for_s: float, networks: Sequence[str]) -> None:
     """The peer's end of the link tests: ``E`` echoes, ``S`` sinks and answers with the byte count.
     One connection at a time (the hosts are checked one at a time); gone after ``for_s`` seconds."""
-    _allowed(bind)
+    _allowed(bind, networks)
     deadline = time.monotonic() + for_s
     with socket.create_server((bind, 0)) as server:
         _say({"port": server.getsockname()[1]})
@@ -876,7 +865,7 @@ def _serve_links(bind: str, for_s: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rankscope.cmdline import Parser
+    from rankscope.common.cmdline import Parser
 
     parser = Parser(prog="python -m rankscope.healing.selfcheck", description="one host's end of rankscope selfcheck (a probe or a link server)")
     what = parser.add_mutually_exclusive_group(required=True)
@@ -891,13 +880,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--socket-timeout", type=float, default=10.0)
     parser.add_argument("--bind", default="127.0.0.1")
     parser.add_argument("--for", dest="for_s", type=float, default=600.0)
+    parser.add_argument("--allow", action="append", metavar="CIDR", help=f"a network link tests may contact (default: {', '.join(LOOPBACK)})")
     args = parser.parse_args(argv)
+    networks = args.allow or list(LOOPBACK)
     if args.serve_links:
-        _serve_links(args.bind, args.for_s)
+        _serve_links(args.bind, args.for_s, networks)
     elif args.probe == "local":
         _probe_local(args.checks.split(","), args.ranks, args.device)
     else:
-        _probe_links(args.peer, args.bytes, args.seconds, args.socket_timeout)
+        _probe_links(args.peer, args.bytes, args.seconds, args.socket_timeout, networks)
     return 0
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.processes import terminate_tree
+from rankscope.common.processes import terminate_tree
 from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, command_on, pin_rank
 
 __all__ = ["Job", "Rank", "find_ranks", "launch", "trainer"]

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from rankscope.cmdline import Parser
+from rankscope.common.cmdline import Parser
 
 __all__ = ["DelayRelay", "RelayError", "main", "start_delay"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rankscope.trainer.faults import Injector
+from rankscope.trainer.injector import Injector
 
 _injector: Injector | None = None
 _blocked_s = 0.0

@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.cmdline import Parser
-from rankscope.trainer import faults
+from rankscope.common.cmdline import Parser
+from rankscope.common import fault_spec
 
 
 class ConfigError(ValueError):
@@ -129,10 +129,10 @@ class TrainConfig:
         if self.data is not None and not self.data.is_file():
             problems.append(f"--data {self.data}: no such file")
         try:
-            for fault in faults.parse(self.inject):
+            for fault in fault_spec.parse(self.inject):
                 if self.dp:
                     fault.check_ranks(self.world_size, self.steps)
-        except faults.FaultSpecError as exc:
+        except fault_spec.FaultSpecError as exc:
             problems.append(str(exc))
         if problems:
             raise ConfigError("; ".join(problems))
@@ -219,7 +219,7 @@ def build_parser(prog: str = "rankscope train") -> argparse.ArgumentParser:
     parser = Parser(
         prog=prog,
         description="Megatron-style GPT training with tensor, pipeline and data parallelism.",
-        epilog=faults.GRAMMAR,
+        epilog=fault_spec.GRAMMAR,
         formatter_class=_HelpFormatter,
     )
     for f in dataclasses.fields(TrainConfig):

@@ -20,7 +20,7 @@ from rankscope import agent
 from rankscope.trainer import comm
 from rankscope.trainer.data import MicroBatches
 from rankscope.trainer.data_parallel import GradSync
-from rankscope.trainer.faults import Injector
+from rankscope.trainer.injector import Injector
 from rankscope.trainer.model import GPTStage
 from rankscope.trainer.parallel_state import ParallelState
 

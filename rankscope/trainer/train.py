@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from rankscope import agent
-from rankscope.trainer import comm, faults, flops, parallel_state
+from rankscope.common import fault_spec
+from rankscope.trainer import comm, flops, parallel_state
+from rankscope.trainer.injector import Injector
 from rankscope.trainer.config import ConfigError, TrainConfig, parse_args
 from rankscope.trainer.data import MicroBatches, TokenSource
 from rankscope.trainer.data_parallel import GradSync
@@ -123,7 +125,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> None:
         list(model.parameters()), ps.dp_group, ps.tp_group, int(cfg.bucket_mb * 2**20 / 4), cfg.distributed_optimizer
     )
     optimizer = Optimizer(model, sync, cfg.lr, cfg.weight_decay, ps.tp_group, ps.pp_group)
-    injector = faults.Injector(faults.parse(cfg.inject), ps.rank)
+    injector = Injector(fault_spec.parse(cfg.inject), ps.rank)
     comm.install(injector)
 
     checkpointer = None
@@ -172,7 +174,7 @@ def _step(
     pipeline: Pipeline,
     sync: GradSync,
     optimizer: Optimizer,
-    injector: faults.Injector,
+    injector: Injector,
     args: ModelArgs,
     peak: float | None,
 ) -> StepMetrics:

@@ -12,6 +12,8 @@ import pyarrow as pa
 from clickhouse_connect.driver.binding import format_bind_value
 
 from rankscope.collector.anatomy.path import GroupIndex
+from rankscope.common.incidents import who
+from rankscope.common.settings import Settings
 
 #: ``query(sql, params) -> pyarrow.Table``: a collector client, a store reader, or the collector's own store
 Query = Callable[[str, Mapping[str, object]], pa.Table]
@@ -21,42 +23,6 @@ STEP_TIME_SQL = (
     "SELECT median(value) AS step_s FROM step_metrics WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND name = 'step_time_s' "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
 )
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Detector thresholds; the defaults are what the scenarios are tuned and tested with."""
-
-    #: a run whose steps stopped advancing this long while heartbeats still arrive is hung
-    hang_after_s: float = 30.0
-    #: a rank silent for this long without saying it ended is lost
-    silent_after_s: float = 15.0
-    #: straggler: slower than its stage's median by at least this share ...
-    straggler_excess: float = 0.10
-    #: ... over this many recent steps (median of them), seen in at least ``straggler_min_steps``
-    straggler_window: int = 6
-    #: (a clean 8-rank run on 2 busy cores had a rank's forward 1.2x its stage's in CPU time at three
-    #: steps in a row, its tensor-parallel partner too at two of them, and not at the fourth)
-    straggler_min_steps: int = 4
-    #: ... and by at least this much time per step (tiny segments are all noise) ...
-    straggler_min_excess_s: float = 0.002
-    #: ... and this share of the step: a segment that costs the step less is no straggler worth a
-    #: look, and a small wall-time-only segment (data loading) on a busy host is mostly the scheduler
-    straggler_step_share: float = 0.01
-    #: where CPU time is compared, wall time too (a step's compute as a whole), slower by at least
-    #: this share at every step of the window but one: a rank starved of CPU computes no slower, it
-    #: waits to run. Wall time on shared cores is noisy: 8 ranks on 2 cores showed three steps in a
-    #: row 1.5-1.9x their stage's median with steady CPU time
-    straggler_wall_excess: float = 1.0
-    #: slow link: a pair's transfer time this many times the median of comparable pairs ...
-    slow_link_ratio: float = 4.0
-    #: ... costing at least this share of a step (and this much time) per step. Measured: links cut
-    #: to 20 Mbit/s, delayed 30 ms or 120 ms cost 23-30% of a step; scheduling noise on 8 ranks of
-    #: 2 cores made a pair of 32 kB transfers 8x its peers at 5.7% (a test bed run in CI)
-    slow_link_step_share: float = 0.10
-    slow_link_min_s: float = 0.005
-    #: loss spike: the loss this many times the median of the previous steps
-    loss_spike_ratio: float = 2.0
 
 
 ATTEMPT_SQL = "SELECT max(attempt) AS attempt FROM ranks WHERE run_id = {run:String}"
@@ -151,12 +117,6 @@ def died_at(silent_since_ns: int, exit_times_ns: Iterable[int], settings: Settin
     collectives time out much later."""
     window_ns = settings.hang_after_s * 1e9
     return any(silent_since_ns < t <= silent_since_ns + window_ns for t in exit_times_ns)
-
-
-def who(rank: int, hosts: Mapping[int, str]) -> str:
-    """``rank 5 (node-2)``: how incidents (and the dashboard, which must agree) name a rank."""
-    host = hosts.get(int(rank))
-    return f"rank {rank} ({host})" if host else f"rank {rank}"
 
 
 _PLACEHOLDER = re.compile(r"\{(\w+):[^}]+\}")

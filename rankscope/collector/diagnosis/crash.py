@@ -17,7 +17,7 @@ import signal
 from collections.abc import Mapping
 
 from rankscope.collector.diagnosis.context import RunContext, died_at
-from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.common.incidents import Finding
 
 #: the kinds of incident this detector names
 KINDS = ("crash", "lost_rank", "lost_host")

@@ -24,9 +24,11 @@ from types import ModuleType
 from typing import Any
 
 from rankscope.collector.diagnosis import crash, gpu, hang, nan, slow_link, straggler
-from rankscope.collector.diagnosis.context import Query, RunContext, Settings
+from rankscope.collector.diagnosis.context import Query, RunContext
+from rankscope.common.settings import Settings
 from rankscope.collector.ingest import LastHeard
-from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, Finding, Incident, Ledger, from_rows, to_arrow
+from rankscope.collector.diagnosis.ledger import Ledger, to_arrow
+from rankscope.common.incidents import INCIDENTS_SQL, Finding, Incident, from_rows
 
 log = logging.getLogger("rankscope.diagnosis")
 

@@ -8,7 +8,7 @@ transient); an uncorrected ECC error or an Xid event counts at once.
 from __future__ import annotations
 
 from rankscope.collector.diagnosis.context import RunContext
-from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.common.incidents import Finding
 
 #: throttle reasons that mean trouble (NVML's; power capping under full load is normal and left out)
 #: the kinds of incident this detector names

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rankscope.collector.diagnosis.context import RunContext, died_at
-from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.common.incidents import Finding
 
 # Every rank's latest heartbeat is kept as heartbeats arrive (the ``rank_state`` rollup): a pass
 # reads a row per rank, however long the run; the heartbeats of one step through the step index.

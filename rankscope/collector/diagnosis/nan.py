@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from rankscope.collector.diagnosis.context import RunContext
-from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.common.incidents import Finding
 
 # The first step with a value not finite, from the per-step ``step_losses`` rollup (a row per step),
 # then that step's rows through the step index: a run's step metrics grow with it.

@@ -17,7 +17,7 @@ import numpy as np
 
 from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
-from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.common.incidents import Finding
 from rankscope.collector.diagnosis.transfer_window import TransferWindow
 
 #: the kinds of incident this detector names

@@ -24,8 +24,9 @@ from dataclasses import replace
 import numpy as np
 
 from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
-from rankscope.collector.diagnosis.context import RunContext, Settings
-from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.collector.diagnosis.context import RunContext
+from rankscope.common.settings import Settings
+from rankscope.common.incidents import Finding
 from rankscope.collector.diagnosis.segment_window import STEP_COMPUTE, SegmentWindow, Series
 
 #: the kinds of incident this detector names

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from .schema import BY_NAME, Table
+from rankscope.collector.store.schema import BY_NAME, Table
 
 
 class StoreError(Exception):
@@ -77,11 +77,11 @@ def open_store(*, store_dir: Path | None = None, clickhouse_url: str | None = No
     """The embedded store in ``store_dir`` or the server at ``clickhouse_url`` (exactly one of them)."""
     # Imported here: chdb is large, and a process that imported it must never fork.
     if store_dir is not None and clickhouse_url is None:
-        from .chdb import EmbeddedStore
+        from rankscope.collector.store.chdb import EmbeddedStore
 
         return EmbeddedStore(store_dir, database=database)
     if clickhouse_url is not None and store_dir is None:
-        from .clickhouse import ServerStore
+        from rankscope.collector.store.clickhouse import ServerStore
 
         return ServerStore(clickhouse_url, database=database)
     raise StoreError("give either a store directory (embedded chDB) or a ClickHouse URL, not both or neither")

@@ -32,7 +32,7 @@ import chdb
 import pyarrow as pa
 from clickhouse_connect.driver.binding import format_bind_value
 
-from .base import QueryError, StoreBusyError, StoreError, conform, split_table_name
+from rankscope.collector.store.base import QueryError, StoreBusyError, StoreError, conform, split_table_name
 
 _SETTING_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _SETTING_VALUE = re.compile(r"[\w.\-]*")

@@ -16,7 +16,7 @@ import clickhouse_connect
 import pyarrow as pa
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
-from .base import QueryError, StoreError, StoreUnreachableError, conform, split_table_name
+from rankscope.collector.store.base import QueryError, StoreError, StoreUnreachableError, conform, split_table_name
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .schema import BY_NAME, TABLES, Column, Index, Table
+from rankscope.collector.store.schema import BY_NAME, TABLES, Column, Index, Table
 
 #: where each replicated table keeps its state in ClickHouse Keeper (macros filled in per node)
 REPLICA_PATH = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"

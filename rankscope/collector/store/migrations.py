@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from rankscope import __version__
 
-from .base import Store, StoreVersionError, arrow_schema
-from .ddl import (
+from rankscope.collector.store.base import Store, StoreVersionError, arrow_schema
+from rankscope.collector.store.ddl import (
     add_column_statements,
     add_index_statements,
     backfill_rollup_statement,
@@ -31,7 +31,7 @@ from .ddl import (
     storage_table,
     ttl_clause,
 )
-from .schema import ATTEMPT, BY_NAME, SCHEMA_VERSION, TABLES, WORLD
+from rankscope.collector.store.schema import ATTEMPT, BY_NAME, SCHEMA_VERSION, TABLES, WORLD
 
 
 @dataclass(frozen=True)

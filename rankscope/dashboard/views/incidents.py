@@ -4,7 +4,7 @@ graph at that moment; then the run's restarts, actions and self-checks."""
 
 import streamlit as st
 
-from rankscope.collector.diagnosis.incidents import Finding
+from rankscope.common.incidents import Finding
 from rankscope.dashboard import data, healing, ui
 from rankscope.dashboard.data import Run
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL, headline
-from rankscope.collector.orchestration import CLI, agent_env, collector_command, host_of, start, stop, wait_for_address
-from rankscope.trainer.faults import Fault, parse
+from rankscope.common.incidents import INCIDENTS_SQL, headline
+from rankscope.harness.orchestration import CLI, agent_env, collector_command, host_of, start, stop, wait_for_address
+from rankscope.common.fault_spec import Fault, parse
 
 if TYPE_CHECKING:
     from rankscope.collector.client import Client

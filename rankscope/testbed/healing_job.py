@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rankscope.collector.client import Client
+from rankscope.common.agent_env import agent_environment
 from rankscope.healing.driver import Driver
-from rankscope.healing.fleet import TestbedFleet
+from rankscope.testbed.fleet import TestbedFleet
 from rankscope.healing.policy import Policy
-from rankscope.processes import terminate_tree
+from rankscope.common.processes import terminate_tree
 from rankscope.testbed.hosts import CONTROL_ADDRESS, Testbed, TestbedError
 from rankscope.testbed.job import RDZV_PORT, Job, launch
 
@@ -66,8 +67,7 @@ def run(
     starting, waiting = bed.hosts[: len(bed.hosts) - spares], bed.hosts[len(bed.hosts) - spares :]
     workdir.mkdir(parents=True, exist_ok=True)
     rendezvous = start_rendezvous(bed, workdir)
-    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector, "RANKSCOPE_RUN_ID": run_id, "RANKSCOPE_HEARTBEAT_S": "1",
-           "RANKSCOPE_FLUSH_S": "1", "RANKSCOPE_SPOOL_DIR": str(workdir / "spool"),
+    env = {**agent_environment(collector, run_id, spool_dir=workdir / "spool", every_s=1),
            # A fresh worker store every round: torchrun's shared one (served by the round's first node,
            # chosen once) keeps the previous attempt's keys, whose gloo addresses are dead processes.
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip

@@ -1,6 +1,6 @@
 """A simulated job's rows written straight into a store: for the tests and benchmarks of the anatomy and the diagnosis.
 
-The timelines are the scale simulator's (``rankscope/collector/simulate``): per-stage forward and backward
+The timelines are the scale simulator's (``rankscope/harness/simulate``): per-stage forward and backward
 compute with noise, tensor-parallel all-reduces after every chunk, the 1F1B pipeline with its
 point-to-point transfers, the data-parallel all-reduce, the optimizer, with injected stragglers;
 every step at full detail (every span and every collective, as a real agent records them). Its
@@ -19,9 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rankscope.collector.simulate.model import Step, StepModel, Timing
-from rankscope.collector.simulate.rows import OP_NAMES, SPAN_KINDS, SPAN_NAMES, Slice
-from rankscope.collector.simulate.topology import Topology
+from rankscope.harness.simulate.model import Step, StepModel, Timing
+from rankscope.harness.simulate.rows import OP_NAMES, SPAN_KINDS, SPAN_NAMES, Slice
+from rankscope.harness.simulate.topology import Topology
 from rankscope.collector.store.base import Store, arrow_schema
 from rankscope.collector.store.schema import BY_NAME
 

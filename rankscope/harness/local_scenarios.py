@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
-from rankscope.collector.orchestration import (
+from rankscope.common.incidents import INCIDENTS_SQL
+from rankscope.harness.orchestration import (
     CLI,
     agent_env,
     await_diagnosis,

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rankscope.collector.simulate import topology, worker
-from rankscope.collector.simulate.plan import SUPPORTED, Cadence, Plan
-from rankscope.trainer.faults import FaultSpecError, parse
+from rankscope.harness.simulate import topology, worker
+from rankscope.harness.simulate.plan import SUPPORTED, Cadence, Plan
+from rankscope.common.fault_spec import FaultSpecError, parse
 
 #: calls in flight over all workers. The collector's gRPC server cancels calls beyond about 1,500
 #: pending at once (measured), and a batch waits up to a flush interval for its acknowledgement.

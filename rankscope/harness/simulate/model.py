@@ -29,7 +29,7 @@ from functools import cached_property
 
 import numpy as np
 
-from rankscope.collector.simulate.topology import Topology
+from rankscope.harness.simulate.topology import Topology
 
 #: the stage that also computes the loss and the head is this much slower
 LAST_STAGE_EXTRA = 0.1

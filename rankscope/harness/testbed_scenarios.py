@@ -3,7 +3,7 @@
 Each scenario makes a test bed (4 hosts of 2 ranks by default), starts a collector on a Unix socket,
 runs a job across the hosts with the agent on (the bundled trainer, TP2 x PP2 x DP2, or a plain DDP
 script), waits until the job reaches ``fault_step``, applies its fault to a host or a rank from
-outside (``faults``) and watches the incidents. It passes when exactly the expected incident is
+outside (``host_faults``) and watches the incidents. It passes when exactly the expected incident is
 there, naming the rank(s) and the host the fault hit (the host's own name, as its processes see
 it), and nothing else. ``Score.seconds_to_detect`` is the time from the fault to the incident.
 """
@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.collector.diagnosis.incidents import INCIDENTS_SQL
-from rankscope.collector.diagnosis.scenarios import SMALL_MODEL, verdict
-from rankscope.collector.orchestration import (
+from rankscope.common.agent_env import agent_environment
+from rankscope.common.incidents import INCIDENTS_SQL
+from rankscope.harness.local_scenarios import SMALL_MODEL, verdict
+from rankscope.harness.orchestration import (
     CLI,
     await_diagnosis,
     metrics_url,
@@ -29,7 +30,8 @@ from rankscope.collector.orchestration import (
     stop,
     wait_for_address,
 )
-from rankscope.testbed import faults, hosts
+from rankscope.testbed import hosts
+from rankscope.testbed import host_faults
 from rankscope.testbed.job import Job, Rank, launch, trainer
 
 HANG_AFTER_S = 10.0
@@ -48,7 +50,7 @@ PROGRAMS = {
 }
 
 #: (bed, job, target rank) -> the applied fault
-Apply = Callable[[hosts.Testbed, Job, Rank], faults.Applied]
+Apply = Callable[[hosts.Testbed, Job, Rank], host_faults.Applied]
 
 
 @dataclass(frozen=True)
@@ -75,29 +77,29 @@ SCENARIOS: dict[str, Scenario] = {
     for s in (
         Scenario("testbed-clean", "no fault: no incident may appear", None, steps=10),
         Scenario("testbed-throttle-host", "rank 5's host's CPU cut to a third (cgroup quota) from step 4", "straggler",
-                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", steps=14),  # fmt: skip
+                 lambda bed, job, r: host_faults.throttle_cpu(bed, r.host, 1 / 3), names="host", steps=14),  # fmt: skip
         Scenario("testbed-freeze-rank", "rank 5 stopped (SIGSTOP) at step 4", "hang",
-                 lambda bed, job, r: faults.freeze_rank(r), ends=False),  # fmt: skip
+                 lambda bed, job, r: host_faults.freeze_rank(r), ends=False),  # fmt: skip
         Scenario("testbed-freeze-host", "every process of rank 5's host frozen (freezer cgroup) at step 4", "hang",
-                 lambda bed, job, r: faults.freeze_host(r.host), names="host", ends=False),  # fmt: skip
-        Scenario("testbed-kill-rank", "rank 5 killed (SIGKILL) at step 4", "crash", lambda bed, job, r: faults.kill_rank(r)),
+                 lambda bed, job, r: host_faults.freeze_host(r.host), names="host", ends=False),  # fmt: skip
+        Scenario("testbed-kill-rank", "rank 5 killed (SIGKILL) at step 4", "crash", lambda bed, job, r: host_faults.kill_rank(r)),
         Scenario("testbed-kill-host", "every process of rank 5's host killed (SIGKILL) at step 4: a lost host", "lost_host",
-                 lambda bed, job, r: faults.kill_host(bed, r.host), names="host"),  # fmt: skip
+                 lambda bed, job, r: host_faults.kill_host(bed, r.host), names="host"),  # fmt: skip
         Scenario("testbed-slow-link", "rank 5's host's link limited to 20 Mbit/s (tbf) from step 4", "slow_link",
-                 lambda bed, job, r: faults.limit_bandwidth(bed, r.host, 20.0), names="link", program="trainer-default"),  # fmt: skip
+                 lambda bed, job, r: host_faults.limit_bandwidth(bed, r.host, 20.0), names="link", program="trainer-default"),  # fmt: skip
         Scenario("testbed-delay-link", "rank 5's host's link delayed 30 ms each way from step 4", "slow_link",
-                 lambda bed, job, r: faults.delay_link(bed, r.host, 30.0), names="link"),  # fmt: skip
+                 lambda bed, job, r: host_faults.delay_link(bed, r.host, 30.0), names="link"),  # fmt: skip
         Scenario("testbed-ddp-clean", "a plain DDP script: no incident may appear", None, program="ddp", steps=10),
         # A starved host is named once its ranks took twice their stage's wall time at every step of
         # the window (6) but one: the cut lands a heartbeat and a flush after step 4 is seen, later on a busy
         # machine, so the job runs well past that. A frozen job never ends by itself: steps to spare
         # cost nothing, and the job must not end before the freeze lands.
         Scenario("testbed-ddp-throttle-host", "a plain DDP script, rank 5's host's CPU cut to a third", "straggler",
-                 lambda bed, job, r: faults.throttle_cpu(bed, r.host, 1 / 3), names="host", program="ddp", steps=20),  # fmt: skip
+                 lambda bed, job, r: host_faults.throttle_cpu(bed, r.host, 1 / 3), names="host", program="ddp", steps=20),  # fmt: skip
         Scenario("testbed-ddp-freeze-rank", "a plain DDP script, rank 5 stopped (SIGSTOP)", "hang",
-                 lambda bed, job, r: faults.freeze_rank(r), program="ddp", steps=40, ends=False),  # fmt: skip
+                 lambda bed, job, r: host_faults.freeze_rank(r), program="ddp", steps=40, ends=False),  # fmt: skip
         Scenario("testbed-ddp-kill-host", "a plain DDP script, every process of rank 5's host killed", "lost_host",
-                 lambda bed, job, r: faults.kill_host(bed, r.host), names="host", program="ddp"),  # fmt: skip
+                 lambda bed, job, r: host_faults.kill_host(bed, r.host), names="host", program="ddp"),  # fmt: skip
     )
 }
 
@@ -172,8 +174,7 @@ def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, l
     from rankscope.collector.client import Client
 
     run_id = f"{scenario.name}-{uuid.uuid4().hex[:8]}"
-    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_RUN_ID": run_id, "RANKSCOPE_HEARTBEAT_S": "1",
-           "RANKSCOPE_FLUSH_S": "1", "RANKSCOPE_SPOOL_DIR": str(workdir / "spool")}  # fmt: skip
+    env = agent_environment(address, run_id, spool_dir=workdir / "spool", every_s=1)
     job = launch(bed, PROGRAMS[scenario.program](scenario.steps), run_id=run_id, workdir=workdir / "hosts", env=env)
     score = Score(scenario, run_id)
     applied = None

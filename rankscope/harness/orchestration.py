@@ -1,7 +1,7 @@
 """Running a local rankscope set-up as child processes: a collector, an 8-rank training run, a dashboard.
 
-Shared by the fault scenarios (``rankscope/collector/diagnosis/scenarios.py``) and ``rankscope demo``
-(``rankscope/collector/demo.py``), so that both start the processes the same way and stop every one of them:
+Shared by the fault scenarios (``rankscope/harness/local_scenarios.py``) and ``rankscope demo``
+(``rankscope/harness/demo.py``), so that both start the processes the same way and stop every one of them:
 each child runs in a session of its own with its output in a log file (a chatty child never blocks
 on a full pipe), and stopping one stops its whole tree (torchrun's workers included).
 """
@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rankscope.agent.config import render_host
-from rankscope.processes import terminate_tree
+from rankscope.common.agent_env import agent_environment
+from rankscope.common.processes import terminate_tree
 
 #: the ``rankscope`` command of this interpreter (works without the console script on PATH)
 CLI = (sys.executable, "-m", "rankscope.cli.main")
@@ -48,10 +49,7 @@ def collector_command(store: Path, listen: str, hang_after_s: float, *, metrics:
 def agent_env(address: str, run_id: str, spool_dir: Path) -> dict[str, str]:
     """This process's environment plus the agent switched on, sending to ``address`` as run ``run_id``
     (heartbeats and data every second, twice as often as by default: faults show up fast)."""
-    return {
-        **os.environ, "RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_RUN_ID": run_id,
-        "RANKSCOPE_HOST": HOSTS, "RANKSCOPE_HEARTBEAT_S": "1", "RANKSCOPE_FLUSH_S": "1", "RANKSCOPE_SPOOL_DIR": str(spool_dir),
-    }  # fmt: skip
+    return {**os.environ, **agent_environment(address, run_id, spool_dir=spool_dir, host=HOSTS, every_s=1)}
 
 
 def start(cmd: list[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:

@@ -2,7 +2,7 @@
 
 Each drill makes 3 namespace hosts of 2 ranks, starts a collector on a Unix socket and runs the
 bundled trainer (TP2 inside each host, data parallel over the hosts, dp re-planned on restart, DCP
-checkpoints every 2 steps) under ``healing.launch.run``. When the job reaches ``fault_step`` the
+checkpoints every 2 steps) under ``testbed.healing_job.run``. When the job reaches ``fault_step`` the
 fault hits one host from outside; nobody acts but the driver. ``Outcome`` holds what the test and
 the benchmark read back from the store: when the incident, the eviction and the first step after
 the restart came, the steps lost, the run's effective training time ratio, and who finished.
@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.collector.client import Client
-from rankscope.healing import launch
+from rankscope.testbed import healing_job
 from rankscope.healing.policy import Policy
-from rankscope.testbed import faults, hosts
+from rankscope.testbed import hosts
+from rankscope.testbed import host_faults
 from rankscope.testbed.job import Job, trainer
-from rankscope.testbed.scenarios import STEP_SQL, staged
+from rankscope.harness.testbed_scenarios import STEP_SQL, staged
 
 HOSTS, RANKS_PER_HOST = 3, 2
 STEPS, CKPT_EVERY = 16, 2
@@ -45,7 +46,7 @@ class Drill:
     name: str
     doc: str
     #: the fault, or None for a clean run (the benchmark's baseline)
-    apply: Callable[[hosts.Testbed, hosts.Host], faults.Applied] | None
+    apply: Callable[[hosts.Testbed, hosts.Host], host_faults.Applied] | None
     fault_step: int = 5
     #: hosts waiting outside the job, beside its ``HOSTS``; one joins for the evicted host
     spares: int = 0
@@ -56,10 +57,10 @@ class Drill:
 DRILLS: dict[str, Drill] = {
     d.name: d
     for d in (
-        Drill("kill-host", "every process of node0 killed (SIGKILL)", lambda bed, h: faults.kill_host(bed, h), target=0),
-        Drill("freeze-host", "every process of node1 frozen (freezer cgroup)", lambda bed, h: faults.freeze_host(h)),
-        Drill("throttle-host", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: faults.throttle_cpu(bed, h, 0.2)),
-        Drill("kill-host-spare", "every process of node0 killed; node3 waits as a spare", lambda bed, h: faults.kill_host(bed, h),
+        Drill("kill-host", "every process of node0 killed (SIGKILL)", lambda bed, h: host_faults.kill_host(bed, h), target=0),
+        Drill("freeze-host", "every process of node1 frozen (freezer cgroup)", lambda bed, h: host_faults.freeze_host(h)),
+        Drill("throttle-host", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: host_faults.throttle_cpu(bed, h, 0.2)),
+        Drill("kill-host-spare", "every process of node0 killed; node3 waits as a spare", lambda bed, h: host_faults.kill_host(bed, h),
               spares=1, target=0),  # fmt: skip
     )
 }
@@ -123,7 +124,7 @@ def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Ca
                       "--vocab", "256", "--micro-batch", "2", "--global-batch", "12",
                       "--steps", str(STEPS), "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(CKPT_EVERY), "--resume",
                       "--timeout", "120")  # fmt: skip
-    applied: list[faults.Applied] = []
+    applied: list[host_faults.Applied] = []
 
     def fault_later(job: Job) -> None:
         if drill.apply is None:
@@ -143,7 +144,7 @@ def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Ca
         threading.Thread(target=apply, daemon=True, name="fault").start()
 
     try:
-        outcome.exits, _ = launch.run(bed, program, collector=address, run_id=run_id, workdir=workdir / "job", policy=Policy(min_hosts=2),
+        outcome.exits, _ = healing_job.run(bed, program, collector=address, run_id=run_id, workdir=workdir / "job", policy=Policy(min_hosts=2),
                                       log=log, on_start=fault_later, spares=drill.spares)  # fmt: skip
     finally:
         for fault in applied:

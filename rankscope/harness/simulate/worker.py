@@ -24,11 +24,12 @@ import numpy as np
 from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import load_config
 from rankscope.agent.transport import Transport
-from rankscope.collector.simulate import payloads
-from rankscope.collector.simulate.hang import PHASES, Frozen, freeze
-from rankscope.collector.simulate.model import Step
-from rankscope.collector.simulate.plan import Plan
-from rankscope.collector.simulate.rows import Rows, Slice
+from rankscope.common.agent_env import agent_environment
+from rankscope.harness.simulate import payloads
+from rankscope.harness.simulate.freeze import PHASES, Frozen, freeze
+from rankscope.harness.simulate.model import Step
+from rankscope.harness.simulate.plan import Plan
+from rankscope.harness.simulate.rows import Rows, Slice
 from rankscope.protos.v1 import telemetry_pb2 as pb
 
 TICK_S = 0.05
@@ -91,7 +92,7 @@ class Worker:
         self.topo = plan.topo
         self.model = plan.model()
         self.slice = Slice(self.model, lo, hi)
-        config = load_config({"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": plan.collector, "RANKSCOPE_SPOOL_DIR": plan.spool_dir})
+        config = load_config(agent_environment(plan.collector, spool_dir=plan.spool_dir))
         if config is None:
             raise ValueError(f"bad collector address {plan.collector!r}")
         self.transport = Transport(config, plan.run_id, lo, name=f"simulate-{lo}", window=window, max_queue_bytes=256 << 20,

@@ -15,9 +15,9 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rankscope.collector.simulate.model import StepModel, Timing
-from rankscope.collector.simulate.topology import Topology
-from rankscope.trainer.faults import Fault
+from rankscope.harness.simulate.model import StepModel, Timing
+from rankscope.harness.simulate.topology import Topology
+from rankscope.common.fault_spec import Fault
 
 #: fault kinds the simulator plays (the trainer's grammar has more)
 SUPPORTED = ("straggler", "hang", "crash")

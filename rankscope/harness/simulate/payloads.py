@@ -13,9 +13,9 @@ import numpy as np
 
 import rankscope
 from rankscope.agent.heartbeat import IN_FLIGHT_LIMIT  # what the agent's heartbeat lists, oldest first
-from rankscope.collector.simulate.hang import Flight
-from rankscope.collector.simulate.rows import BF16, OP_NAMES, SPAN_KINDS, SPAN_NAMES, STEP_METRICS
-from rankscope.collector.simulate.topology import GROUP_KINDS, Topology
+from rankscope.harness.simulate.freeze import Flight
+from rankscope.harness.simulate.rows import BF16, OP_NAMES, SPAN_KINDS, SPAN_NAMES, STEP_METRICS
+from rankscope.harness.simulate.topology import GROUP_KINDS, Topology
 from rankscope.protos.v1 import telemetry_pb2 as pb
 
 

@@ -1,0 +1,42 @@
+"""The diagnosis thresholds: set on the command line (``rankscope collector`` and ``diagnose``), used
+by the detectors, and shown by the dashboard, which must judge a run as the collector does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Detector thresholds; the defaults are what the scenarios are tuned and tested with."""
+
+    #: a run whose steps stopped advancing this long while heartbeats still arrive is hung
+    hang_after_s: float = 30.0
+    #: a rank silent for this long without saying it ended is lost
+    silent_after_s: float = 15.0
+    #: straggler: slower than its stage's median by at least this share ...
+    straggler_excess: float = 0.10
+    #: ... over this many recent steps (median of them), seen in at least ``straggler_min_steps``
+    straggler_window: int = 6
+    #: (a clean 8-rank run on 2 busy cores had a rank's forward 1.2x its stage's in CPU time at three
+    #: steps in a row, its tensor-parallel partner too at two of them, and not at the fourth)
+    straggler_min_steps: int = 4
+    #: ... and by at least this much time per step (tiny segments are all noise) ...
+    straggler_min_excess_s: float = 0.002
+    #: ... and this share of the step: a segment that costs the step less is no straggler worth a
+    #: look, and a small wall-time-only segment (data loading) on a busy host is mostly the scheduler
+    straggler_step_share: float = 0.01
+    #: where CPU time is compared, wall time too (a step's compute as a whole), slower by at least
+    #: this share at every step of the window but one: a rank starved of CPU computes no slower, it
+    #: waits to run. Wall time on shared cores is noisy: 8 ranks on 2 cores showed three steps in a
+    #: row 1.5-1.9x their stage's median with steady CPU time
+    straggler_wall_excess: float = 1.0
+    #: slow link: a pair's transfer time this many times the median of comparable pairs ...
+    slow_link_ratio: float = 4.0
+    #: ... costing at least this share of a step (and this much time) per step. Measured: links cut
+    #: to 20 Mbit/s, delayed 30 ms or 120 ms cost 23-30% of a step; scheduling noise on 8 ranks of
+    #: 2 cores made a pair of 32 kB transfers 8x its peers at 5.7% (a test bed run in CI)
+    slow_link_step_share: float = 0.10
+    slow_link_min_s: float = 0.005
+    #: loss spike: the loss this many times the median of the previous steps
+    loss_spike_ratio: float = 2.0

@@ -1,0 +1,75 @@
+"""A test bed as the healing driver sees it: its hosts as a ``Fleet`` (workers found, paused and
+fenced from outside, as a cluster's node manager would) and a self-check ``Runner`` that runs the
+probes inside each namespace host.
+
+The workers are torchrun's: killing them makes each host's elastic agent restart its workers and
+meet the others at a new rendezvous, without the fenced host (its agent is gone with it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from rankscope.healing.selfcheck import Runner
+from rankscope.testbed import host_faults
+from rankscope.testbed.hosts import SUBNET, Testbed, command_on
+from rankscope.testbed.job import find_ranks
+
+
+@dataclass(frozen=True)
+class TestbedRunner:
+    """The hosts of a test bed: a command runs in the host's cgroups, CPUs, namespace and host name."""
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+    bed: Testbed
+    #: the link tests contact the hosts' own network and loopback only
+    networks: tuple[str, ...] = (f"{SUBNET}.0/24", "127.0.0.0/8")
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h.name for h in self.bed.hosts]
+
+    def command(self, host: str, argv: Sequence[str]) -> list[str]:
+        return command_on(self.bed.host(host), argv)
+
+    def address(self, host: str) -> str:
+        return self.bed.host(host).address
+
+
+
+@dataclass
+class TestbedFleet:
+    """The hosts of a test bed: workers found by their torchrun environment in each namespace."""
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+    bed: Testbed
+
+    @property
+    def runner(self) -> Runner:
+        return TestbedRunner(self.bed)
+
+    def hosts(self) -> list[str]:
+        return [h.name for h in self.bed.hosts]
+
+    def workers(self, hosts: Iterable[str]) -> set[int]:
+        wanted = set(hosts)
+        return {rank.pid for rank in find_ranks(self.bed).values() if rank.host.name in wanted}
+
+    def signal(self, pids: Iterable[int], sig: signal.Signals) -> int:
+        sent = 0
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                sent += 1
+            except ProcessLookupError:
+                pass
+        return sent
+
+    def fence(self, host: str) -> str:
+        """Kill every process of the host, its torchrun agent included (a frozen host is thawed to die)."""
+        return host_faults.kill_host(self.bed, self.bed.host(host)).what
