@@ -1,0 +1,48 @@
+"""The layering of the parts (pyproject.toml's import-linter contracts, docs/architecture.md) holds,
+and an import the wrong way breaks it: checked by import-linter on the source, as `make test` runs it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess[str]:
+    """import-linter over the package found first on the path at ``root`` (its pyproject's contracts)."""
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", str(root / "pyproject.toml")], cwd=root, capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)},
+    )  # fmt: skip
+
+
+def test_every_part_imports_only_the_parts_below_it() -> None:
+    done = lint(ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Contracts: 2 kept, 0 broken." in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        ("collector/server.py", "import rankscope.harness.demo", "rankscope.collector is not allowed to import rankscope.harness"),
+        ("collector/server.py", "import rankscope.trainer.model", "rankscope.collector is not allowed to import rankscope.trainer"),
+        ("healing/driver.py", "from rankscope.testbed import hosts", "rankscope.healing is not allowed to import rankscope.testbed"),
+        ("common/incidents.py", "import rankscope.collector.client", "rankscope.common is not allowed to import rankscope.collector"),
+        ("agent/stacks.py", "import pandas", "rankscope.agent is not allowed to import pandas"),
+    ],
+)
+def test_an_import_the_wrong_way_breaks_the_contract(tmp_path: Path, module: str, line: str, broken: str) -> None:
+    shutil.copytree(ROOT / "rankscope", tmp_path / "rankscope", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with (tmp_path / "rankscope" / module).open("a") as f:
+        f.write(f"\n{line}\n")
+    done = lint(tmp_path)
+    assert done.returncode == 1, done.stdout[-4000:]
+    assert broken in done.stdout, done.stdout[-4000:]
