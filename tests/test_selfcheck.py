@@ -18,9 +18,10 @@ import pytest
 
 from rankscope.cli import selfcheck as cli
 from rankscope.cli.main import main
-from rankscope.healing import selfcheck
+from rankscope.healing import probes, selfcheck, verdict
 from rankscope.healing.record import Figure
-from rankscope.healing.selfcheck import LocalRunner, check_hosts, judge, run_on
+from rankscope.healing.selfcheck import LocalRunner, check_hosts, run_on
+from rankscope.healing.verdict import judge
 from rankscope.testbed import hosts as testbed_hosts
 from rankscope.testbed.fleet import TestbedRunner
 
@@ -296,25 +297,35 @@ def test_run_on_kills_what_does_not_end_in_time() -> None:
 
 
 def test_the_memory_probe_prints_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert selfcheck.main(["--probe", "local", "--checks", "memory_bandwidth"]) == 0
+    assert probes.main(["--probe", "local", "--checks", "memory_bandwidth"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
-    figure = json.loads(line.removeprefix(selfcheck.MARK))["figures"][0]
+    figure = json.loads(line.removeprefix(probes.MARK))["figures"][0]
     assert figure["check"] == "memory_bandwidth" and figure["unit"] == "GB/s" and figure["value"] > 0.1
+
+
+def test_the_probes_load_nothing_but_the_standard_library() -> None:
+    """The probe module starts on every checked host, a throttled one too: no orchestration,
+    protobuf, numpy or torch at load."""
+    out = subprocess.run([sys.executable, "-c", "import json, sys, rankscope.healing.probes; print(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    loaded = set(json.loads(out))
+    assert {m for m in loaded if m.startswith("rankscope")} == {"rankscope", "rankscope.healing", "rankscope.healing.probes"}
+    assert not loaded & {"google.protobuf", "numpy", "torch"}
 
 
 def test_the_link_probe_measures_a_server_and_contacts_nothing_outside_the_test_bed() -> None:
     server = subprocess.Popen(
-        [sys.executable, "-m", "rankscope.healing.selfcheck", "--serve-links", "--bind", "127.0.0.1", "--for", "30"],
+        [sys.executable, "-m", "rankscope.healing.probes", "--serve-links", "--bind", "127.0.0.1", "--for", "30"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        port = json.loads(server.stdout.readline().removeprefix(selfcheck.MARK))["port"]  # type: ignore[union-attr]
-        probe = [sys.executable, "-m", "rankscope.healing.selfcheck", "--probe", "links", "--seconds", "0.1", "--allow", "10.200.0.0/24", "--allow", "127.0.0.0/8"]
+        port = json.loads(server.stdout.readline().removeprefix(probes.MARK))["port"]  # type: ignore[union-attr]
+        probe = [sys.executable, "-m", "rankscope.healing.probes", "--probe", "links", "--seconds", "0.1", "--allow", "10.200.0.0/24", "--allow", "127.0.0.0/8"]
         answer = run_on(LocalRunner(), "me", [*probe, "--peer", f"me=127.0.0.1:{port}", "--peer", "far=8.8.8.8:53"], timeout_s=30)
     finally:
         server.kill()
         server.wait()
-    near, far = (json.loads(line.removeprefix(selfcheck.MARK)) for line in answer.stdout.splitlines())
+    near, far = (json.loads(line.removeprefix(probes.MARK)) for line in answer.stdout.splitlines())
     mbit, rtt = near["figures"]
     assert (mbit["check"], rtt["check"]) == ("link_throughput:me", "link_rtt:me")
     assert mbit["value"] > 10 and 0 < rtt["value"] < 100
@@ -367,7 +378,7 @@ def test_the_table_has_a_row_per_figure_and_a_verdict_line_per_host() -> None:
 
 
 def test_the_command_defaults_are_the_apis() -> None:
-    assert (cli.TIMEOUT_S, cli.FACTOR) == (selfcheck.TIMEOUT_S, selfcheck.FACTOR)
+    assert (cli.TIMEOUT_S, cli.FACTOR) == (selfcheck.TIMEOUT_S, verdict.FACTOR)
     assert "torch" not in subprocess.run([sys.executable, "-c", "import sys, rankscope.cli.selfcheck; print(sorted(sys.modules))"],
                                          capture_output=True, text=True, check=True).stdout  # fmt: skip
 

@@ -4,7 +4,8 @@ With ``--testbed`` (or ``--host``) it checks hosts of a test bed, each test run 
 without, it checks this machine alone (no peer: the figures are printed, not judged). Prints one
 table and one verdict line per host (``--json``: one JSON object). ``--collector ADDRESS --run
 RUN`` also stores each host's result. Exit status: 0 when every host checked passes, 1 when one
-fails (or the results cannot be stored), 2 on bad input. The work is ``rankscope.healing.selfcheck``.
+fails (or the results cannot be stored), 2 on bad input. The work is ``rankscope.healing.selfcheck``
+(the verdict: ``rankscope.healing.verdict``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from typing import TYPE_CHECKING
 from rankscope.cli.args import above, count, seconds
 
 if TYPE_CHECKING:
-    from rankscope.healing.selfcheck import Report
+    from rankscope.healing.verdict import Report
 
 HELP = "test suspect hosts (matmul, memory, loopback all-reduce, links) against their peers and name the bad ones"
 
 PROG = "rankscope selfcheck"
-#: rankscope.healing.selfcheck's defaults (not imported here: a command module imports nothing at load; a test keeps them equal)
+#: rankscope.healing.selfcheck's TIMEOUT_S and rankscope.healing.verdict's FACTOR (not imported here: a command module imports
+#: nothing at load; a test keeps them equal)
 TIMEOUT_S = 60.0
 FACTOR = 2.0
 
