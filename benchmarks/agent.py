@@ -15,9 +15,9 @@
    collective (a 1-rank gloo ``dist.all_reduce``) with the agent off (torch's own methods, the
    API's no-op span), with this agent's wrappers installed but passing calls straight through,
    with this agent recording, and, with ``--baseline REV``, with the agent of git revision REV
-   recording (its ``rankscope/agent/__init__.py``, ``recorder.py`` and ``collectives.py``, loaded beside
-   this one). ``--rounds`` interleaved rounds (the order reversed every other round) of blocks of
-   1,000 collectives, 10,000 collectives with torch's calls stubbed (the method returns a
+   recording (its ``rankscope/agent/__init__.py`` and recording modules, ``LAYOUTS``, loaded
+   beside this one). ``--rounds`` interleaved rounds (the order reversed every other round) of
+   blocks of 1,000 collectives, 10,000 collectives with torch's calls stubbed (the method returns a
    completed Work, its ``wait`` returns at once: what is left is the agent's own work) and 10,000
    spans; per call, each block's CPU time of the calling thread (the work done there; on this
    shared machine wall time also counts whatever else ran) and wall time. The agent's cost is the
@@ -52,17 +52,24 @@ from ingest import sender  # benchmarks/ingest.py, beside this file
 from rankscope.harness.orchestration import start_collector, stop
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The modules an agent records with, besides its API (``__init__.py``), in import order (each
+#: imports only those before it): this agent's, then those of an agent before collectives.py was
+#: split into collective_patches, collective_tracker, process_groups and flight_recorder.
+LAYOUTS = (
+    ("recorder", "process_groups", "flight_recorder", "collective_tracker", "collective_patches"),
+    ("recorder", "collectives"),
+)
 
 MICRO = textwrap.dedent(
     """
-    import collections, importlib.util, json, os, sys, tempfile, time
+    import collections, importlib, importlib.util, json, os, sys, tempfile, time
     import torch, torch.distributed as dist
     from rankscope import agent
-    from rankscope.agent import collectives as this_collectives, recorder as this_recorder
     from rankscope.agent.state import RankState
     from rankscope.agent.timing import CpuClock
 
     cfg = json.loads(sys.argv[1])
+    THIS = {stem: importlib.import_module("rankscope.agent." + stem) for stem in cfg["modules"]}
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
     PG, WORK = torch._C._distributed_c10d.ProcessGroup, torch._C._distributed_c10d.Work
     RAW = {"allreduce": PG.__dict__["allreduce"], "wait": WORK.__dict__["wait"]}  # torch's own: the agent off
@@ -76,37 +83,51 @@ MICRO = textwrap.dedent(
         return True
     TORCH = {"real": (RAW, ORIGINAL), "stubbed": ({"allreduce": stub_allreduce, "wait": stub_wait},) * 2}
 
-    def load(directory, name):
-        # A previous agent's API (__init__.py), recorder.py and collectives.py, as modules of their own beside this one.
+    def load(directory, name, stems):
+        # A previous agent's API (__init__.py) and recording modules (``stems``, in import order), as
+        # modules of their own beside this one; while they load, each stands in for this agent's
+        # module of its name, so that their imports of one another find them.
         def module(file, as_name):
             spec = importlib.util.spec_from_file_location(as_name, os.path.join(directory, file))
             mod = importlib.util.module_from_spec(spec)
             sys.modules[as_name] = mod
             spec.loader.exec_module(mod)
             return mod
-        recorder = module("recorder.py", name + "_recorder")
-        ours, sys.modules["rankscope.agent.recorder"] = sys.modules["rankscope.agent.recorder"], recorder
+        ours = {stem: sys.modules.get("rankscope.agent." + stem) for stem in stems}
+        modules = {}
         try:
-            return module("__init__.py", name + "_api"), recorder, module("collectives.py", name + "_collectives")
+            for stem in stems:
+                modules[stem] = sys.modules["rankscope.agent." + stem] = module(stem + ".py", f"{name}_{stem}")
+            return module("__init__.py", name + "_api"), modules
         finally:
-            sys.modules["rankscope.agent.recorder"] = ours
+            for stem, mod in ours.items():
+                if mod is None:
+                    sys.modules.pop("rankscope.agent." + stem, None)
+                else:
+                    sys.modules["rankscope.agent." + stem] = mod
+
+    def part(modules, stem):
+        # before its split, collectives.py held the patches, the tracker and the process groups
+        return modules[stem] if stem in modules else modules["collectives"]
 
     class Agent:
-        # One agent's API, recorder and collectives, with wrappers for the two calls measured; no
+        # One agent's API and recording modules, with wrappers for the two calls measured; no
         # threads: its background work runs between the measured blocks, timed on its own.
-        def __init__(self, api, recorder, collectives):
+        def __init__(self, api, modules):
             self.api = api
-            self.module = collectives
+            self.patches = patches = part(modules, "collective_patches")
+            recorder = modules["recorder"]
             self.rec = recorder.Recorder(CpuClock(), RankState(), capacity=1 << 20, flush_rows=1 << 19)  # no early wake-ups
-            self.c = collectives.Collectives(self.rec, collectives.Groups(), fr_interval_s=1e9)
-            spec = collectives.METHODS["allreduce"]
-            self.wrappers = {side: {"allreduce": collectives._method_wrapper(calls["allreduce"], spec),
-                                    "wait": collectives._wait_wrapper(calls["wait"])}
+            groups = part(modules, "process_groups").Groups()
+            self.c = part(modules, "collective_tracker").Collectives(self.rec, groups, fr_interval_s=1e9)
+            spec = patches.METHODS["allreduce"]
+            self.wrappers = {side: {"allreduce": patches._method_wrapper(calls["allreduce"], spec),
+                                    "wait": patches._wait_wrapper(calls["wait"])}
                              for side, (_, calls) in TORCH.items()}  # fmt: skip
 
         def select(self, active, side):
             PG.allreduce, WORK.wait = self.wrappers[side]["allreduce"], self.wrappers[side]["wait"]
-            self.module._active = self.c if active else None
+            self.patches._active = self.c if active else None
             self.api._attach(self.rec if active else None)
             self.api._may_start = False
 
@@ -118,9 +139,9 @@ MICRO = textwrap.dedent(
             for _ in self.rec.drain():
                 pass
 
-    agents = {"agent": Agent(agent, this_recorder, this_collectives)}
+    agents = {"agent": Agent(agent, THIS)}
     if cfg["baseline"]:
-        agents["baseline"] = Agent(*load(cfg["baseline"], "baseline"))
+        agents["baseline"] = Agent(*load(cfg["baseline"], "baseline", cfg["baseline_modules"]))
     API = agent  # the API the spans go through: the agent's own (the agent-off side uses this one's no-op)
 
     def select(label, side):
@@ -173,7 +194,7 @@ MICRO = textwrap.dedent(
     # (best of 20 blocks of 20,000): the parts of its work on the caller's thread that Python cannot
     # do cheaper. The rows are kept, as the queues keep them until the background thread comes.
     group, opts, q, d, busy, pc = dist.group.WORLD, dist.AllreduceOptions(), collections.deque(), {}, [], time.perf_counter_ns
-    spec = this_collectives.METHODS["allreduce"]
+    spec = agents["agent"].patches.METHODS["allreduce"]
     parts = {
         "the group's counter (a pybind call)": lambda: group._get_sequence_number_for_group(),
         "opts.asyncOp (a pybind property)": lambda: getattr(opts, "asyncOp", True),
@@ -319,22 +340,36 @@ def step_times(flags: tuple[str, ...], paused: bool, args: argparse.Namespace, w
     return job
 
 
+def baseline_files(rev: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The agent of git revision ``rev``, at whichever layout it has: its recording modules (one of
+    ``LAYOUTS``), and file name -> source of those and of its API (``__init__.py``)."""
+    why = ""
+    for folder in ("rankscope/agent", "agent"):  # the layout since session 24, and before it
+        for stems in LAYOUTS:
+            sources = {}
+            for name in ("__init__.py", *(stem + ".py" for stem in stems)):
+                source = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], cwd=ROOT, capture_output=True, text=True)
+                if source.returncode != 0:
+                    why = why or source.stderr.strip()
+                    break
+                sources[name] = source.stdout
+            else:
+                return stems, sources
+    sys.exit(f"--baseline {rev}: {why}")
+
+
 def micro(args: argparse.Namespace, workdir: Path) -> dict:
     """Section 2, in a fresh process without the agent's start-up hook (it builds the agents it measures)."""
-    baseline = ""
+    baseline, stems = "", ()
     if args.baseline:
         baseline = str(workdir / "baseline")
         os.makedirs(baseline)
-        for name in ("__init__.py", "recorder.py", "collectives.py"):
-            for folder in ("rankscope/agent", "agent"):  # the layout since session 24, and before it
-                source = subprocess.run(["git", "show", f"{args.baseline}:{folder}/{name}"], cwd=ROOT, capture_output=True, text=True)
-                if source.returncode == 0:
-                    break
-            else:
-                sys.exit(f"--baseline {args.baseline}: {source.stderr.strip()}")
-            Path(baseline, name).write_text(source.stdout)
+        stems, sources = baseline_files(args.baseline)
+        for name, source in sources.items():
+            Path(baseline, name).write_text(source)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
-    cfg = {"rounds": args.rounds, "collectives": 1000, "spans": 10_000, "baseline": baseline}
+    cfg = {"rounds": args.rounds, "collectives": 1000, "spans": 10_000, "modules": LAYOUTS[0], "baseline": baseline,
+           "baseline_modules": stems}  # fmt: skip
     done = subprocess.run([sys.executable, "-c", MICRO, json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         sys.exit(f"micro-benchmark failed:\n{done.stderr[-3000:]}")
@@ -398,7 +433,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds of the per-span and per-collective costs")
     parser.add_argument("--baseline", metavar="REV", default="",
                         help="also measure the per-span and per-collective costs of the agent of git revision REV "
-                             "(its rankscope/agent/recorder.py and rankscope/agent/collectives.py), side by side")  # fmt: skip
+                             "(its rankscope/agent/__init__.py and recording modules), side by side")  # fmt: skip
     parser.add_argument("--parts", default="steps,micro,transport",
                         help="comma-separated sections to run: steps (1.), micro (2.), transport (3.)")
     args = parser.parse_args()

@@ -11,10 +11,11 @@ On a machine without a CUDA GPU it refuses in one line and exits 1. On one with 
    path; torch's sync debug mode set to "error" meanwhile), and the cost of a span with the
    agent on and off.
 2. NCCL completion: a 1-rank NCCL process group (FileStore) with the agent's collective
-   recorder (rankscope/agent/collectives.py) on a CUDA clock; every all_reduce must become a completed row
-   with start and end times, its duration compared with NCCL's own (``Work._get_duration()``,
-   TORCH_NCCL_ENABLE_TIMING=1), and torch's flight recorder must hold a duration for every
-   completed NCCL entry, which the agent's reader turns into start and end times.
+   recorder (rankscope/agent/collective_patches.py and collective_tracker.py) on a CUDA clock;
+   every all_reduce must become a completed row with start and end times, its duration compared
+   with NCCL's own (``Work._get_duration()``, TORCH_NCCL_ENABLE_TIMING=1), and torch's flight
+   recorder must hold a duration for every completed NCCL entry, which the agent's reader
+   (rankscope/agent/flight_recorder.py) turns into start and end times.
 3. The agent's cost on the bundled trainer (one GPU, tp = pp = dp = 1): runs with the agent off
    and on, alternating which goes first in each pair, against a local collector on an embedded
    store in a temporary directory (or, where chDB is not installed, against a gRPC sink in this
@@ -437,7 +438,7 @@ def child_nccl(args: argparse.Namespace) -> Iterator[Row]:
     import torch
     import torch.distributed as dist
 
-    from rankscope.agent import collectives as agent_collectives
+    from rankscope.agent import collective_patches
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
@@ -450,7 +451,7 @@ def child_nccl(args: argparse.Namespace) -> Iterator[Row]:
         try:
             yield from _nccl_checks(args)
         finally:
-            agent_collectives.uninstall()
+            collective_patches.uninstall()
             dist.destroy_process_group()
 
 
@@ -461,7 +462,9 @@ def _nccl_checks(args: argparse.Namespace) -> Iterator[Row]:
     import torch
     import torch.distributed as dist
 
-    from rankscope.agent import collectives as agent_collectives
+    from rankscope.agent import collective_patches
+    from rankscope.agent.collective_tracker import Collectives
+    from rankscope.agent.process_groups import Groups
     from rankscope.agent.recorder import COMPLETED, Recorder
     from rankscope.agent.state import RankState
     from rankscope.agent.timing import CudaClock, TorchCuda
@@ -471,8 +474,8 @@ def _nccl_checks(args: argparse.Namespace) -> Iterator[Row]:
     clock = CudaClock(TorchCuda())
     _anchor(clock, torch)
     rec = Recorder(clock, RankState())
-    collectives = agent_collectives.Collectives(rec, agent_collectives.Groups())
-    agent_collectives.install(collectives)  # before the group's first collective: no gap to fill from the flight recorder
+    collectives = Collectives(rec, Groups())
+    collective_patches.install(collectives)  # before the group's first collective: no gap to fill from the flight recorder
     n = 10
     dist.all_reduce(x)  # the communicator's first use
     torch.cuda.synchronize()
@@ -482,7 +485,7 @@ def _nccl_checks(args: argparse.Namespace) -> Iterator[Row]:
     for _ in range(n):
         dist.all_reduce(x)  # blocking: completed when its wait returns
     torch.cuda.synchronize()
-    agent_collectives.uninstall()
+    collective_patches.uninstall()
     clock.calibrate()  # what the agent's background thread does before it drains (runtime.Agent.tick)
     collectives.poll()
 

@@ -25,7 +25,8 @@ from rankscope.protos.v1 import telemetry_pb2 as pb
 SETUP = """
     import gc, json, tempfile, time
     import numpy as np, torch, torch.distributed as dist
-    from rankscope.agent import collectives as C
+    from rankscope.agent import collective_patches as P, collective_tracker as T
+    from rankscope.agent.process_groups import Groups
     from rankscope.agent.recorder import Recorder
     from rankscope.agent.state import RankState
     from rankscope.agent.timing import CpuClock
@@ -34,8 +35,8 @@ SETUP = """
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
     import atexit; atexit.register(dist.destroy_process_group)  # gloo's threads left to the exit abort it now and then
     rec = Recorder(CpuClock(), RankState())
-    c = C.Collectives(rec, C.Groups())
-    C.install(c)
+    c = T.Collectives(rec, Groups())
+    P.install(c)
 
     def rows():
         c.poll()
@@ -78,7 +79,7 @@ def test_every_collective_keeps_what_it_recorded(proc_runner: ProcRunner) -> Non
         dist.broadcast(torch.ones(3, dtype=torch.bfloat16), 0)
         dist.all_gather([torch.zeros(5)], torch.ones(5))
         gc.collect()  # what the hot path queued holds plain values only: the collector lets go of it
-        print(json.dumps({"queued": len(c._issued), "tracked": sum(gc.is_tracked(r) for r in c._issued)}))
+        print(json.dumps({"queued": len(c.issued), "tracked": sum(gc.is_tracked(r) for r in c.issued)}))
         after = time.time_ns()
         got = rows()
         assert all(before <= r["issue_ns"] <= r["start_ns"] <= r["end_ns"] <= after for r in got), got
@@ -106,18 +107,18 @@ def test_an_operation_in_flight_shows_until_it_completes_and_one_left_at_exit_is
     out = run_child(
         proc_runner,
         """
-        C.FLIGHT_AFTER_S = 0.0
+        T.FLIGHT_AFTER_S = 0.0
         group = dist.new_group([0], group_desc="dp[0]")
         futures = [torch.futures.Future() for _ in range(2)]
         works = [torch._C._distributed_c10d._create_work_from_future(f) for f in futures]
         opts = dist.AllreduceOptions()  # asyncOp: true
         def issuing(work):  # torch's all-reduce runs (the group's counter moves), the caller gets ``work``
-            return lambda pg, *args: (C._originals["allreduce"](pg, *args).wait(), work)[1]
+            return lambda pg, *args: (P._originals["allreduce"](pg, *args).wait(), work)[1]
         for work in works:
-            C._method_wrapper(issuing(work), C.METHODS["allreduce"])(group, [torch.ones(2)], opts)
+            P._method_wrapper(issuing(work), P.METHODS["allreduce"])(group, [torch.ones(2)], opts)
         c.poll()
         print(json.dumps([(o.group, o.seq, o.op, o.waiting) for o in rec.state.in_flight()]))
-        C._wait_wrapper(lambda work, *args: True)(works[0])  # a thread waits in the first one
+        P._wait_wrapper(lambda work, *args: True)(works[0])  # a thread waits in the first one
         c.poll()
         print(json.dumps([(o.group, o.seq, o.waiting) for o in rec.state.in_flight()]))
         futures[0].set_result([torch.ones(2)])  # completes: its callback takes it out of the list at once
@@ -147,10 +148,10 @@ def test_collectives_issued_behind_the_wrappers_back_are_gaps_not_rows(proc_runn
         c.fr_interval_s = 1e9  # no flight-recorder look here: the gaps stay as found
         t = torch.ones(1)
         dist.all_reduce(t)
-        C.uninstall()
+        P.uninstall()
         dist.all_reduce(t)
         dist.all_reduce(t)
-        C.install(c)
+        P.install(c)
         dist.all_reduce(t)
         got = rows()
         print(json.dumps([r["seq"] for r in got]), json.dumps(sorted(seq for _, seq in c._gaps)))
@@ -175,7 +176,7 @@ def test_a_call_that_leaves_the_counter_alone_has_the_counters_number(proc_runne
         dist.all_reduce(t)
         inside = lambda pg, *args: None  # a call inside a coalesced block: the counter stays at 1
         for _ in range(2):
-            C._method_wrapper(inside, C.METHODS["allreduce"])(dist.group.WORLD, [t], dist.AllreduceOptions())
+            P._method_wrapper(inside, P.METHODS["allreduce"])(dist.group.WORLD, [t], dist.AllreduceOptions())
         dist.all_reduce(t)
         print(json.dumps([r["seq"] for r in rows()]), json.dumps(sorted(seq for _, seq in c._gaps)))
         """,
@@ -186,12 +187,12 @@ def test_a_call_that_leaves_the_counter_alone_has_the_counters_number(proc_runne
 
 @pytest.mark.slow
 def test_every_gloo_collective_moves_the_counter_by_one(proc_runner: ProcRunner) -> None:
-    """Why the wrappers read a gloo group's counter only before the call (``_Channel.reread``):
+    """Why the wrappers read a gloo group's counter only before the call (``Channel.reread``):
     every collective method moves it by exactly one, and gloo has no coalesced blocks."""
     out = run_child(
         proc_runner,
         """
-        C.uninstall()
+        P.uninstall()
         moved = {}
         PG = torch._C._distributed_c10d.ProcessGroup
         def checking(name, original):
@@ -201,7 +202,7 @@ def test_every_gloo_collective_moves_the_counter_by_one(proc_runner: ProcRunner)
                 moved.setdefault(name, set()).add(pg._get_sequence_number_for_group() - before)
                 return work
             return call
-        for name, (_, _, kind) in C.METHODS.items():
+        for name, (_, _, kind) in P.METHODS.items():
             if kind == "c" and hasattr(PG, name):
                 setattr(PG, name, checking(name, getattr(PG, name)))
         t = torch.ones(4)
@@ -241,18 +242,18 @@ def test_waiting_in_an_operation_without_a_future_splits_the_spans_and_shows(pro
     out = run_child(
         proc_runner,
         """
-        C.FLIGHT_AFTER_S = 0.0
+        T.FLIGHT_AFTER_S = 0.0
         class NoFuture:
             def get_future(self):
                 raise RuntimeError("no future")
         work = NoFuture()
         with rec.span("forward", "compute", 1, None, {}):
             # torch's all-reduce runs (its own wait: no split here), the caller gets ``work``
-            issuing = lambda pg, *args: (C._originals["wait"](C._originals["allreduce"](pg, *args)), work)[1]
-            C._method_wrapper(issuing, C.METHODS["allreduce"])(dist.group.WORLD, [torch.ones(1)], dist.AllreduceOptions())
+            issuing = lambda pg, *args: (P._originals["wait"](P._originals["allreduce"](pg, *args)), work)[1]
+            P._method_wrapper(issuing, P.METHODS["allreduce"])(dist.group.WORLD, [torch.ones(1)], dist.AllreduceOptions())
             c.poll()
             seen = [(o.seq, o.waiting) for o in rec.state.in_flight()]
-            C._wait_wrapper(lambda w, *args: c.poll() or seen.extend((o.seq, o.waiting) for o in rec.state.in_flight()))(work)
+            P._wait_wrapper(lambda w, *args: c.poll() or seen.extend((o.seq, o.waiting) for o in rec.state.in_flight()))(work)
         c.poll()
         spans = sum(b.count for b in rec.drain() if isinstance(b, pb.SpanBatch))
         print(json.dumps({"seen": seen, "after": len(rec.state.in_flight()), "pieces": spans}))

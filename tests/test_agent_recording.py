@@ -23,7 +23,7 @@ import torch
 from conftest import ProcRunner
 from rankscope import agent
 from rankscope.agent.autospans import AutoSpans
-from rankscope.agent.collectives import FlightRecorder
+from rankscope.agent.flight_recorder import FlightRecorder
 from rankscope.agent.recorder import Recorder, StringTable
 from rankscope.agent.state import RankState
 from rankscope.agent.timing import EVENT_LIMIT, WALL_MIN, CpuClock, CudaClock

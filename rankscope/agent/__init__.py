@@ -10,8 +10,8 @@ Span kinds: ``compute`` (forward, backward, ...), ``comm`` (time spent in commun
 ``data`` (loading a batch), ``optimizer`` and ``user``.
 
 Scripts that call nothing here still get steps, forward/backward/optimizer spans and every
-collective once ``RANKSCOPE_ENABLE=1`` is set (``autospans.py``, ``collectives.py``); explicit
-calls take precedence over the automatic ones, kind by kind.
+collective once ``RANKSCOPE_ENABLE=1`` is set (``autospans.py``, ``collective_patches.py``);
+explicit calls take precedence over the automatic ones, kind by kind.
 """
 
 from __future__ import annotations

@@ -47,12 +47,13 @@ import rankscope
 from rankscope import agent as api
 from rankscope.agent import otel
 from rankscope.agent.autospans import AutoSpans
-from rankscope.agent.collectives import Collectives, Groups
-from rankscope.agent.collectives import install as install_collectives
-from rankscope.agent.collectives import uninstall as uninstall_collectives
+from rankscope.agent.collective_patches import install as install_collectives
+from rankscope.agent.collective_patches import uninstall as uninstall_collectives
+from rankscope.agent.collective_tracker import Collectives
 from rankscope.agent.config import AgentConfig, warn_once
 from rankscope.agent.heartbeat import Heartbeat
 from rankscope.agent.metrics import MetricsReporter
+from rankscope.agent.process_groups import Groups
 from rankscope.agent.recorder import Recorder
 from rankscope.agent.state import RankState
 from rankscope.agent.timing import CpuClock, cuda_clock
