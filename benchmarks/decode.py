@@ -18,7 +18,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-from rankscope.collector.ingest import LastHeard, RunRegistry, decode
+from rankscope.collector.decode import decode
+from rankscope.collector.liveness import LastHeard
+from rankscope.collector.run_registry import RunRegistry
 from rankscope.harness.simulate import payloads
 from rankscope.harness.simulate.freeze import Flight
 from rankscope.harness.simulate.topology import build

@@ -99,7 +99,8 @@ def insert_latency(metrics_port: int) -> tuple[float, int]:
 
 def raw_insert_rate(store: Path, rows_per_table: int) -> float:
     """Rows/s of one INSERT ... SELECT FROM Python(arrow) of the same decoded rows, spans and collectives."""
-    from rankscope.collector.ingest import RunRegistry, decode
+    from rankscope.collector.decode import decode
+    from rankscope.collector.run_registry import RunRegistry
     from rankscope.collector.store.base import open_store
     from rankscope.protos.v1 import ingest_pb2
 

@@ -1,5 +1,5 @@
-"""Batch -> Arrow tables (rankscope/collector/ingest.py), in-process; also the batch builders the collector's
-end-to-end tests send.
+"""Batch -> Arrow tables (rankscope/collector/decode.py, with the run registry and liveness it feeds),
+in-process; also the batch builders the collector's end-to-end tests send.
 
 Batches are built here the way the protocol defines them: numpy columns packed with tobytes().
 """
@@ -14,13 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from rankscope.collector.ingest import (
-    IngestError,
-    RunRegistry,
-    TimeWindow,
-    UnsupportedSchemaVersion,
-    decode,
-)
+from rankscope.collector.batch_columns import IngestError, TimeWindow
+from rankscope.collector.decode import UnsupportedSchemaVersion, decode
+from rankscope.collector.run_registry import RunRegistry
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.schema import BY_NAME
 from rankscope.protos.v1 import ingest_pb2, telemetry_pb2
@@ -315,7 +311,7 @@ def test_a_registration_made_before_the_ranks_end_but_delivered_after_it_is_stor
 def test_one_batch_speaks_for_several_ranks_when_its_rows_name_them() -> None:
     """A sender for many ranks (the simulator) names each row's rank: each row gets its rank, its rank's
     host and attempt; the collector hears every rank with a heartbeat in the batch; bad ranks are refused."""
-    from rankscope.collector.ingest import LastHeard
+    from rankscope.collector.liveness import LastHeard
 
     registry = RunRegistry()
     for rank in range(4):
@@ -422,14 +418,14 @@ def test_a_group_is_stored_once_not_once_per_member_and_again_when_its_members_c
     first = _decode(register("r", 0, 3), registry)
     assert first.parts["groups"]["name"].to_pylist() == ["world"]
     assert _decode(register("r", 1, 3), registry).parts["groups"].num_rows == 1  # the first is not stored yet
-    registry.stored("r", first)
+    registry.stored("r", first.parts)
     assert _decode(register("r", 2, 3), registry).parts["groups"].num_rows == 0
     grown = _decode(register("r", 0, 4, world="10.0.0.2:6000/4"), registry)  # a new world of four ranks
     assert grown.parts["groups"]["ranks"].to_pylist() == [[0, 1, 2, 3]]
 
 
 def test_a_run_is_read_from_the_store_once_and_again_for_an_unknown_rank_unless_it_registers() -> None:
-    from rankscope.collector.ingest import RunInfo
+    from rankscope.collector.run_registry import RunInfo
 
     registry = RunRegistry()
     assert registry.needs_load("r", 0, 0.0, registering=True)  # never read: a restarted collector reads it first

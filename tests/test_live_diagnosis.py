@@ -9,11 +9,12 @@ import pyarrow as pa
 import pytest
 from test_store import migrated, sample_rows, store  # noqa: F401 (fixtures)
 
+from rankscope.collector.decode import Decoded
 from rankscope.collector.diagnosis import engine
-from rankscope.common.settings import Settings
 from rankscope.collector.diagnosis.engine import LiveDiagnosis
-from rankscope.collector.ingest import Decoded, LastHeard
+from rankscope.collector.liveness import LastHeard
 from rankscope.collector.store.base import Store
+from rankscope.common.settings import Settings
 
 
 def test_an_ended_run_is_concluded_after_its_last_passes_a_running_one_goes_on(

@@ -66,7 +66,8 @@ def test_a_batch_of_several_ranks_keeps_each_rows_rank_group_and_op() -> None:
 
     import numpy as np
 
-    from rankscope.collector.ingest import RunRegistry, decode
+    from rankscope.collector.decode import decode
+    from rankscope.collector.run_registry import RunRegistry
     from rankscope.harness.simulate import payloads
     from rankscope.harness.simulate.rows import OP_NAMES
     from rankscope.harness.simulate.worker import _rows_of

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     forbid("collector")  # never a training rank, nor anything it starts
     yield_cpu(args.nice)  # first: the threads started from here on take its priority
     _log_to_the_terminal()
-    from rankscope.collector.ingest import TimeWindow
+    from rankscope.collector.batch_columns import TimeWindow
     from rankscope.collector.query import Limits
     from rankscope.collector.server import ServerOptions, main
 

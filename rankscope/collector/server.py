@@ -26,17 +26,19 @@ from typing import NoReturn
 
 import grpc
 
-from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
-
+from rankscope.collector.batch_columns import IngestError, TimeWindow
 from rankscope.collector.control import PendingCommands
-from rankscope.common.settings import Settings
+from rankscope.collector.decode import REGISTRATIONS, Decoded, UnsupportedSchemaVersion, check_envelope, decode
 from rankscope.collector.diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
-from rankscope.collector.ingest import REGISTRATIONS, Decoded, IngestError, LastHeard, RunRegistry, TimeWindow, UnsupportedSchemaVersion, check_envelope, decode, read_run
+from rankscope.collector.liveness import LastHeard
 from rankscope.collector.query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
+from rankscope.collector.run_registry import RunRegistry, read_run
 from rankscope.collector.store.base import Store, StoreError, open_store
 from rankscope.collector.store.migrations import migrate
 from rankscope.collector.telemetry import Telemetry
 from rankscope.collector.writer import FLUSH_INTERVAL_S, BatchKey, Writer
+from rankscope.common.settings import Settings
+from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 DEFAULT_LISTEN = "127.0.0.1:7777"
@@ -228,7 +230,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             written = await c.writer.write(decoded.parts, key)
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"batch not stored, send it again: {e}") from None
-        c.runs.stored(batch.run_id, decoded)
+        c.runs.stored(batch.run_id, decoded.parts)
         sent_ns = batch.sent_ns + batch.clock_offset_ns if batch.sent_ns else 0
         c.telemetry.delivered(decoded.kind, sent_ns, received_ns, time.time_ns())
         return written, decoded.ranks

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from rankscope.collector.decode import REGISTRATIONS
 from rankscope.collector.store.base import QueryError, Store, StoreError, arrow_schema, conform, table_spec
-from rankscope.collector.ingest import REGISTRATIONS
 from rankscope.collector.store.schema import BY_NAME
 
 log = logging.getLogger(__name__)

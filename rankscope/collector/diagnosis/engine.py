@@ -25,10 +25,10 @@ from typing import Any
 
 from rankscope.collector.diagnosis import crash, gpu, hang, nan, slow_link, straggler
 from rankscope.collector.diagnosis.context import Query, RunContext
-from rankscope.common.settings import Settings
-from rankscope.collector.ingest import LastHeard
 from rankscope.collector.diagnosis.ledger import Ledger, to_arrow
+from rankscope.collector.liveness import LastHeard
 from rankscope.common.incidents import INCIDENTS_SQL, Finding, Incident, from_rows
+from rankscope.common.settings import Settings
 
 log = logging.getLogger("rankscope.diagnosis")
 

@@ -1,0 +1,80 @@
+"""When the collector last heard from each rank: the clock the diagnosis judges silence by.
+
+Kept apart from decoding and from the run registry because it answers another question (is a
+rank still talking to this collector, whatever the store holds yet), is written on the event
+loop and read by the diagnosis thread, and discounts the time the collector itself could not
+listen.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from rankscope.collector.decode import Decoded
+
+
+class LastHeard:
+    """When the collector last heard from each rank, by its own clock, whatever its writer has stored.
+
+    A collector that falls behind (short of CPU, replaying a spool, a slow store) stores heartbeats
+    late: judged by its newest stored heartbeat, every rank would look silent while it keeps
+    sending. A rank is heard when a heartbeat batch of it arrives, at the arrival time; a batch
+    whose newest heartbeat is older than ``stale_ns`` on arrival (a spool replayed after the rank's
+    end) says only that the rank lived until that heartbeat. Written on the event loop, read by the
+    diagnosis thread (``of`` copies).
+
+    Silence counts only the time the collector could listen. While its event loop stalls (the
+    process stopped, or starved of CPU) the ranks' calls wait unread in its sockets, so a stall is
+    added to every rank's last-heard time: ``listening()``, called by the loop every ``tick_s``,
+    counts a tick that came more than a tick late as a stall, and ``of`` counts the stall in
+    progress too (a diagnosis pass can run before the loop catches up).
+    """
+
+    def __init__(self, stale_ns: int, tick_s: float = 1.0) -> None:
+        self.stale_ns = stale_ns
+        self._heard: dict[tuple[str, int], dict[int, int]] = {}
+        self._tick_ns = int(tick_s * 1e9)
+        self._ticked_ns: int | None = None  # monotonic: the loop's last tick
+        self._deaf_ns = 0  # the stalls so far; heard times are kept less the stalls before them
+
+    def listening(self, now_ns: int | None = None) -> None:
+        """The event loop's tick (``now_ns``: monotonic): the time since the last one beyond a tick's
+        lateness was time the collector could not listen."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        self._deaf_ns += self._stalled(now_ns)
+        self._ticked_ns = now_ns
+
+    def _stalled(self, now_ns: int) -> int:
+        if self._ticked_ns is None:
+            return 0
+        late = now_ns - self._ticked_ns - self._tick_ns
+        return late if late > self._tick_ns else 0
+
+    def note(self, decoded: Decoded, received_ns: int) -> None:
+        """Every rank with a heartbeat in ``decoded`` is heard, each by its own newest heartbeat."""
+        beats = decoded.parts.get("heartbeats")
+        if beats is None or beats.num_rows == 0:
+            return
+        run_id = beats["run_id"][0].as_py()
+        newest = beats["time"].cast(pa.int64()).to_numpy()
+        heard = np.where(received_ns - newest <= self.stale_ns, received_ns, newest) - self._deaf_ns
+        attempts = beats["attempt"].to_numpy()
+        for attempt in np.unique(attempts).tolist():
+            mine = attempts == attempt
+            ranks = self._heard.setdefault((run_id, attempt), {})
+            for rank, at in zip(beats["rank"].to_numpy()[mine].tolist(), heard[mine].tolist()):
+                if at > ranks.get(rank, 0):
+                    ranks[rank] = at
+
+    def of(self, run_id: str, attempt: int, now_ns: int | None = None) -> dict[int, int]:
+        """rank -> when it was last heard (ns, collector clock), for one attempt of a run, moved later
+        by the stalls since (``now_ns``: monotonic, for the stall in progress)."""
+        deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns)
+        return {rank: heard + deaf for rank, heard in self._heard.get((run_id, attempt), {}).items()}
+
+    def forget(self, run_id: str) -> None:
+        """Drop every rank of ``run_id``: the diagnosis has let the run go."""
+        self._heard = {key: ranks for key, ranks in self._heard.items() if key[0] != run_id}
