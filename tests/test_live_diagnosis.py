@@ -215,7 +215,7 @@ def test_a_lane_closes_only_the_incidents_of_its_own_kinds() -> None:
     assert [(i.incident_id, i.status) for i in stored] == [("straggler:rank=5", "closed")]  # the hang stays open
     stored, _ = ledger.update([], final=True, owns=engine.URGENT.owns)
     assert [(i.incident_id, i.status) for i in stored] == [("hang", "closed")]
-    every_kind = {kind for detector in engine.EVERY.detectors for kind in detector.KINDS}
+    every_kind = {kind for detector in engine.EVERY.detectors for kind in detector.kinds}
     assert all(engine.URGENT.owns(k) != engine.THOROUGH.owns(k) and engine.EVERY.owns(k) for k in every_kind)  # one lane each
 
 

@@ -17,10 +17,16 @@ import signal
 from collections.abc import Mapping
 
 from rankscope.collector.diagnosis.context import RunContext, died_at
+from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.common.incidents import Finding
 
 #: the kinds of incident this detector names
 KINDS = ("crash", "lost_rank", "lost_host")
+#: urgent, after the hang detector: the hang of this pass is handed to ``detect``
+DETECTOR = FunctionDetector(
+    "crash", KINDS, "urgent", lambda scan: detect(scan.ctx, now_ns=scan.now_ns, hang=next(iter(scan.heeded), None), heard=scan.heard),
+    heeds=("hang",),
+)
 EXITS_SQL = (
     "SELECT rank, argMin(reason, time) AS reason, argMin(exit_code, time) AS exit_code, argMin(signal, time) AS signal, "
     "argMin(message, time) AS message, toUnixTimestamp64Nano(min(time)) AS time_ns "

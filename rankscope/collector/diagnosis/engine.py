@@ -1,9 +1,9 @@
-"""Runs the detectors over a run and turns their findings into incidents.
+"""Runs the registered detectors over a run and turns their findings into incidents.
 
 ``diagnose`` is one pass over one run through any ``query`` function: the collector calls it
-live every few seconds for the runs that are active, ``rankscope diagnose`` once, offline.
-Order matters: a hang is looked for before crashes, because the ranks that time out after a
-hang are its consequences, not crashes of their own.
+live every few seconds for the runs that are active, ``rankscope diagnose`` once, offline. It
+names no detector: the registry (``rankscope.collector.diagnosis.registry``) says which run and
+in which order, each detector what it needs of the pass (``rankscope.collector.diagnosis.detector``).
 
 Live, the detectors run in two lanes, each on its own schedule (``Lane``): hangs and crashes stop
 a job and are cheap to look for; stragglers, NaNs, slow links and GPU faults can take seconds a
@@ -13,19 +13,20 @@ pass at scale (a straggler's critical-path cost at 100,000 ranks) and must not h
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from types import ModuleType
+from dataclasses import replace
 from typing import Any
 
-from rankscope.collector.diagnosis import crash, gpu, hang, nan, slow_link, straggler
 from rankscope.collector.diagnosis.context import Query, RunContext
+from rankscope.collector.diagnosis.detector import Detector, Scan
 from rankscope.collector.diagnosis.ledger import Ledger, to_arrow
+from rankscope.collector.diagnosis.registry import EVERY, THOROUGH, URGENT, Lane
 from rankscope.collector.liveness import LastHeard
 from rankscope.common.incidents import INCIDENTS_SQL, Finding, Incident, from_rows
 from rankscope.common.settings import Settings
@@ -37,28 +38,6 @@ DIAGNOSE_EVERY_S = 5.0
 #: seconds an ended run is still diagnosed (late rows of its last moments may still come in)
 CONCLUDE_AFTER_S = 10.0
 
-
-@dataclass(frozen=True)
-class Lane:
-    """Detectors the live diagnosis passes together, on their own schedule; a lane's pass closes only
-    the incidents of its detectors' kinds (``KINDS`` of each) that it no longer finds."""
-
-    name: str
-    detectors: tuple[ModuleType, ...]
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(d.__name__.rsplit(".", 1)[-1] for d in self.detectors)
-
-    def owns(self, kind: str) -> bool:
-        return any(kind in d.KINDS for d in self.detectors)
-
-
-#: faults that stop a job: named within seconds of their threshold whatever the other lane costs
-URGENT = Lane("urgent", (hang, crash))
-THOROUGH = Lane("thorough", (straggler, nan, slow_link, gpu))
-#: one pass of every detector (``rankscope diagnose``, and ``LiveDiagnosis.pass_once`` by default)
-EVERY = Lane("every", URGENT.detectors + THOROUGH.detectors)
 
 LAST_DATA_SQL = (
     "SELECT greatest((SELECT toUnixTimestamp64Nano(max(last_heartbeat)) FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}), "
@@ -86,38 +65,38 @@ def diagnose(
     the collector last heard from it (live: its own clock, ahead of what it has stored when it lags);
     ``on_detector(name, seconds)`` hears how long each detector took."""
     ctx = ctx or RunContext.load(run_id, query, settings)
+
+    @functools.cache
+    def now() -> int:  # offline, a query made only when a detector asks
+        return now_ns if now_ns is not None else int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
+
     timed = _Timed(on_detector)
     findings: list[Finding] = []
-    for name, detector in zip(lane.names, lane.detectors):
-        if detector is hang:
-            findings += timed(name, lambda: _with_stacks(ctx, hang.detect(ctx)))
-        elif detector is crash:
-            if now_ns is None:
-                now_ns = int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
-            hung = next((f for f in findings if f.kind == "hang"), None)  # the ranks timing out after it are no crash
-            findings += timed(name, lambda: crash.detect(ctx, now_ns=now_ns, hang=hung, heard=heard))  # noqa: B023 (called at once)
-        else:
-            findings += timed(name, lambda: detector.detect(ctx))  # noqa: B023 (called at once)
+    for detector in lane.detectors:
+        heeded = tuple(f for f in findings if f.kind in detector.heeds)
+        findings += timed(detector, Scan(ctx, heard, heeded, now))
     return findings
 
 
 class _Timed:
-    """Calls a detector and tells ``on_detector`` how long it took (nothing when there is no listener)."""
+    """Runs a detector, its stack dumps attached, and tells ``on_detector`` how long that took (nothing
+    when there is no listener)."""
 
     def __init__(self, on_detector: Callable[[str, float], None] | None):
         self.on_detector = on_detector
 
-    def __call__(self, name: str, detect: Callable[[], list[Finding]]) -> list[Finding]:
+    def __call__(self, detector: Detector, scan: Scan) -> list[Finding]:
         began = time.perf_counter()
         try:
-            return detect()
+            found = detector.detect(scan)
+            return _with_stacks(scan.ctx, found) if detector.stack_dumps else found
         finally:
             if self.on_detector is not None:
-                self.on_detector(name, time.perf_counter() - began)
+                self.on_detector(detector.name, time.perf_counter() - began)
 
 
 def _with_stacks(ctx: RunContext, findings: list[Finding]) -> list[Finding]:
-    """Attach the newest stack dump of each root rank taken since the hang began."""
+    """Attach the newest stack dump of each rank of a finding taken since it began (asked for live)."""
     out = []
     for f in findings:
         rows = ctx.query(STACK_SQL, {"run": ctx.run_id, "ranks": list(f.ranks), "since": f.first_seen_ns}).to_pylist()
@@ -131,7 +110,8 @@ def _with_stacks(ctx: RunContext, findings: list[Finding]) -> list[Finding]:
 class LiveDiagnosis:
     """The collector's diagnosis loop: active runs every ``interval_s``, incidents written as they change.
 
-    ``request_stack(run_id, rank, reason)`` asks a rank's agent for a stack dump (the hang root's).
+    ``request_stack(run_id, rank, reason)`` asks a rank's agent for a stack dump (the ranks named by a
+    detector that wants them: ``Detector.stack_dumps``, the hang's root).
     ``stored(run_id)``, when given, counts the batches of the run stored so far and the
     registrations among them (the collector's writer keeps them). A pass costs tens of queries,
     and it shares the machine with training where the collector runs beside it, so a run is
@@ -268,11 +248,13 @@ class LiveDiagnosis:
         ctx = self._context(run_id, now)
         heard = self.heard.of(run_id, ctx.attempt) if self.heard is not None else None
         findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=ctx, heard=heard, on_detector=self.on_detector, lane=lane)
+        why = {kind: d.stack_dumps for d in lane.detectors if d.stack_dumps for kind in d.kinds}
+        named = {(run_id, rank): why[f.kind] for f in findings if f.kind in why for rank in f.ranks}
         with self._lock:
-            ask = {(run_id, rank) for f in findings if f.kind == "hang" for rank in f.ranks} - self._asked
-            self._asked |= ask
-        for _, rank in sorted(ask):
-            self.request_stack(run_id, rank, "hang root")
+            ask = {key: reason for key, reason in named.items() if key not in self._asked}
+            self._asked |= set(ask)
+        for (_, rank), reason in sorted(ask.items()):
+            self.request_stack(run_id, rank, reason)
         with self._lock:  # one lane at a time folds its findings in and stores what changed
             ledger = self.ledgers.get(run_id)
             if ledger is None:

@@ -8,11 +8,13 @@ transient); an uncorrected ECC error or an Xid event counts at once.
 from __future__ import annotations
 
 from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.common.incidents import Finding
 
-#: throttle reasons that mean trouble (NVML's; power capping under full load is normal and left out)
 #: the kinds of incident this detector names
 KINDS = ("gpu_throttle", "gpu_ecc", "gpu_xid")
+DETECTOR = FunctionDetector("gpu", KINDS, "thorough", lambda scan: detect(scan.ctx))
+#: throttle reasons that mean trouble (NVML's; power capping under full load is normal and left out)
 BAD_THROTTLE = ("hw_thermal", "sw_thermal", "hw_slowdown", "hw_power_brake")
 
 # From the ``gpu_signals`` rollup, kept per rank and signal as metrics arrive: a run's metrics grow

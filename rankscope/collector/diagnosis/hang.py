@@ -23,12 +23,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rankscope.collector.diagnosis.context import RunContext, died_at
+from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.common.incidents import Finding
 
 # Every rank's latest heartbeat is kept as heartbeats arrive (the ``rank_state`` rollup): a pass
 # reads a row per rank, however long the run; the heartbeats of one step through the step index.
 #: the kinds of incident this detector names
 KINDS = ("hang",)
+#: urgent, and the root ranks it names are asked for their stack dumps
+DETECTOR = FunctionDetector("hang", KINDS, "urgent", lambda scan: detect(scan.ctx), stack_dumps="hang root")
 PROGRESS_SQL = (
     "SELECT max(max_step) AS step, toUnixTimestamp64Nano(max(last_heartbeat)) AS last_heartbeat_ns FROM rank_state "
     "WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"

@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 
 from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.common.incidents import Finding
 
 # The first step with a value not finite, from the per-step ``step_losses`` rollup (a row per step),
 # then that step's rows through the step index: a run's step metrics grow with it.
 #: the kinds of incident this detector names
 KINDS = ("nan", "loss_spike")
+DETECTOR = FunctionDetector("nan", KINDS, "thorough", lambda scan: detect(scan.ctx))
 FIRST_STEP_SQL = (
     "SELECT step FROM step_losses WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND nonfinite > 0 ORDER BY step LIMIT 1"
 )

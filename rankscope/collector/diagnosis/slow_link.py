@@ -17,11 +17,13 @@ import numpy as np
 
 from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
-from rankscope.common.incidents import Finding
+from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.collector.diagnosis.transfer_window import TransferWindow
+from rankscope.common.incidents import Finding
 
 #: the kinds of incident this detector names
 KINDS = ("slow_link",)
+DETECTOR = FunctionDetector("slow_link", KINDS, "thorough", lambda scan: detect(scan.ctx))
 MIN_STEPS = 3
 NEWEST_SQL = (
     "SELECT max(step) AS newest FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0 "

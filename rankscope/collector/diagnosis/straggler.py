@@ -25,12 +25,14 @@ import numpy as np
 
 from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
-from rankscope.common.settings import Settings
-from rankscope.common.incidents import Finding
+from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.collector.diagnosis.segment_window import STEP_COMPUTE, SegmentWindow, Series
+from rankscope.common.incidents import Finding
+from rankscope.common.settings import Settings
 
 #: the kinds of incident this detector names
 KINDS = ("straggler",)
+DETECTOR = FunctionDetector("straggler", KINDS, "thorough", lambda scan: detect(scan.ctx))
 NEWEST_SQL = (
     "SELECT max(step) AS newest FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step >= {since:UInt32}"
 )
