@@ -373,7 +373,7 @@ def test_every_rankscope_command_parses(argv: list[str]) -> None:
     """Each command parses with rankscope's own parser (the trainer's for train), in the fast suite too."""
     assert argv and argv[0] in CLI_COMMANDS, f"no such command: rankscope {' '.join(argv)}"
     if argv[0] == "train":
-        from rankscope.trainer.config import build_parser as trainer_parser
+        from rankscope.trainer.train_config import build_parser as trainer_parser
 
         trainer_parser().parse_args(argv[1:])
         return
@@ -382,7 +382,7 @@ def test_every_rankscope_command_parses(argv: list[str]) -> None:
 
 def test_every_flag_in_prose_belongs_to_its_command() -> None:
     """Inline examples such as `rankscope diagnose --run RUN --format json`: each flag exists on that command."""
-    from rankscope.trainer.config import build_parser as trainer_parser
+    from rankscope.trainer.train_config import build_parser as trainer_parser
 
     subparsers = next(a for a in build_parser()._actions if a.dest == "command").choices  # noqa: SLF001
     problems = []

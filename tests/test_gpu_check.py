@@ -140,7 +140,7 @@ def test_the_mfu_model_is_about_1b_parameters_by_the_trainers_count() -> None:
 
 @pytest.mark.parametrize("model", [g.MFU_MODEL, g.OVERHEAD_MODEL], ids=["mfu", "overhead"])
 def test_the_models_are_valid_one_gpu_trainer_configurations(model: dict) -> None:
-    from rankscope.trainer.config import parse_args
+    from rankscope.trainer.train_config import parse_args
 
     cfg = parse_args([*g.trainer_flags(model), "--steps=3"]).resolved(1)
     assert (cfg.tp, cfg.pp, cfg.dp, cfg.world_size) == (1, 1, 1, 1)

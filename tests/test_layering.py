@@ -46,3 +46,16 @@ def test_an_import_the_wrong_way_breaks_the_contract(tmp_path: Path, module: str
     done = lint(tmp_path)
     assert done.returncode == 1, done.stdout[-4000:]
     assert broken in done.stdout, done.stdout[-4000:]
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A module's name says what it holds, once in the package. The command line's modules are named
+    after their subcommands and the dashboard's pages after their pages (both addressed by that name),
+    so they may share a name with what they show or run."""
+    named: dict[str, list[str]] = {}
+    for path in (ROOT / "rankscope").rglob("*.py"):
+        relative = path.relative_to(ROOT / "rankscope")
+        if path.name == "__init__.py" or relative.parts[0] == "cli" or relative.parts[:2] == ("dashboard", "views"):
+            continue
+        named.setdefault(path.name, []).append(relative.as_posix())
+    assert {name: paths for name, paths in named.items() if len(paths) > 1} == {}

@@ -23,7 +23,7 @@ from rankscope.healing.record import Figure
 from rankscope.healing.selfcheck import LocalRunner, check_hosts, run_on
 from rankscope.healing.verdict import judge
 from rankscope.testbed import hosts as testbed_hosts
-from rankscope.testbed.fleet import TestbedRunner
+from rankscope.testbed.healing_fleet import TestbedRunner
 
 NAN = math.nan
 

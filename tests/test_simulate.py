@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rankscope.harness.simulate.freeze import PHASES, freeze
-from rankscope.harness.simulate.model import StepModel, Timing, one_f_one_b, topological
+from rankscope.harness.simulate.step_model import StepModel, Timing, one_f_one_b, topological
 from rankscope.harness.simulate.rows import ALL_REDUCE, RECV, SEND, Slice
 from rankscope.harness.simulate.topology import build
 

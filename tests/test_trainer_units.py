@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from rankscope.common import fault_spec
 from rankscope.trainer.injector import Injector
 from rankscope.trainer.checkpoint import SavedLayout
-from rankscope.trainer.config import LAUNCHER_ONLY, ConfigError, TrainConfig, build_parser, flag, parse_args, rank_argv
+from rankscope.trainer.train_config import LAUNCHER_ONLY, ConfigError, TrainConfig, build_parser, flag, parse_args, rank_argv
 from rankscope.trainer.torchrun import planned, torchrun_command
-from rankscope.trainer.data import MicroBatches, TokenSource
+from rankscope.trainer.dataset import MicroBatches, TokenSource
 from rankscope.trainer.flops import flops_per_token, mfu, peak_flops
 from rankscope.trainer.layers import TPContext, vocab_parallel_cross_entropy
 from rankscope.trainer.model import Attention, GPTStage, ModelArgs, count_parameters, init_weights

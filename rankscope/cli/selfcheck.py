@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.collector) != bool(args.run):
         return _bad("--collector and --run go together")
     from rankscope.healing import selfcheck
-    from rankscope.testbed.fleet import TestbedRunner
+    from rankscope.testbed.healing_fleet import TestbedRunner
 
     if args.testbed is None and not args.host:
         report = selfcheck.check_local(ranks=args.ranks_per_host or 0, timeout_s=args.timeout, device=args.device)

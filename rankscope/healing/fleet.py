@@ -1,7 +1,7 @@
 """What a self-healing driver can do to the hosts of a job: pause and resume its workers, check a
 host, fence it, make the survivors restart.
 
-``Fleet`` is the seam; ``rankscope.testbed.fleet.TestbedFleet`` drives the namespace hosts of a
+``Fleet`` is the seam; ``rankscope.testbed.healing_fleet.TestbedFleet`` drives the namespace hosts of a
 test bed from outside, as a cluster's node manager would drive machines.
 """
 

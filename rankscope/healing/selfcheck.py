@@ -16,7 +16,7 @@ local figure it measured is measured again, once, and judged on the better of it
 of a loaded machine passes, a host that is really slow fails twice.
 
 Where a host's commands run is a ``Runner``: ``LocalRunner`` (this machine itself) here, a test
-bed's namespace hosts with ``rankscope.testbed.fleet.TestbedRunner``. A runner also names the only
+bed's namespace hosts with ``rankscope.testbed.healing_fleet.TestbedRunner``. A runner also names the only
 networks the link tests may contact.
 """
 

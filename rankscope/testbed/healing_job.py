@@ -19,7 +19,7 @@ from pathlib import Path
 from rankscope.collector.client import Client
 from rankscope.common.agent_env import agent_environment
 from rankscope.healing.driver import Driver
-from rankscope.testbed.fleet import TestbedFleet
+from rankscope.testbed.healing_fleet import TestbedFleet
 from rankscope.healing.policy import Policy
 from rankscope.common.processes import terminate_tree
 from rankscope.testbed.hosts import CONTROL_ADDRESS, Testbed, TestbedError

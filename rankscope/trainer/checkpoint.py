@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from rankscope.trainer.config import ConfigError
+from rankscope.trainer.train_config import ConfigError
 from rankscope.trainer.optimizer import Optimizer
 from rankscope.trainer.parallel_state import ParallelState
 

@@ -18,7 +18,7 @@ import torch
 
 from rankscope import agent
 from rankscope.trainer import comm
-from rankscope.trainer.data import MicroBatches
+from rankscope.trainer.dataset import MicroBatches
 from rankscope.trainer.data_parallel import GradSync
 from rankscope.trainer.injector import Injector
 from rankscope.trainer.model import GPTStage

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from rankscope.agent.autoload import forbid
-from rankscope.trainer.config import ConfigError, TrainConfig, parse_args, rank_argv
+from rankscope.trainer.train_config import ConfigError, TrainConfig, parse_args, rank_argv
 
 
 def torchrun_command(argv: list[str], nproc: int) -> list[str]:

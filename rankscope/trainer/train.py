@@ -21,8 +21,8 @@ from rankscope import agent
 from rankscope.common import fault_spec
 from rankscope.trainer import comm, flops, parallel_state
 from rankscope.trainer.injector import Injector
-from rankscope.trainer.config import ConfigError, TrainConfig, parse_args
-from rankscope.trainer.data import MicroBatches, TokenSource
+from rankscope.trainer.train_config import ConfigError, TrainConfig, parse_args
+from rankscope.trainer.dataset import MicroBatches, TokenSource
 from rankscope.trainer.data_parallel import GradSync
 from rankscope.trainer.layers import TPContext
 from rankscope.trainer.model import GPTStage, ModelArgs, init_weights

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rankscope.harness.simulate.model import Step, StepModel, Timing
+from rankscope.harness.simulate.step_model import Step, StepModel, Timing
 from rankscope.harness.simulate.rows import OP_NAMES, SPAN_KINDS, SPAN_NAMES, Slice
 from rankscope.harness.simulate.topology import Topology
 from rankscope.collector.store.base import Store, arrow_schema

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rankscope.harness.simulate.model import Step, StepModel
+from rankscope.harness.simulate.step_model import Step, StepModel
 from rankscope.harness.simulate.rows import ALL_REDUCE, DP_GROUP, PP_GROUP, RECV, SEND, TP_GROUP
 
 PHASES = ("forward", "backward", "recv_forward", "recv_backward", "grad_sync")

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rankscope.harness.simulate.model import StepModel, Timing
+from rankscope.harness.simulate.step_model import StepModel, Timing
 from rankscope.harness.simulate.topology import Topology
 from rankscope.common.fault_spec import Fault
 

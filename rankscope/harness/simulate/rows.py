@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rankscope.harness.simulate.model import Step, StepModel
+from rankscope.harness.simulate.step_model import Step, StepModel
 
 SPAN_NAMES = ("data", "forward", "backward", "recv_forward", "recv_backward", "grad_sync", "optimizer")
 # telemetry.proto SpanKind: 0 compute, 1 comm, 2 data, 3 optimizer

@@ -27,7 +27,7 @@ from rankscope.agent.transport import Transport
 from rankscope.common.agent_env import agent_environment
 from rankscope.harness.simulate import payloads
 from rankscope.harness.simulate.freeze import PHASES, Frozen, freeze
-from rankscope.harness.simulate.model import Step
+from rankscope.harness.simulate.step_model import Step
 from rankscope.harness.simulate.plan import Plan
 from rankscope.harness.simulate.rows import Rows, Slice
 from rankscope.protos.v1 import telemetry_pb2 as pb
