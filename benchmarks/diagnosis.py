@@ -18,6 +18,7 @@ Prints one markdown table per part. Every process it starts is stopped, the stor
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -234,8 +235,9 @@ def _incident_rows(found: list[dict], straggler_start: int | None) -> list[str]:
 
 def _pass_rows(address: str, run_id: str, silent_after: float, repeats: int) -> list[str]:
     from rankscope.collector.client import Client
-    from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, slow_link, straggler
+    from rankscope.collector.diagnosis import engine, registry
     from rankscope.collector.diagnosis.context import RunContext
+    from rankscope.collector.diagnosis.detector import Scan
     from rankscope.common.settings import Settings
 
     settings = Settings(hang_after_s=HANG_AFTER_S, silent_after_s=silent_after)
@@ -245,12 +247,8 @@ def _pass_rows(address: str, run_id: str, silent_after: float, repeats: int) -> 
         now_ns = int(ctx.query(engine.LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"])  # ctx.query binds the attempt
         passes: dict[str, Callable[[], object]] = {
             "run context (ranks, hosts, groups)": lambda: RunContext.load(run_id, query, settings),
-            "straggler.detect": lambda: straggler.detect(ctx),
-            "hang.detect": lambda: hang.detect(ctx),
-            "crash.detect": lambda: crash.detect(ctx, now_ns=now_ns),
-            "nan.detect": lambda: nan.detect(ctx),
-            "slow_link.detect": lambda: slow_link.detect(ctx),
-            "gpu.detect": lambda: gpu.detect(ctx),
+            # every registered detector alone, handed nothing heeded (the crash detector then sees no hang)
+            **{f"{d.name}.detect": functools.partial(d.detect, Scan(ctx, None, (), lambda: now_ns)) for d in registry.registered()},
             # on the context kept between passes, as the live loop does (a fresh one reads the windows again)
             "diagnose() (all of the above)": lambda: engine.diagnose(run_id, query, settings, now_ns=now_ns, ctx=ctx),
         }
