@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from rankscope.healing.selfcheck import Report
 
 HELP = "test suspect hosts (matmul, memory, loopback all-reduce, links) against their peers and name the bad ones"
+EXTRA = "collector"  # to store the results (--collector) only
 
 PROG = "rankscope selfcheck"
 #: rankscope.healing.selfcheck's defaults (not imported here: a command module imports nothing at load; a test keeps them equal)
