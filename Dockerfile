@@ -6,7 +6,8 @@
 #   docker build --build-arg TORCH=torch==2.11.0 -t rankscope .    # another torch version
 #
 # torch comes first, from PyTorch's CPU index: the package requires torch, and a bare `torch`
-# requirement would pull a CUDA build of several gigabytes that neither service uses.
+# requirement would pull a CUDA build of several gigabytes that neither service uses. Then the
+# collector and dashboard extras (pyproject.toml): `pip install rankscope` alone is the agent.
 FROM python:3.11-slim
 
 ARG TORCH=torch==2.13.0
@@ -19,7 +20,7 @@ ENV PYTHONUNBUFFERED=1 \
 RUN pip install --index-url "$TORCH_INDEX" "$TORCH"
 
 COPY . /src
-RUN pip install /src && rm -rf /src
+RUN pip install "/src[collector,dashboard]" && rm -rf /src
 
 # Neither service needs root; the dashboard's Streamlit writes its settings under $HOME.
 RUN useradd --system --uid 10001 --create-home --home-dir /home/rankscope rankscope

@@ -37,10 +37,12 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # Reinstalls only when the package metadata changed (editable install: code changes need none).
+# Every part and the tests: `all` is the agent with its gpu and stacks extras, the collector and the
+# dashboard (pyproject.toml; `pip install rankscope` alone is the agent).
 $(STAMP): pyproject.toml setup.py | $(PY)
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q numpy
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[all,dev]'
 	touch $@
 
 # Debian's chromium for the browser tests (they skip themselves without it). Silent when present.

@@ -12,10 +12,11 @@ files under ``tmp_path``, so a chatty child never blocks on a full pipe.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,19 @@ from rankscope.testbed.hosts import Testbed
 pytest_plugins = ("pytester", "suite_clock", "suite_lanes")  # pytester: tests/test_infra.py runs pytest inside a test
 
 TERM_GRACE_S = 5.0
+ROOT = Path(__file__).resolve().parent.parent
+#: what a source copy for a wheel leaves out: version control, environments, build outputs, local data, the tests
+WHEEL_SOURCE_SKIP = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+    "rankscope-data", "test-artifacts", ".whl", ".gl", "tests", "benchmarks",
+)
+#: for processes of an installed wheel: the suite's PYTHONPATH may point at this source tree, which would
+#: shadow the wheel's rankscope (Python ignores an empty PYTHONPATH)
+OFF_THIS_TREE = {"PYTHONPATH": ""}
 
 
-__all__ = ["Proc", "ProcRunner", "Running", "by_speed", "free_port", "make_testbed", "running", "start_collector", "use_this_conftest"]
+__all__ = ["OFF_THIS_TREE", "Proc", "ProcRunner", "Running", "build_wheel", "by_speed", "free_port", "make_testbed", "running", "start_collector",
+           "use_this_conftest"]
 
 #: incident kinds found by comparing how fast ranks run next to each other; None: a healthy run,
 #: where no false alarm may appear
@@ -208,6 +219,31 @@ def incidents(address: str, run_id: str, until: Callable[[list[dict], Any], bool
             if until(found, client) or time.monotonic() > deadline:
                 return found
             time.sleep(0.5)
+
+
+def build_wheel(workdir: Path, probes: Iterable[str] = ()) -> tuple[Path, Path]:
+    """(source copy, wheel): rankscope's wheel built from a copy of the source tree under ``workdir``, so
+    the build leaves nothing in the work tree; ``probes`` (paths in the tree) are added to the copy as
+    placeholder files."""
+    src = workdir / "src"
+    shutil.copytree(ROOT, src, ignore=WHEEL_SOURCE_SKIP)
+    for name in probes:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text("# probe\n" if name.endswith(".py") else "probe\n")
+    out = workdir / "out"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q", str(src), "-w", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+    (wheel,) = out.glob("rankscope-*.whl")
+    return src, wheel
+
+
+@pytest.fixture(scope="session")
+def wheel_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """rankscope's wheel as released (no probe files), built once per session."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))[1]
 
 
 @pytest.fixture

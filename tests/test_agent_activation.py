@@ -8,7 +8,6 @@ R (pid P)" when the agent starts in a process. Every test runs real interpreters
 from __future__ import annotations
 
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Proc, ProcRunner
+from conftest import OFF_THIS_TREE, Proc, ProcRunner
 
-ROOT = Path(__file__).resolve().parent.parent
 ACTIVE = re.compile(r"^rankscope agent: active in rank (\S+) \(pid (\d+)\)$", re.M)
 NOT_LAUNCHED = {"RANK": "", "WORLD_SIZE": "", "LOCAL_RANK": "", "TORCHELASTIC_RUN_ID": ""}
 
@@ -204,31 +202,26 @@ def test_collector_process_stays_off(proc_runner: ProcRunner, tmp_path: Path, on
 
 
 @pytest.mark.slow
-def test_regular_wheel_ships_a_working_pth(proc_runner: ProcRunner, tmp_path: Path, on: dict[str, str]) -> None:
-    """Build the wheel, install it into a fresh virtual environment, and watch a rank activate.
+def test_regular_wheel_ships_a_working_pth(proc_runner: ProcRunner, wheel_file: Path, tmp_path: Path, on: dict[str, str]) -> None:
+    """Install the built wheel into a fresh virtual environment, and watch a rank activate.
 
     The environment gets torch and the other dependencies from the .venv through a plain path
     entry (which, unlike the .venv's own site directory, runs none of the .venv's .pth files),
     so rankscope itself and its .pth come from the wheel alone.
     """
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "tests"))
-    wheels = tmp_path / "wheels"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", str(src), "-w", str(wheels)], check=True, capture_output=True, timeout=240)
-    (wheel,) = wheels.glob("rankscope-*.whl")
     venv = tmp_path / "venv"
     base = Path(sys.base_prefix) / "bin" / "python3"
     subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())  # fmt: skip
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=240)
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel_file)], check=True, capture_output=True, timeout=240)
     assert (site / "rankscope-agent.pth").is_file()
     (site / "aa_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     proc = python(proc_runner, """
         import rankscope, sys
         print(rankscope.__file__, flush=True)
         import torch
-    """, {**on, "RANK": "0", "WORLD_SIZE": "1"}, exe=str(venv / "bin" / "python"), name="wheel")  # fmt: skip
+    """, {**on, **OFF_THIS_TREE, "RANK": "0", "WORLD_SIZE": "1"}, exe=str(venv / "bin" / "python"), name="wheel")  # fmt: skip
     assert proc.stdout.startswith(str(site / "rankscope")), proc.output()
     assert [rank for rank, _ in activations(proc)] == ["0"], proc.output()

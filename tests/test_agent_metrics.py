@@ -7,6 +7,7 @@ tests skip where NVML finds one); host metrics come from the real /proc.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import textwrap
@@ -21,6 +22,7 @@ from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from rankscope.agent import config, hardware
 from rankscope.agent.hardware import host_memory, network_counters, open_gpu
 from rankscope.agent.heartbeat import Heartbeat
 from rankscope.agent.metrics import MetricsReporter, to_metric_batch
@@ -95,6 +97,24 @@ def test_no_gpu_and_not_first_on_host_reports_nothing(collector: Collector, tmp_
     t.close(timeout_s=30)
     assert reporter.gpu is None and not any("OtelPeriodicExportingMetricReader" in n for n in threads)
     assert t.stats().sent == 0
+
+
+def test_without_the_gpu_extra_a_gpu_host_is_told_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nvidia-ml-py missing: no GPU, and where an NVIDIA driver is loaded one line saying which extra
+    brings the GPU metrics; on a machine without a driver, nothing."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not importable
+    monkeypatch.setattr(config, "_warned", set())
+    monkeypatch.setattr(hardware, "PROC", tmp_path)
+    with caplog.at_level(logging.WARNING, logger="rankscope.agent"):
+        assert open_gpu(0) is None
+        assert caplog.records == []
+        (tmp_path / "driver" / "nvidia").mkdir(parents=True)
+        assert open_gpu(0) is None and open_gpu(1) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "rankscope agent: nvidia-ml-py is not installed: no GPU metrics (pip install 'rankscope[gpu]')"
+    ]
 
 
 def test_attributes_become_device_and_name_suffix() -> None:
@@ -221,7 +241,7 @@ def test_python_frames_when_py_spy_is_missing(proc_runner: ProcRunner) -> None:
     method, text = proc.stdout.split("\n", 1)
     assert method == "python-frames"
     assert 'Thread' in text and '"parked"' in text and "parked_here" in text and '"MainThread"' in text
-    assert proc.stderr.strip() == "rankscope agent: py-spy is not installed: stack dumps use Python's own frames"
+    assert proc.stderr.strip() == "rankscope agent: py-spy is not installed: stack dumps use Python's own frames (pip install 'rankscope[stacks]')"
 
 
 def test_heartbeat_counts_the_agents_drops(tmp_path: Path) -> None:

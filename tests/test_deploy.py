@@ -10,6 +10,7 @@ database it made.
 
 from __future__ import annotations
 
+import importlib
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 import yaml
 from clickhouse_connect.driver.client import arrow_str_setting
 
-from rankscope.cli.main import build_parser, main
+from rankscope.cli.main import COMMANDS, build_parser, main
 from rankscope.collector.query import Limits, engine_settings
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.collector.store.ddl import create_statements
@@ -92,6 +93,14 @@ def test_three_services_a_pinned_clickhouse_and_one_image_for_the_others(compose
     assert 'ENTRYPOINT ["rankscope"]' in dockerfile
     assert "download.pytorch.org/whl/cpu" in dockerfile  # not the multi-GB CUDA build
     assert ".venv" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_the_image_installs_the_extra_of_each_command_it_runs(compose: dict[str, Any]) -> None:
+    """`pip install rankscope` is the agent alone: the image adds the extras its services' commands declare."""
+    installs = re.findall(r'^RUN pip install "/src\[([\w,]+)\]"', (ROOT / "Dockerfile").read_text(), re.M)
+    assert len(installs) == 1, installs
+    services = [s for name, s in compose["services"].items() if name != "clickhouse"]
+    assert set(installs[0].split(",")) == {importlib.import_module(COMMANDS[s["command"][0]]).EXTRA for s in services}
 
 
 def test_health_checks_and_start_order(compose: dict[str, Any]) -> None:

@@ -1,9 +1,10 @@
 """Readings of this rank's GPU (NVML) and of its host (/proc): the raw numbers behind metrics.py.
 
 GPU faults explain many slow or dead ranks: thermal or power throttling, ECC errors, Xid
-events (79: fell off the bus, 48: double-bit ECC, ...). NVML (nvidia-ml-py's ``pynvml``) reads
-them without touching CUDA. Without an NVIDIA driver, ``nvmlInit`` raises
-``NVMLError_LibraryNotFound`` and ``open_gpu`` returns None: no GPU metrics, and no error.
+events (79: fell off the bus, 48: double-bit ECC, ...). NVML (nvidia-ml-py's ``pynvml``, the
+``gpu`` extra) reads them without touching CUDA. Without an NVIDIA driver, ``nvmlInit`` raises
+``NVMLError_LibraryNotFound`` and ``open_gpu`` returns None: no GPU metrics, and no error. With a
+driver but without nvidia-ml-py there are none either, and the agent says once what to install.
 
 Host numbers come from /proc (Linux): CPU time, memory, and per-interface network counters.
 """
@@ -15,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rankscope.agent.config import warn_once
 
 PROC = Path("/proc")
 
@@ -108,6 +111,8 @@ def open_gpu(local_rank: int) -> GpuDevice | None:
     try:
         import pynvml
     except ImportError:
+        if (PROC / "driver" / "nvidia").is_dir():  # the driver is loaded: GPU metrics are missed
+            warn_once("nvml", "nvidia-ml-py is not installed: no GPU metrics (pip install 'rankscope[gpu]')")
         return None
     try:
         pynvml.nvmlInit()

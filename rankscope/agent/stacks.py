@@ -2,8 +2,8 @@
 
 py-spy reads the stacks from outside (including threads blocked in C, with their native
 frames' Python callers) and is what an engineer would run by hand; it is started as a child
-on our own pid and takes about 15 ms. Clusters often deny ptrace, and py-spy may be missing:
-then Python's own view, ``sys._current_frames()``, is the fallback ("python-frames").
+on our own pid and takes about 15 ms. Clusters often deny ptrace, and py-spy may be missing (it is
+the ``stacks`` extra): then Python's own view, ``sys._current_frames()``, is the fallback ("python-frames").
 
 Dumps run on the agent's threads (heartbeat), never on the training thread: py-spy pauses the
 process while it reads it, and a dump can take up to ``PY_SPY_TIMEOUT_S``.
@@ -48,7 +48,7 @@ def py_spy_path() -> str | None:
 def _py_spy_dump() -> str | None:
     exe = py_spy_path()
     if exe is None:
-        warn_once("py-spy", "py-spy is not installed: stack dumps use Python's own frames")
+        warn_once("py-spy", "py-spy is not installed: stack dumps use Python's own frames (pip install 'rankscope[stacks]')")
         return None
     try:
         done = subprocess.run(

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from rankscope.collector.anatomy import Anatomy
 
 HELP = "where a run's step time goes (compute, exposed communication, bubble, ...), the critical path of a step, the MFU waterfall"
+EXTRA = "collector"
 
 LATEST_RUN_SQL = "SELECT run_id FROM runs GROUP BY run_id ORDER BY min(start_time) DESC LIMIT 1"
 RUN_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {run:String}"

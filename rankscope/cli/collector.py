@@ -16,6 +16,7 @@ from rankscope.cli.args import add_thresholds, count, listen, port, seconds, thr
 from rankscope.cli.tls import pem_file
 
 HELP = "run the collector: gRPC ingest from the agents, storage, read-only queries"
+EXTRA = "collector"
 
 DEFAULT_LISTEN = "127.0.0.1:7777"
 DEFAULT_STORE = "rankscope-data"

@@ -20,6 +20,7 @@ import sys
 from rankscope.cli import source
 
 HELP = "say which segments, ranks and groups make one run (or one range of steps) slower than another"
+EXTRA = "collector"
 
 
 def _steps(text: str) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from rankscope.cli import source
 from rankscope.cli.args import port
 
 HELP = "serve the dashboard: runs, step times, heat map, timeline, 3D-parallel graph, hosts, incidents, SQL"
+EXTRA = "dashboard"
 
 DEFAULT_PORT = 8501
 DEFAULT_ADDRESS = "127.0.0.1"

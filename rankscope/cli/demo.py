@@ -18,6 +18,7 @@ from rankscope.cli.collector import DEFAULT_LISTEN, DEFAULT_STORE
 from rankscope.cli.dashboard import DEFAULT_PORT
 
 HELP = "run the demo: collector, dashboard and an 8-rank CPU training job with a straggler, then a hang"
+EXTRA = "dashboard"
 
 DEFAULT_STEPS = 40
 DEFAULT_STRAGGLER_RANK = 5

@@ -19,6 +19,7 @@ from rankscope.cli import source
 from rankscope.cli.args import add_thresholds, thresholds
 
 HELP = "name the rank and host behind the stragglers, hangs, crashes, NaNs and slow links of a run"
+EXTRA = "collector"
 
 LATEST_RUN_SQL = "SELECT run_id FROM runs GROUP BY run_id ORDER BY min(start_time) DESC LIMIT 1"
 RUN_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {run:String}"

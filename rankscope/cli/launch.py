@@ -16,6 +16,7 @@ from pathlib import Path
 from rankscope.cli.args import count
 
 HELP = "run a job that heals itself: evict the host an incident names, restart from the last checkpoint"
+EXTRA = "collector"  # the healing driver reads the incidents
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

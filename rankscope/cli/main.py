@@ -10,10 +10,14 @@ command module defines:
 - ``configure(parser: argparse.ArgumentParser) -> None``: adds its arguments (not called
   for passthrough commands);
 - ``run(args: argparse.Namespace) -> int``: does the work; a passthrough command gets
-  ``args.argv: list[str]``.
+  ``args.argv: list[str]``;
+- ``EXTRA: str`` (optional): the extra of the package (pyproject.toml's optional-dependencies)
+  whose packages the command needs beyond the agent's. ``pip install rankscope`` is the agent
+  alone, so a command whose extra is missing says which one to install (``missing_extra``)
+  instead of ending in an ImportError's traceback.
 
 Command modules are imported to build ``rankscope --help``, so they must import nothing heavy
-(torch, chdb, streamlit, grpc) at module level: do that inside ``run``.
+(torch, chdb, streamlit, grpc) nor anything of an extra at module level: do that inside ``run``.
 """
 
 from __future__ import annotations
@@ -73,6 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``rankscope`` command line; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except ModuleNotFoundError as error:
+        # parsing counts too: an argument type may import the command's code (--listen does)
+        message = missing_extra(argv[0], error) if argv else None
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 1
+
+
+def missing_extra(command: str, error: ModuleNotFoundError) -> str | None:
+    """What to install when ``command`` stopped on ``error``: its ``EXTRA``, or None where the missing
+    module is rankscope's own (a broken install) or the command declares no extra."""
+    extra = getattr(sys.modules.get(COMMANDS.get(command, "")), "EXTRA", None)
+    missing = error.name or ""
+    if extra is None or missing.partition(".")[0] in ("", "rankscope"):
+        return None
+    return f"rankscope {command} needs the {extra} extra: pip install 'rankscope[{extra}]' (no module named {missing})"
+
+
+def _dispatch(argv: list[str]) -> int:
     # argparse cannot hand over arguments that start with '-' (argparse.REMAINDER rejects a
     # leading option such as `train --help`), so passthrough commands are dispatched here.
     if argv and argv[0] in COMMANDS:

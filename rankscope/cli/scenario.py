@@ -13,6 +13,7 @@ import argparse
 import sys
 
 HELP = "run built-in fault scenarios (straggler, hang, crash, NaN, slow link; faults from outside on the test bed) and score the diagnosis"
+EXTRA = "collector"  # `scenario run` starts a collector; `scenario list` needs none
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

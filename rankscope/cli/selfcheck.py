@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rankscope.healing.verdict import Report
 
 HELP = "test suspect hosts (matmul, memory, loopback all-reduce, links) against their peers and name the bad ones"
+EXTRA = "collector"  # to store the results (--collector) only
 
 PROG = "rankscope selfcheck"
 #: rankscope.healing.selfcheck's TIMEOUT_S and rankscope.healing.verdict's FACTOR (not imported here: a command module imports

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 HELP = "run one read-only SQL statement on the stored data (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN)"
+EXTRA = "collector"
 
 
 def _param(text: str) -> tuple[str, str]:
