@@ -94,7 +94,7 @@ def test_wheel_metadata(wheel: tuple[Path, zipfile.ZipFile]) -> None:
         "collector": {"pyarrow", "pandas", "clickhouse-connect", "chdb", "prometheus-client"},
         "dashboard": {"rankscope[collector]", "streamlit", "plotly"},
         "all": {"rankscope[collector,dashboard,gpu,stacks]"},
-        "dev": {"pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools", "playwright", "pyyaml"},
+        "dev": {"pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools", "playwright", "pyyaml", "import-linter"},
     }
     assert set(re.findall(r"^Provides-Extra: (.+)$", meta, re.M)) == set(requires)
     # the extra a command names when it is missing (rankscope.cli.main.missing_extra) is one of these
