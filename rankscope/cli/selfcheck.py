@@ -112,11 +112,13 @@ def _store(report: Report, args: argparse.Namespace) -> int:
 
 def table(report: Report) -> str:
     """One row per figure (host, check, value, unit, peers' median, ok), then one verdict line per host."""
+    from rankscope.healing.verdict import figure_text
+
     rows = [("host", "check", "value", "unit", "peers' median", "ok")]
     for h in report.hosts:
         for f in h.figures:
             ok = "FAIL" if not f.passed else "-" if math.isnan(f.reference) else "yes"  # -: not judged
-            rows.append((h.host, f.check, _number(f.value), f.unit, _number(f.reference), ok))
+            rows.append((h.host, f.check, figure_text(f.value), f.unit, figure_text(f.reference), ok))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     right = {2, 4}
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
@@ -124,9 +126,3 @@ def table(report: Report) -> str:
         verdict = "FAIL" if not h.passed else "PASS" if h.judged else "not judged"
         lines.append(f"{h.host} {verdict}: {h.summary}")
     return "\n".join(lines)
-
-
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "-"
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"

@@ -24,7 +24,7 @@ from rankscope.healing.record import Figure, selfcheck_batch
 if TYPE_CHECKING:
     from rankscope.protos.v1 import ingest_pb2
 
-__all__ = ["FACTOR", "SPECS", "HostResult", "Report", "Spec", "best_of", "judge", "spec_of"]
+__all__ = ["FACTOR", "SPECS", "HostResult", "Report", "Spec", "best_of", "figure_text", "judge", "spec_of"]
 
 #: a figure fails when it is worse than its peers' median by more than this factor
 FACTOR = 2.0
@@ -165,7 +165,7 @@ def best_of(first: Sequence[Figure], again: Sequence[Figure]) -> list[Figure]:
             best.append(f)
             continue
         better, worse = (other, f) if (other.value > f.value) == SPECS[f.check].higher_is_better else (f, other)
-        best.append(replace(better, detail=_join(better.detail, f"best of 2 runs (the other: {_fmt(worse.value)} {f.unit})")))
+        best.append(replace(better, detail=_join(better.detail, f"best of 2 runs (the other: {figure_text(worse.value)} {f.unit})")))
     return best
 
 
@@ -230,14 +230,15 @@ def _describe(f: Figure) -> str:
     if math.isnan(f.value):
         return f"{f.check} {f.detail}"
     ratio = f.value / f.reference if f.reference else math.inf
-    return f"{f.check} {_fmt(f.value)} {f.unit} is {_times(ratio)} the peers' median {_fmt(f.reference)}"
+    return f"{f.check} {figure_text(f.value)} {f.unit} is {_times(ratio)} the peers' median {figure_text(f.reference)}"
 
 
 def _times(ratio: float) -> str:
     return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
 
 
-def _fmt(value: float) -> str:
+def figure_text(value: float) -> str:
+    """A figure as the verdicts and ``rankscope selfcheck``'s table write it: three significant digits, "-" for none."""
     if math.isnan(value):
         return "-"
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
