@@ -27,7 +27,7 @@ PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reo
 # gpu_check.py refuses without a CUDA GPU (exit 1): `make gpu-check` runs it, not `make bench`.
 BENCHMARKS := $(sort $(filter-out benchmarks/gpu_check.py,$(wildcard benchmarks/*.py)))
 
-.PHONY: venv install browser test test-fast bench gpu-check demo screenshot protos clean distclean
+.PHONY: venv install browser slurm test test-fast bench gpu-check demo screenshot protos clean distclean
 
 venv: $(PY)
 
@@ -45,22 +45,32 @@ $(STAMP): pyproject.toml setup.py | $(PY)
 	$(PIP) install -q -e '.[all,dev]'
 	touch $@
 
-# Debian's chromium for the browser tests (they skip themselves without it). Silent when present.
-browser:
-	@if [ -x /usr/bin/chromium ]; then :; \
+# $(call apt-install,WHO NEEDS IT,PACKAGES,TEST THAT THEY ARE PRESENT): Debian's packages, installed
+# as root where missing; elsewhere a warning that what needs them will be skipped. Silent when present.
+define apt-install
+	@if $(3); then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-	  echo "installing Debian's chromium for the browser tests"; \
+	  echo "installing Debian's $(2) for $(1)"; \
 	  log=$$(mktemp); \
-	  if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } >"$$log" 2>&1; then \
+	  if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(2); } >"$$log" 2>&1; then \
 	    tail -n 20 "$$log" >&2; \
-	    echo "warning: could not install chromium: browser tests will be skipped" >&2; \
+	    echo "warning: could not install $(2): $(1) will be skipped" >&2; \
 	  fi; \
 	  rm -f "$$log"; \
 	else \
-	  echo "warning: /usr/bin/chromium is missing and we are not root: browser tests will be skipped" >&2; \
+	  echo "warning: $(2) missing and we are not root: $(1) will be skipped" >&2; \
 	fi
+endef
 
-test: install browser
+# Chromium for the browser tests.
+browser:
+	$(call apt-install,the browser tests,chromium,[ -x /usr/bin/chromium ])
+
+# Slurm and munge for the Slurm test bed (rankscope testbed up --slurm) and its tests.
+slurm:
+	$(call apt-install,the Slurm test bed's tests,slurm-wlm munge,command -v slurmd >/dev/null && command -v munged >/dev/null)
+
+test: install browser slurm
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install

@@ -145,6 +145,11 @@ COMMANDS: dict[str, Run | NotHere] = {
             shorten=((r"--steps 40$", "--steps 10 " + " ".join(SMALL_MODEL)),), expect="node3: exit 0", timeout_s=400),
     "rankscope diagnose --collector unix:/tmp/rankscope.sock": Run(expect=r"straggler: host node2: ranks 4, 5"),
     "rankscope testbed down": Run(expect="is down"),
+    "rankscope testbed up --hosts 3 --name rsslurm --slurm": Run(expect="Slurm partition bed"),
+    "rankscope testbed slurm --testbed rsslurm -- srun --nodes=3 --label hostname": Run(expect=r"(?s)(?=.*0: node0)(?=.*1: node1).*2: node2"),
+    'rankscope testbed slurm --testbed rsslurm -- scontrol update NodeName=node1 State=DRAIN Reason="rankscope: test"': Run(),
+    "rankscope testbed slurm --testbed rsslurm -- sinfo --list-reasons": Run(expect=r"rankscope: test\s+root\s+\S+\s+node1"),
+    "rankscope testbed down rsslurm": Run(expect="is down"),
     # docs/selfcheck.md
     "rankscope selfcheck": Run(expect="no peers to compare with"),
     "rankscope testbed up --hosts 3 --ranks-per-host 2 --name rscheck": Run(expect="node2"),

@@ -1,7 +1,8 @@
 """``rankscope testbed``: simulated hosts on this machine, a job across them, faults from outside.
 
 ``up`` makes the hosts (network namespaces with their own address and host name, cgroups) and
-leaves them up; ``run`` starts one torchrun agent per host on a script or the bundled trainer and
+leaves them up, with ``--slurm`` as a Slurm cluster (``slurm -- COMMAND`` runs Slurm's commands
+against it); ``run`` starts one torchrun agent per host on a script or the bundled trainer and
 waits for it; ``fault`` throttles, freezes, kills or slows a host or a rank of the running job;
 ``down`` removes a test bed and everything in it. Needs root (Linux namespaces, cgroup v1).
 """
@@ -34,6 +35,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--ranks-per-host", type=count(1), default=2, help="ranks per host of the jobs run on it (default: 2)")
     up.add_argument("--cores", type=float, help="CPUs per host (default: 70%% of this machine's cores split between the hosts)")
     up.add_argument("--name", help="the test bed's name (default: rs and a random id)")
+    up.add_argument("--slurm", action="store_true",
+                    help="make the hosts a Slurm cluster: slurmctld on the control host, a slurmd on each host (make slurm installs Slurm)")  # fmt: skip
+    slurm = sub.add_parser("slurm", help="run a Slurm command (sinfo, srun, sbatch, scontrol ...) against a test bed's Slurm cluster")
+    slurm.add_argument("--testbed", metavar="NAME", help="which test bed (default: the only one up)")
+    slurm.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command, e.g. -- sinfo -R")
     sub.add_parser("list", help="the test beds that are up")
     down = sub.add_parser("down", help="kill a test bed's processes and remove it")
     down.add_argument("name", nargs="?", help="which test bed (default: every one)")
@@ -59,13 +65,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rankscope.testbed import hosts
+    from rankscope.testbed import hosts, slurm
 
     try:
         if args.action == "up":
             bed = hosts.create(args.hosts, ranks_per_host=args.ranks_per_host, cores=args.cores, name=args.name)
+            if args.slurm:
+                bed = _with_slurm(bed)
             bed.save()
-            print(f"test bed {bed.name} is up: {len(bed.hosts)} hosts of {bed.cores:g} CPUs, {bed.ranks_per_host} ranks each")
+            print(f"test bed {bed.name} is up: {len(bed.hosts)} hosts of {bed.cores:g} CPUs, {bed.ranks_per_host} ranks each"
+                  + (f"; Slurm partition {slurm.PARTITION} (rankscope testbed slurm -- sinfo)" if bed.slurm else ""))  # fmt: skip
             for h in bed.hosts:
                 print(f"  {h.name:8} {h.address:14} namespace {h.namespace}")
             return 0
@@ -79,10 +88,41 @@ def run(args: argparse.Namespace) -> int:
                 print(f"test bed {name} is down")
             return 0
         bed = hosts.load(args.testbed)
+        if args.action == "slurm":
+            return _slurm_command(bed, args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
         return _run_job(bed, args) if args.action == "run" else _fault(bed, args)
     except hosts.TestbedError as e:
         print(f"rankscope testbed: {e}", file=sys.stderr)
         return 1
+
+
+def _with_slurm(bed: Testbed) -> Testbed:
+    """``bed`` made a Slurm cluster; removed whole if that fails (a half-made bed is of no use)."""
+    import dataclasses
+
+    from rankscope.testbed import hosts, slurm
+
+    try:
+        slurm.start(bed)
+    except BaseException:
+        hosts.destroy(bed.name)
+        raise
+    return dataclasses.replace(bed, slurm=True)
+
+
+def _slurm_command(bed: Testbed, command: list[str]) -> int:
+    """A Slurm command on the test bed's control host, its output and exit status as they are."""
+    import subprocess
+
+    from rankscope.testbed.slurm import Slurm
+
+    if not bed.slurm:
+        print(f"rankscope testbed slurm: test bed {bed.name} has no Slurm cluster (rankscope testbed up --slurm makes one)", file=sys.stderr)
+        return 2
+    if not command:
+        print("rankscope testbed slurm: name a Slurm command after --, e.g. -- sinfo -R", file=sys.stderr)
+        return 2
+    return subprocess.run(Slurm(bed).command(command)).returncode
 
 
 def _run_job(bed: Testbed, args: argparse.Namespace) -> int:

@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
 __all__ = [
-    "Host", "Testbed", "TestbedError", "command_on", "create", "destroy", "leftovers", "load", "pin_rank", "running", "set_cpu_quota",
+    "Host", "Testbed", "TestbedError", "command_on", "create", "destroy", "enter_cgroups", "leftovers", "load", "pin_rank", "running",
+    "set_cpu_quota",
 ]  # fmt: skip
 
 PREFIX = "rs"
@@ -97,10 +98,17 @@ class Testbed:
     ranks_per_host: int = 1
     #: the CPUs each host may use (its cgroup's quota)
     cores: float = 1.0
+    #: whether its hosts are a Slurm cluster (``rankscope.testbed.slurm``)
+    slurm: bool = False
 
     @property
     def switch(self) -> str:
         return f"{self.name}-sw"
+
+    @property
+    def directory(self) -> Path:
+        """The test bed's own files (its Slurm cluster's), removed with it."""
+        return STATE_DIR / self.name
 
     def host(self, which: int | str) -> Host:
         """A host by index or host name."""
@@ -128,9 +136,13 @@ def command_on(host: Host, argv: Sequence[str]) -> list[str]:
     namespace of its own). Each step execs the next: the process started is the one that runs ``argv``.
     """
     return [
-        "sh", "-c", _ENTER, "enter", str(host.cgroup("cpu")), str(host.cgroup("freezer")),
-        "taskset", "-c", ",".join(map(str, host.cpus)), "ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", _NAME, "name", host.name, *argv,
+        *enter_cgroups(host), "taskset", "-c", ",".join(map(str, host.cpus)), "ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", _NAME, "name", host.name, *argv,
     ]  # fmt: skip
+
+
+def enter_cgroups(host: Host) -> list[str]:
+    """The start of a command line that runs the rest in ``host``'s cgroups (its CPU quota and freezer)."""
+    return ["sh", "-c", _ENTER, "enter", str(host.cgroup("cpu")), str(host.cgroup("freezer"))]
 
 
 def create(hosts: int, *, ranks_per_host: int = 1, cores: float | None = None, name: str | None = None) -> Testbed:
@@ -233,7 +245,8 @@ def load(name: str | None = None) -> Testbed:
             raise TestbedError(f"no test bed {name!r} (up: {known or 'none'})")
         raise TestbedError(f"several test beds are up ({known}): name one" if known else "no test bed is up (rankscope testbed up makes one)")
     data = json.loads(saved[0].read_text())
-    return Testbed(data["name"], tuple(Host(**{**h, "cpus": tuple(h["cpus"])}) for h in data["hosts"]), data["ranks_per_host"], data["cores"])
+    return Testbed(data["name"], tuple(Host(**{**h, "cpus": tuple(h["cpus"])}) for h in data["hosts"]), data["ranks_per_host"], data["cores"],
+                   data.get("slurm", False))  # fmt: skip
 
 
 def running() -> list[str]:
@@ -262,6 +275,7 @@ def destroy(name: str) -> None:
         with contextlib.suppress(OSError):  # the test beds' parent group goes with the last of them
             group.parent.rmdir()
     (STATE_DIR / f"{name}.json").unlink(missing_ok=True)
+    shutil.rmtree(STATE_DIR / name, ignore_errors=True)
 
 
 def leftovers(name: str) -> list[str]:
@@ -269,7 +283,7 @@ def leftovers(name: str) -> list[str]:
     found = [f"netns {ns}" for ns in _namespaces() if ns.startswith(f"{name}-")]
     found += [f"{NETNS_ETC / p.name}" for p in NETNS_ETC.glob(f"{name}-*")] if NETNS_ETC.is_dir() else []
     found += [str(g) for c in CONTROLLERS for g in _cgroups(c) if g.name.startswith(f"{name}-")]
-    found += [str(p) for p in [STATE_DIR / f"{name}.json"] if p.exists()]
+    found += [str(p) for p in [STATE_DIR / f"{name}.json", STATE_DIR / name] if p.exists()]
     return found
 
 
