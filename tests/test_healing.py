@@ -52,7 +52,8 @@ class Cluster:
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     exits: dict[str, int] = field(default_factory=dict)
     fenced: list[str] = field(default_factory=list)
-    killed: set[int] = field(default_factory=set)
+    killed: set[tuple[str, int]] = field(default_factory=set)
+    reasons: list[str] = field(default_factory=list)
     joined: list[str] = field(default_factory=list)
     actions: list[tuple[str, list[str], str]] = field(default_factory=list)
 
@@ -68,15 +69,16 @@ class Cluster:
     def hosts(self) -> list[str]:
         return [*HOSTS, "node3"]
 
-    def workers(self, hosts: Any) -> set[int]:
-        return {101, 102}
+    def workers(self, hosts: Any) -> set[tuple[str, int]]:
+        return {("node0", 101), ("node2", 102)}
 
-    def signal(self, pids: Any, sig: signal.Signals) -> int:
-        self.killed |= set(pids)
-        return len(set(pids))
+    def signal(self, workers: Any, sig: signal.Signals) -> int:
+        self.killed |= set(workers)
+        return len(set(workers))
 
-    def fence(self, host: str) -> str:
+    def fence(self, host: str, reason: str) -> str:
         self.fenced.append(host)
+        self.reasons.append(reason)
         return f"killed {host}"
 
     # the job
@@ -107,6 +109,7 @@ def test_a_lost_rank_that_becomes_its_hosts_loss_is_considered_again() -> None:
     cluster.rows[INCIDENTS_SQL] = [{**incident, "kind": "lost_host", "summary": "every rank of node0 went silent"}]
     heal.poll()
     assert cluster.fenced == ["node0"] and cluster.joined == ["node3"]
+    assert cluster.reasons == ["rankscope: lost_host lost:rank=0: every rank of node0 went silent"]  # what Slurm's drain says
     assert heal.remaining == ["node1", "node2", "node3"]
 
 
@@ -121,6 +124,7 @@ def test_a_host_the_job_restarted_without_is_evicted_and_the_restarted_workers_a
     assert cluster.fenced == ["node0"] and heal.evicted == ["node0"] and cluster.joined == ["node3"]
     evict = next(a for a in cluster.actions if a[0] == "evict")
     assert "attempt 1 went on without it" in evict[2] and "code -9" in evict[2]
+    assert cluster.reasons == [f"rankscope: {evict[2]}"]
     assert not cluster.killed  # the survivors restarted by themselves: their workers are attempt 1's
 
 
@@ -136,7 +140,7 @@ def test_silence_while_the_driver_paused_the_workers_is_not_a_lost_host(monkeypa
     heal.poll()
     cluster.rows[driver.CURRENT_STEP_SQL] = [{"step": 9}]
     heal.poll()  # checked: the workers were paused (the check itself cannot run here)
-    assert cluster.killed == {101, 102} and len(heal._pauses) == 1
+    assert cluster.killed == {("node0", 101), ("node2", 102)} and len(heal._pauses) == 1
     during = heal._pauses[0][0] + 1
     lost = [{"incident_id": f"lost:host={h}", "kind": "lost_host", "hosts": [h], "summary": f"every rank of {h} went silent",
              "first_seen_ns": during, "status": status} for h, status in (("node0", "closed"), ("node1", "open"))]  # fmt: skip

@@ -1,17 +1,22 @@
 """The Slurm test bed (rankscope.testbed.slurm): the namespace hosts as a real Slurm cluster whose
 job steps run as the hosts' own processes, a drained node that keeps a job waiting, and a test bed
-that goes without a trace, its daemons with it."""
+that goes without a trace, its daemons with it. On it, the healing driver's Slurm fleet
+(rankscope.healing.slurm_fleet) finds, pauses and fences a real job's workers, and runs the
+self-check on its nodes, through Slurm alone."""
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from rankscope.healing.slurm_fleet import SlurmFleet
 from rankscope.testbed import hosts, slurm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -100,3 +105,79 @@ def _daemons(directory: object) -> list[str]:
     """The command lines of processes that name ``directory`` (the test bed's Slurm daemons do)."""
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=10).stdout
     return [line for line in out.splitlines() if str(directory) in line]
+
+
+#: one torchrun agent a node, each a job step of its own (as an elastic job under Slurm runs), with one sleeping worker
+BATCH = """#!/bin/sh
+for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+  srun --nodes=1 --ntasks=1 --nodelist="$node" {python} -m torch.distributed.run --standalone --nproc-per-node=1 {script} &
+done
+wait
+"""
+
+
+@pytest.fixture
+def job(cluster: slurm.Slurm, tmp_path: Path) -> Iterator[str]:
+    """A 3-node job of the cluster with a torchrun worker on every node; cancelled, and its nodes resumed, at the end."""
+    (tmp_path / "worker.py").write_text("import time\ntime.sleep(600)\n")
+    (tmp_path / "job.sh").write_text(BATCH.format(python=sys.executable, script=tmp_path / "worker.py"))
+    job_id = cluster.run(["sbatch", "--parsable", "--nodes=3", f"--output={tmp_path / 'job.log'}", str(tmp_path / "job.sh")]).stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while (state := _job(cluster, job_id)["JobState"]) != "RUNNING":
+            assert state == "PENDING" and time.monotonic() < deadline, state
+            time.sleep(0.2)
+        yield job_id
+    finally:
+        cluster.run(["scancel", job_id], check=False)
+        cluster.run(["scontrol", "update", "NodeName=node[0-2]", "State=RESUME"], check=False)
+
+
+def test_a_slurm_fleet_finds_pauses_and_fences_a_job_s_workers_through_slurm(cluster: slurm.Slurm, job: str) -> None:
+    fleet = SlurmFleet(job, cluster.command)
+    deadline = time.monotonic() + 120
+    while len(workers := fleet.workers(["node0", "node1", "node2"])) < 3:  # torchrun starts its worker
+        assert time.monotonic() < deadline, f"workers found: {workers}; unreachable: {fleet.unreachable}"
+        time.sleep(0.5)
+    assert fleet.hosts() == ["node0", "node1", "node2"]
+    ((host, pid),) = fleet.workers(["node1"])
+    assert host == "node1" and _namespace(pid) == cluster.bed.host("node1").namespace  # the worker, not its agent
+    assert fleet.signal({(host, pid)}, signal.SIGSTOP) == 1 and _state(pid) == "T"
+    assert fleet.signal({(host, pid)}, signal.SIGCONT) == 1 and _state(pid) != "T"
+
+    reason = "rankscope: crash crash:rank=1: rank 1 (node1) died"
+    done = fleet.fence("node1", reason)
+    state, why = cluster.nodes()["node1"]
+    assert state in ("draining", "drained") and why == reason  # draining while the job still holds it
+    assert "drained node1" in done and "cancelled" in done
+    deadline = time.monotonic() + 30
+    while _state(pid) is not None:
+        assert time.monotonic() < deadline, "node1's worker still runs after the fence"
+        time.sleep(0.2)
+    assert {h for h, _ in fleet.workers(["node0", "node1", "node2"])} == {"node0", "node2"}  # the others go on
+
+
+def test_the_self_check_runs_on_the_nodes_as_job_steps(cluster: slurm.Slurm, job: str) -> None:
+    from rankscope.healing.selfcheck import check_hosts
+
+    fleet = SlurmFleet(job, cluster.command)
+    assert fleet.runner.addresses == {h.name: h.address for h in cluster.bed.hosts}
+    report = check_hosts(fleet.hosts(), fleet.runner, timeout_s=60)
+    assert [h.host for h in report.hosts] == ["node0", "node1", "node2"]
+    for result in report.hosts:
+        checks = {f.check for f in result.figures}
+        assert {"matmul", "memory_bandwidth"} <= checks and {f"link_rtt:{peer}" for peer in ("node0", "node1", "node2") if peer != result.host} <= checks
+        assert all(f.passed or "not judged" in f.detail for f in result.figures if not f.check.startswith("link")), result.summary
+
+
+def _namespace(pid: int) -> str:
+    return subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True, timeout=10).stdout.strip()
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    return None if state == "Z" else state

@@ -12,8 +12,9 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
-__all__ = ["alive", "process_tree", "terminate_tree", "yield_cpu"]
+__all__ = ["alive", "process_tree", "terminate_tree", "training_rank", "yield_cpu"]
 
 
 def _proc_table() -> dict[int, tuple[int, int, str, int]]:
@@ -126,3 +127,27 @@ def yield_cpu(nice: int) -> None:
                 f.write(str(nice))
     except (OSError, ValueError, IndexError):
         pass
+
+
+def training_rank(pid: int) -> tuple[int, int] | None:
+    """(RANK, LOCAL_RANK) of a torchrun worker (not of a process the worker started), else None: how
+    the fleets that pause and fence a job's workers tell them from their launchers and helpers."""
+    own = _environ(pid)
+    if "RANK" not in own or "LOCAL_RANK" not in own:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+    if "RANK" in _environ(ppid):  # a data loader worker or another child of a rank
+        return None
+    return int(own["RANK"]), int(own["LOCAL_RANK"])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)

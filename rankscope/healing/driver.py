@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from rankscope.collector.client import Client, QueryFailed
 from rankscope.common.incidents import INCIDENTS_SQL
 from rankscope.healing import record
-from rankscope.healing.fleet import Fleet
+from rankscope.healing.fleet import Fleet, Worker
 from rankscope.healing.policy import Policy, Verdict
 from rankscope.healing.selfcheck import check_hosts
 from rankscope.protos.v1 import ingest_pb2
@@ -97,7 +97,7 @@ class Driver:
     _attempts: dict[int, dict[str, Any]] = field(default_factory=dict)
     _resumed: set[int] = field(default_factory=set)
     #: when the last fence was, and the survivors' workers then
-    _fenced: tuple[float, set[int]] | None = None
+    _fenced: tuple[float, set[Worker]] | None = None
     _started_ns: int = field(default_factory=time.time_ns)
     _active: list[str] = field(default_factory=list)
     _outbox: list[ingest_pb2.Batch] = field(default_factory=list)
@@ -173,7 +173,7 @@ class Driver:
                   {"kind": incident["kind"], "summary": incident["summary"], "verdict": verdict.value})  # fmt: skip
         self.log(f"[rankscope launch] {incident['kind']}: {incident['summary']} -> {verdict.value} ({why})")
         if verdict is Verdict.EVICT:
-            self._evict(suspects, key, why)
+            self._evict(suspects, key, why, _reason(incident))
         elif verdict is Verdict.CHECK:
             self._check(incident, suspects)
 
@@ -214,7 +214,7 @@ class Driver:
                       {"passed": {h.host: h.passed for h in report.hosts}})  # fmt: skip
             failed = [h for h in suspects if h in report.failed]
             if failed:
-                self._evict(failed, key, "; ".join(report.host(h).summary for h in failed))
+                self._evict(failed, key, "; ".join(report.host(h).summary for h in failed), _reason(incident))
             else:
                 self._act("kept", suspects, key, "the suspects passed their self-check: they stay in the job")
         finally:
@@ -222,11 +222,12 @@ class Driver:
             if paused:
                 self._pauses.append((paused_at, time.time_ns()))
 
-    def _evict(self, hosts: list[str], incident_id: str, why: str, *, restarted: bool = False) -> None:
-        """Fence ``hosts`` and put spares in their place; unless the survivors ``restarted`` already,
-        their workers of now are killed if they still run ``restart_grace_s`` later."""
+    def _evict(self, hosts: list[str], incident_id: str, why: str, reason: str = "", *, restarted: bool = False) -> None:
+        """Fence ``hosts`` (``reason``: what the cluster is told, by default ``why``) and put spares in
+        their place; unless the survivors ``restarted`` already, their workers of now are killed if
+        they still run ``restart_grace_s`` later."""
         for host in hosts:
-            done = self.fleet.fence(host)
+            done = self.fleet.fence(host, reason or f"rankscope: {why}")
             self.evicted.append(host)
             self._active.remove(host)
             self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining})
@@ -331,3 +332,8 @@ def _steps_lost(steps: dict[int, dict[str, Any]], attempt: int) -> int:
     """The completed steps the attempts before ``attempt`` ran past the checkpoint it resumed from."""
     before = [s["last_step"] for a, s in steps.items() if a < attempt]
     return max(0, max(before, default=0) - (steps[attempt]["first_step"] - 1))
+
+
+def _reason(incident: dict[str, Any]) -> str:
+    """What a fenced node is marked with where the cluster keeps a reason (a drained Slurm node's)."""
+    return f"rankscope: {incident['kind']} {incident['incident_id']}: {incident['summary']}"

@@ -1,8 +1,9 @@
 """What a self-healing driver can do to the hosts of a job: pause and resume its workers, check a
 host, fence it, make the survivors restart.
 
-``Fleet`` is the seam; ``rankscope.testbed.healing_fleet.TestbedFleet`` drives the namespace hosts of a
-test bed from outside, as a cluster's node manager would drive machines.
+``Fleet`` is the seam: ``rankscope.healing.slurm_fleet.SlurmFleet`` reaches a Slurm job's nodes
+through Slurm alone; ``rankscope.testbed.healing_fleet.TestbedFleet`` drives the namespace hosts of
+a test bed from outside, as a cluster's node manager would drive machines.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from rankscope.healing.selfcheck import Runner
+
+#: a training process as a fleet names it: (host, its process id there)
+Worker = tuple[str, int]
 
 
 class Fleet(Protocol):
@@ -24,14 +28,15 @@ class Fleet(Protocol):
         """Every host that can run the job (evicted ones included until fenced)."""
         ...
 
-    def workers(self, hosts: Iterable[str]) -> set[int]:
+    def workers(self, hosts: Iterable[str]) -> set[Worker]:
         """The training processes running on ``hosts`` now."""
         ...
 
-    def signal(self, pids: Iterable[int], sig: signal.Signals) -> int:
-        """Send ``sig`` to those of ``pids`` still running; how many got it."""
+    def signal(self, workers: Iterable[Worker], sig: signal.Signals) -> int:
+        """Send ``sig`` to those of ``workers`` still running; how many got it."""
         ...
 
-    def fence(self, host: str) -> str:
-        """Make sure nothing of the job runs on ``host`` any more, and never rejoins; what was done."""
+    def fence(self, host: str, reason: str) -> str:
+        """Make sure nothing of the job runs on ``host`` any more, and never rejoins; ``reason`` says why
+        where the cluster keeps one (a drained node's); returns what was done."""
         ...

@@ -13,6 +13,7 @@ import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from rankscope.healing.fleet import Worker
 from rankscope.healing.selfcheck import Runner
 from rankscope.testbed import host_faults
 from rankscope.testbed.hosts import SUBNET, Testbed, command_on
@@ -40,7 +41,6 @@ class TestbedRunner:
         return self.bed.host(host).address
 
 
-
 @dataclass
 class TestbedFleet:
     """The hosts of a test bed: workers found by their torchrun environment in each namespace."""
@@ -56,13 +56,13 @@ class TestbedFleet:
     def hosts(self) -> list[str]:
         return [h.name for h in self.bed.hosts]
 
-    def workers(self, hosts: Iterable[str]) -> set[int]:
+    def workers(self, hosts: Iterable[str]) -> set[Worker]:
         wanted = set(hosts)
-        return {rank.pid for rank in find_ranks(self.bed).values() if rank.host.name in wanted}
+        return {(rank.host.name, rank.pid) for rank in find_ranks(self.bed).values() if rank.host.name in wanted}
 
-    def signal(self, pids: Iterable[int], sig: signal.Signals) -> int:
+    def signal(self, workers: Iterable[Worker], sig: signal.Signals) -> int:
         sent = 0
-        for pid in pids:
+        for _, pid in workers:  # the hosts' processes are this machine's
             try:
                 os.kill(pid, sig)
                 sent += 1
@@ -70,6 +70,7 @@ class TestbedFleet:
                 pass
         return sent
 
-    def fence(self, host: str) -> str:
-        """Kill every process of the host, its torchrun agent included (a frozen host is thawed to die)."""
+    def fence(self, host: str, reason: str) -> str:
+        """Kill every process of the host, its torchrun agent included (a frozen host is thawed to die);
+        a test bed keeps no reason."""
         return host_faults.kill_host(self.bed, self.bed.host(host)).what

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.common.processes import terminate_tree
+from rankscope.common.processes import terminate_tree, training_rank
 from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, command_on, pin_rank
 
 __all__ = ["Job", "Rank", "find_ranks", "launch", "trainer"]
@@ -162,30 +162,7 @@ def find_ranks(bed: Testbed) -> dict[int, Rank]:
     found = {}
     for host in bed.hosts:
         for pid in bed.pids(host):
-            rank = _rank_of(pid)
+            rank = training_rank(pid)
             if rank is not None:
                 found[rank[0]] = Rank(rank[0], rank[1], pid, host)
     return found
-
-
-def _rank_of(pid: int) -> tuple[int, int] | None:
-    """(RANK, LOCAL_RANK) of a torchrun worker (not of a process the worker started), else None."""
-    own = _environ(pid)
-    if "RANK" not in own or "LOCAL_RANK" not in own:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
-    if "RANK" in _environ(ppid):  # a data loader worker or another child of a rank
-        return None
-    return int(own["RANK"]), int(own["LOCAL_RANK"])
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)

@@ -1,0 +1,144 @@
+"""A Slurm job's nodes as the healing driver sees them, reached through Slurm alone.
+
+The driver runs inside the job's allocation (``SLURM_JOB_ID``). The job's hosts are its nodes; a
+node's workers are found, paused and resumed by a job step on that node (``srun --overlap``
+running ``rankscope.healing.node_workers``); the self-check's probes run on a node the same way
+(``SlurmRunner``); a node is fenced by draining it with a reason that names the incident (neither
+this job nor the next lands on it) and ending the job's processes on it: the job steps that run
+on that node alone are cancelled (a torchrun agent a node), the job's training ranks left there
+are killed through a step. Nothing reaches a node by any way Slurm does not provide.
+
+``slurm`` wraps each Slurm command (identity on a cluster: they are on PATH, ``SLURM_CONF`` in the
+environment; the test bed runs them on its control host).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankscope.healing.fleet import Worker
+
+__all__ = ["SlurmError", "SlurmFleet", "SlurmRunner"]
+
+Wrap = Callable[[Sequence[str]], list[str]]
+#: seconds a Slurm command may take (a node that does not answer makes srun wait for it)
+COMMAND_TIMEOUT_S = 60.0
+#: seconds a step on one node may take to list or signal its workers (a frozen node never answers)
+NODE_TIMEOUT_S = 20.0
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed: what it said."""
+
+
+def _run(wrap: Wrap, argv: Sequence[str], timeout_s: float = COMMAND_TIMEOUT_S) -> str:
+    done = subprocess.run(wrap(argv), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"{' '.join(argv[:3])}...: {done.stderr.strip() or f'exit {done.returncode}'}")
+    return done.stdout
+
+
+def _step_on(job_id: str, host: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` as a one-task step of job ``job_id`` on node ``host``, beside the job's own steps."""
+    return ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--quiet", *argv]
+
+
+def _fields(line: str) -> dict[str, str]:
+    """``Key=Value Key=Value`` (``scontrol --oneliner``) as a dict."""
+    return dict(item.split("=", 1) for item in line.split() if "=" in item)
+
+
+@dataclass(frozen=True)
+class SlurmRunner:
+    """A self-check's commands as job steps on the node (``srun --overlap``, beside the job's own)."""
+
+    job_id: str
+    slurm: Wrap = list
+    #: the nodes' addresses (the link probes contact them and loopback only)
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def networks(self) -> tuple[str, ...]:
+        return (*(f"{address}/32" for address in self.addresses.values()), "127.0.0.0/8")
+
+    def command(self, host: str, argv: Sequence[str]) -> list[str]:
+        return self.slurm(_step_on(self.job_id, host, argv))
+
+    def address(self, host: str) -> str:
+        return self.addresses[host]
+
+
+@dataclass
+class SlurmFleet:
+    """The nodes of Slurm job ``job_id``."""
+
+    job_id: str
+    slurm: Wrap = list
+    #: the Python that runs ``rankscope.healing.node_workers`` on a node (the job's, shared by its nodes)
+    python: str = sys.executable
+    #: nodes a step could not list or signal workers on (frozen, gone): their workers are not counted
+    unreachable: set[str] = field(default_factory=set)
+    _runner: SlurmRunner | None = None
+
+    @property
+    def runner(self) -> SlurmRunner:
+        if self._runner is None:
+            addresses = {}
+            for line in _run(self.slurm, ["scontrol", "show", "node", "--oneliner", ",".join(self.hosts())]).splitlines():
+                node = _fields(line)
+                addresses[node["NodeName"]] = node["NodeAddr"]
+            self._runner = SlurmRunner(self.job_id, self.slurm, addresses)
+        return self._runner
+
+    def hosts(self) -> list[str]:
+        nodes = _fields(_run(self.slurm, ["scontrol", "show", "job", "--oneliner", self.job_id]))["NodeList"]
+        return _run(self.slurm, ["scontrol", "show", "hostnames", nodes]).split()
+
+    def workers(self, hosts: Iterable[str]) -> set[Worker]:
+        found: set[Worker] = set()
+        for host in hosts:
+            if (answer := self._on(host, ["list"])) is not None:
+                found |= {(host, int(pid)) for pid in answer["ranks"]}
+        return found
+
+    def signal(self, workers: Iterable[Worker], sig: signal.Signals) -> int:
+        by_host: dict[str, list[int]] = {}
+        for host, pid in workers:
+            by_host.setdefault(host, []).append(pid)
+        answers = [self._on(host, ["signal", sig.name, *map(str, pids)]) for host, pids in by_host.items()]
+        return sum(int(answer["sent"]) for answer in answers if answer is not None)
+
+    def fence(self, host: str, reason: str) -> str:
+        """Drain the node with ``reason``, cancel the job's steps that run on it alone, kill the job's
+        ranks left there; returns what was done."""
+        _run(self.slurm, ["scontrol", "update", f"NodeName={host}", "State=DRAIN", f"Reason={reason}"])
+        steps = []
+        for line in _run(self.slurm, ["squeue", "--steps", f"--jobs={self.job_id}", "--noheader", "--format=%i|%N"]).splitlines():
+            step, _, nodes = line.strip().partition("|")
+            if nodes and _run(self.slurm, ["scontrol", "show", "hostnames", nodes]).split() == [host]:
+                steps.append(step)
+        if steps:
+            _run(self.slurm, ["scancel", "--quiet", *steps])
+        done = f"drained {host} ({reason}); cancelled {', '.join(steps) or 'no step of its own'}"
+        left = self.workers([host])
+        if host in self.unreachable:
+            return f"{done}; {host} does not answer: what is left there ends when it does (Slurm cancels the steps then)"
+        return f"{done}; killed {self.signal(left, signal.SIGKILL)} ranks left there"
+
+    def _on(self, host: str, argv: Sequence[str]) -> dict[str, Any] | None:
+        """``rankscope.healing.node_workers ARGV`` on ``host`` as a step of the job: its answer, None if
+        the node did not answer in time (it goes into ``unreachable``)."""
+        try:
+            out = _run(self.slurm, _step_on(self.job_id, host, [self.python, "-m", "rankscope.healing.node_workers", *argv]), NODE_TIMEOUT_S)
+            answer: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        except (SlurmError, subprocess.TimeoutExpired, ValueError, IndexError):
+            self.unreachable.add(host)
+            return None
+        self.unreachable.discard(host)
+        return answer
