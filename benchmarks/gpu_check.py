@@ -768,6 +768,7 @@ def compute_share(compute_ns: dict[int, int], lines: list[dict[str, Any]], last:
 
 def part_overhead(args: argparse.Namespace, workdir: Path) -> list[Row]:
     """Part 3: the trainer with the agent off and on, alternating, against a local collector."""
+    from rankscope.common.agent_env import agent_environment
     from rankscope.harness.orchestration import stop
 
     proc, address, target = start_collector(workdir, timeout_s=args.part_timeout)
@@ -780,8 +781,7 @@ def part_overhead(args: argparse.Namespace, workdir: Path) -> list[Row]:
             for on in sides:
                 name = f"pair{i}-{'on' if on else 'off'}"
                 run_id = f"gpu-check-{os.getpid()}-{name}"
-                env = ({"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_RUN_ID": run_id,
-                        "RANKSCOPE_DEBUG": "1", "RANKSCOPE_SPOOL_DIR": str(workdir / f"spool-{name}")} if on else {})  # fmt: skip
+                env = {**agent_environment(address, run_id, spool_dir=workdir / f"spool-{name}"), "RANKSCOPE_DEBUG": "1"} if on else {}
                 print(f"   {name} ({args.steps} steps)", file=sys.stderr, flush=True)
                 run = train(OVERHEAD_MODEL, args.steps, env, workdir, name, args.run_timeout)
                 times[on] = step_stats(run.lines, args.warmup).step_s

@@ -66,8 +66,9 @@ def sender(address: str, run_id: str, rank: int, seconds: float, batch: int, spo
     """One agent-like process: keep the Transport's queue fed for ``seconds``, then close it."""
     from rankscope.agent.config import load_config
     from rankscope.agent.transport import Transport
+    from rankscope.common.agent_env import agent_environment
 
-    config = load_config({"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_SPOOL_DIR": spool})
+    config = load_config(agent_environment(address, spool_dir=spool))
     transport = Transport(config, run_id, rank, name=f"bench{rank}")
     transport.start()
     t0 = time.time_ns()
