@@ -20,8 +20,19 @@ from rankscope.harness import testbed_scenarios as scenarios
 
 pytestmark = pytest.mark.slow
 
+#: the bundled trainer's kill drills reach their fault at step 4 under a 10 s hang threshold: starved
+#: in the background lane, their first step alone took 11 s and read as a hang (CI, session 24)
+STARTUP_BOUND = {"testbed-kill-rank", "testbed-kill-host"}
+
+
+def _case(scenario: scenarios.Scenario) -> object:
+    if scenario.name in STARTUP_BOUND:
+        return pytest.param(scenario, id=scenario.name, marks=[pytest.mark.foreground])
+    return by_speed(scenario, scenario.name, scenario.kind)
+
+
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("scenario", [by_speed(s, s.name, s.kind) for s in scenarios.SCENARIOS.values()])
+@pytest.mark.parametrize("scenario", [_case(s) for s in scenarios.SCENARIOS.values()])
 def test_an_external_fault_is_diagnosed(scenario: scenarios.Scenario, tmp_path: Path) -> None:
     try:
         score = scenarios.run(scenario, workdir=tmp_path, log=lambda line: None)
