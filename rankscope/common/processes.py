@@ -12,9 +12,10 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["alive", "process_tree", "terminate_tree", "training_rank", "yield_cpu"]
+__all__ = ["alive", "process_tree", "signal_each", "terminate_tree", "training_rank", "yield_cpu"]
 
 
 def _proc_table() -> dict[int, tuple[int, int, str, int]]:
@@ -127,6 +128,18 @@ def yield_cpu(nice: int) -> None:
                 f.write(str(nice))
     except (OSError, ValueError, IndexError):
         pass
+
+
+def signal_each(pids: Iterable[int], sig: signal.Signals) -> int:
+    """Send ``sig`` to each of ``pids``; how many were still there to get it."""
+    sent = 0
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            sent += 1
+        except ProcessLookupError:
+            pass
+    return sent
 
 
 def training_rank(pid: int) -> tuple[int, int] | None:

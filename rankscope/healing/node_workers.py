@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from rankscope.common.processes import training_rank
+from rankscope.common.processes import signal_each, training_rank
 
 __all__ = ["main", "ranks", "send"]
 
@@ -30,16 +30,7 @@ def ranks() -> dict[int, tuple[int, int]]:
 
 def send(sig: signal.Signals, pids: Sequence[int]) -> int:
     """Send ``sig`` to those of ``pids`` that are still training ranks of this node (a pid reused since is left alone)."""
-    sent = 0
-    for pid in pids:
-        if not _here(pid) or training_rank(pid) is None:
-            continue
-        try:
-            os.kill(pid, sig)
-            sent += 1
-        except ProcessLookupError:
-            pass
-    return sent
+    return signal_each([pid for pid in pids if _here(pid) and training_rank(pid) is not None], sig)
 
 
 def _here(pid: int) -> bool:

@@ -8,11 +8,11 @@ meet the others at a new rendezvous, without the fenced host (its agent is gone 
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from rankscope.common.processes import signal_each
 from rankscope.healing.fleet import Worker
 from rankscope.healing.selfcheck import Runner
 from rankscope.testbed import host_faults
@@ -61,14 +61,7 @@ class TestbedFleet:
         return {(rank.host.name, rank.pid) for rank in find_ranks(self.bed).values() if rank.host.name in wanted}
 
     def signal(self, workers: Iterable[Worker], sig: signal.Signals) -> int:
-        sent = 0
-        for _, pid in workers:  # the hosts' processes are this machine's
-            try:
-                os.kill(pid, sig)
-                sent += 1
-            except ProcessLookupError:
-                pass
-        return sent
+        return signal_each((pid for _, pid in workers), sig)  # the hosts' processes are this machine's
 
     def fence(self, host: str, reason: str) -> str:
         """Kill every process of the host, its torchrun agent included (a frozen host is thawed to die);
