@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import running, use_this_conftest
 
-from rankscope.testbed import hosts
+from rankscope.testbed import host_faults, hosts
 from rankscope.testbed.job import launch
 
 pytestmark = pytest.mark.timeout(180)
@@ -90,6 +90,37 @@ def test_a_job_spans_the_hosts_each_rank_on_its_own_named_host(testbed: hosts.Te
     lines = sorted(line for line in job.output(tail=100_000).splitlines() if line.startswith("rank "))
     assert lines == [f"rank {r} of 3 on {placement[r].host.name} sum 3" for r in range(3)], job.output()
     assert sorted(r.host.name for r in placement.values()) == ["node0", "node1", "node2"]
+
+
+#: node0 sends 1 MB to node1 over TCP and prints the seconds it took (node1 reads it all first)
+SINK = "import socket; s = socket.create_server(('0.0.0.0', 7000)); print('ready', flush=True); c, _ = s.accept(); n = 0\n" \
+       "while (b := c.recv(65536)): n += len(b)\nc.sendall(str(n).encode())"
+SEND = "import socket, sys, time; c = socket.create_connection((sys.argv[1], 7000), timeout=30); t = time.monotonic()\n" \
+       "c.sendall(b'x' * 1_000_000); c.shutdown(socket.SHUT_WR); assert c.recv(64) == b'1000000'; print(time.monotonic() - t)"
+
+
+def test_a_limited_link_carries_its_rate_until_the_limit_is_lifted(testbed: hosts.Testbed, proc_runner) -> None:
+    """The bandwidth fault (tbf on both ends of the host's link) really throttles a transfer to the host
+    and is gone with ``undo``; the slow-link diagnosis of such a link is the scenario's
+    (``rankscope scenario run testbed-slow-link``)."""
+    sender, sink = testbed.host("node0"), testbed.host("node1")
+
+    def send() -> float:
+        server = proc_runner.start(hosts.command_on(sink, [sys.executable, "-c", SINK]), name="sink")
+        server.wait_for("ready", timeout=30)
+        done = subprocess.run(hosts.command_on(sender, [sys.executable, "-c", SEND, sink.address]), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and server.wait(30) == 0, done.stderr + server.output()
+        return float(done.stdout)
+
+    free = send()
+    applied = host_faults.limit_bandwidth(testbed, sink, 20.0)  # 8 Mbit at 20 Mbit/s: 0.4 s
+    try:
+        limited = send()
+    finally:
+        applied.undo()
+    lifted = send()
+    print(f"1 MB: {free:.3f} s free, {limited:.3f} s at 20 Mbit/s, {lifted:.3f} s lifted")
+    assert 0.3 < limited < 3 and free < 0.2 and lifted < 0.2, (free, limited, lifted)
 
 
 @pytest.mark.slow
