@@ -56,6 +56,12 @@ def shell_commands(text: str) -> list[str]:
     return commands
 
 
+def script_files(text: str) -> dict[str, str]:
+    """A page's scripts: the blocks whose info string names the file they are (```bash heal.sbatch),
+    which the page's commands then run; each is written into the page's directory before them."""
+    return dict(re.findall(r"```(?:bash|sh|shell) ([\w.-]+)\n(.*?)```", text, re.S))
+
+
 @dataclass(frozen=True)
 class Run:
     """Run the command; ``shorten`` rewrites it first (pattern -> replacement), ``expect`` (a regex) must match its output."""
@@ -175,6 +181,15 @@ COMMANDS: dict[str, Run | NotHere] = {
         # the lost host is evicted on its incident, and the job resumes from a checkpoint, not from scratch
         Run(expect=r"(?s)evict.*node1.*lost_host.*resumed.*resumed from the checkpoint of step [1-9]\d*, \d+ steps lost.*finished"),
     "rankscope testbed down rsheal": Run(expect="is down"),
+    "rankscope testbed up --hosts 4 --ranks-per-host 2 --name rsslheal --slurm": Run(expect="Slurm partition bed"),
+    "(sleep 45; rankscope testbed fault kill-host --testbed rsslheal --host node1) &":
+        Run("the kill after 30 s, not 45: heal.sbatch trains 24 steps instead of 60", shorten=((r"^\(sleep 45;", "(sleep 30;"),)),
+    "rankscope testbed slurm --testbed rsslheal -- sbatch --wait heal.sbatch": Run(expect="Submitted batch job", timeout_s=420),
+    # node1 drained with the incident the driver acted on, not Slurm's own "Not responding"
+    "rankscope testbed slurm --testbed rsslheal -- sinfo --list-reasons --format=\"%N %E\"": Run(expect=r"node1 rankscope: lost_host \S+: "),
+    'rankscope sql --collector unix:/tmp/rankscope.sock "SELECT action, hosts, reason FROM actions WHERE run_id LIKE \'slurm-%\' ORDER BY time"':
+        Run(expect=r"(?s)launched.*evict.*node1.*lost_host.*spare.*node3.*resumed.*finished"),
+    "rankscope testbed down rsslheal": Run(expect="is down"),
     "rankscope scenario run testbed-freeze-rank": NotHere("tests/test_testbed_scenarios.py runs every test-bed scenario"),
     # docs/trainer.md
     "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --layers 4 --hidden 64 --heads 4 --seq 64 --vocab 256 --micro-batch 2 --global-batch 16 --steps 20":
@@ -184,6 +199,10 @@ COMMANDS: dict[str, Run | NotHere] = {
 }
 
 #: pages that read a recorded run through a collector at the default address (a copy of the README's store)
+#: the pages' scripts (``script_files``), written as the page shows them but for ``shorten``
+SCRIPTS = {
+    "heal.sbatch": Run("24 steps instead of 60, as the test bed's drill above", shorten=((r"--steps 60 ", "--steps 24 "),)),
+}
 NEEDS_A_COLLECTOR = {"docs/diagnosis.md", "docs/sql.md", "docs/dashboard.md"}
 #: pages whose commands make namespace hosts: root only
 NEEDS_ROOT = {"docs/testbed.md", "docs/selfcheck.md", "docs/healing.md"}
@@ -198,6 +217,8 @@ def test_every_shell_command_is_run_or_marked_not_runnable() -> None:
     found = {cmd for page in PAGES.values() for cmd in shell_commands(page.read_text())}
     assert found - set(COMMANDS) == set(), "shell commands in the docs with no entry in tests/test_docs.py COMMANDS"
     assert set(COMMANDS) - found == set(), "entries in COMMANDS whose command left the docs"
+    scripts = {file for page in PAGES.values() for file in script_files(page.read_text())}
+    assert scripts == set(SCRIPTS), "the pages' scripts and tests/test_docs.py SCRIPTS differ"
 
 
 class Page:
@@ -208,6 +229,10 @@ class Page:
         self.env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(workdir)}
         self.background: list[Proc] = []
         shutil.copy(USER_SCRIPT, workdir / "train.py")  # the reader's own training script
+        for file, script in script_files(PAGES[name].read_text()).items():
+            for pattern, replacement in SCRIPTS[file].shorten:
+                script = re.sub(pattern, replacement, script, flags=re.M)
+            (workdir / file).write_text(script)
         self.outputs: dict[str, str] = {}
 
     def run_all(self, *, stop: bool = True) -> None:
@@ -327,7 +352,8 @@ def test_the_readme_runs_as_written_and_finds_the_straggler(readme: Readme) -> N
                                   for n in PAGES if n != "README.md" and any(
     isinstance(COMMANDS.get(c), Run) for c in shell_commands(PAGES[n].read_text()))])  # fmt: skip
 def test_the_page_runs_as_written(name: str, request: pytest.FixtureRequest, proc_runner: ProcRunner, tmp_path: Path) -> None:
-    _default_ports_free()
+    if name not in BESIDE_THE_OTHERS:  # those take no default port: a foreground page may hold them meanwhile
+        _default_ports_free()
     if name in NEEDS_ROOT and os.geteuid() != 0:
         pytest.skip(f"{name} makes namespace hosts: needs root")
     page = Page(name, proc_runner, tmp_path)
@@ -357,7 +383,8 @@ def rankscope_commands() -> list[list[str]]:
     """Every ``rankscope ...`` invocation of the shell blocks, as argv (without "rankscope")."""
     found = []
     for page in PAGES.values():
-        for line in shell_commands(page.read_text()):
+        scripts = [line for script in script_files(page.read_text()).values() for line in script.splitlines() if not line.startswith("#")]
+        for line in [*shell_commands(page.read_text()), *scripts]:
             lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
             lexer.wordchars += "{}[]/:=,.*-"
             words: list[str] = []

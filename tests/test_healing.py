@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -128,6 +129,23 @@ def test_a_host_the_job_restarted_without_is_evicted_and_the_restarted_workers_a
     assert not cluster.killed  # the survivors restarted by themselves: their workers are attempt 1's
 
 
+def test_too_few_hosts_left_hands_the_job_back_to_its_scheduler_when_the_policy_requeues() -> None:
+    policy = Policy(min_hosts=3, requeue=True)
+    assert policy.verdict("lost_host", ["node1"], 0, HOSTS)[0] is Verdict.REQUEUE
+    assert policy.verdict("lost_host", ["node1"], 0, HOSTS, spares=1)[0] is Verdict.EVICT  # a spare takes its place
+    assert Policy(min_hosts=3).verdict("lost_host", ["node1"], 0, HOSTS)[0] is Verdict.IGNORE
+    assert policy.verdict("crash", ["node1"], 0, HOSTS)[0] is Verdict.CHECK  # checked first: it may pass
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, [*HOSTS, "node3"])]})
+    requeued: list[bool] = []
+    heal = driver.Driver("run", cluster, cluster, Policy(min_hosts=4, requeue=True), cluster, log=lambda line: None,  # type: ignore[arg-type]
+                         requeue=lambda: requeued.append(True))  # fmt: skip
+    cluster.rows[INCIDENTS_SQL] = [{"incident_id": "lost:host=node1", "kind": "lost_host", "hosts": ["node1"], "summary": "every rank of node1 went silent"}]
+    heal.poll()
+    assert cluster.fenced == ["node1"] and requeued == [True] and heal.requeued  # drained first: the scheduler places the job elsewhere
+    assert [a for a, *_ in cluster.actions] == ["incident", "evict", "requeue"]
+    assert cluster.reasons == ["rankscope: lost_host lost:host=node1: every rank of node1 went silent"]
+
+
 def test_silence_while_the_driver_paused_the_workers_is_not_a_lost_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """A straggler's self-check pauses every worker: their ranks go silent and the diagnosis names
     lost hosts. Those that are heard again once the pause settled are ignored; one still silent is evicted."""
@@ -151,11 +169,11 @@ def test_silence_while_the_driver_paused_the_workers_is_not_a_lost_host(monkeypa
 
 
 #: the drills the suite leaves to others (the suite must fit its time; `benchmarks/healing.py` runs every
-#: drill): kill-host, whose node0 (the first round's store host) dies in the spare drill too, and a host
-#: killed with no spare to take its place is docs/healing.md's drill (tests/test_docs.py); throttle-host,
-#: whose parts the suite runs apart: the self-check failing a throttled host (docs/selfcheck.md), a
-#: straggler's verdict pausing the workers for the check (above), a host that fails it evicted (freeze-host)
-LEFT_OUT = {"kill-host", "throttle-host"}
+#: drill): a host killed with no spare to take its place is docs/healing.md's test-bed drill, a host
+#: killed with a spare that joins is its Slurm drill (tests/test_docs.py); throttle-host, whose parts the
+#: suite runs apart: the self-check failing a throttled host (docs/selfcheck.md), a straggler's verdict
+#: pausing the workers for the check (above), a host that fails it evicted (freeze-host)
+LEFT_OUT = {"kill-host", "kill-host-spare", "throttle-host"}
 IN_TESTS = [d for d in scenarios.DRILLS.values() if d.name not in LEFT_OUT]
 
 
@@ -187,7 +205,8 @@ def test_rankscope_launch_refuses_what_cannot_run_with_one_line(tmp_path: Path) 
     import sys
 
     def launch(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "rankscope.cli.main", "launch", *args], capture_output=True, text=True, timeout=60)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # outside any allocation
+        return subprocess.run([sys.executable, "-m", "rankscope.cli.main", "launch", *args], capture_output=True, text=True, timeout=60, env=env)
 
     refused = launch("--collector", "127.0.0.1:7777", "--", "-m", "rankscope.trainer")
     assert refused.returncode == 2 and refused.stderr.strip() == (
@@ -197,3 +216,11 @@ def test_rankscope_launch_refuses_what_cannot_run_with_one_line(tmp_path: Path) 
     assert missing.returncode == 2 and missing.stderr.startswith("rankscope launch: name a program after --")
     unknown = launch("--collector", f"unix:{tmp_path}/c.sock", "--testbed", "no-such-bed", "--", "-m", "rankscope.trainer")
     assert unknown.returncode == 2 and unknown.stderr.startswith("rankscope launch: no test bed 'no-such-bed'"), unknown.stderr
+    outside = launch("--slurm", "--collector", "127.0.0.1:7777", "--", "-m", "rankscope.trainer")  # any address: a cluster's nodes reach it
+    assert outside.returncode == 2 and outside.stderr.strip() == (
+        "rankscope launch: not inside a Slurm allocation (SLURM_JOB_ID is not set): run it from a batch script (sbatch) or salloc"
+    ), outside.stderr
+    requeue = launch("--requeue", "--collector", f"unix:{tmp_path}/c.sock", "--", "-m", "rankscope.trainer")
+    assert requeue.returncode == 2 and requeue.stderr.strip() == "rankscope launch: --requeue needs --slurm (a test bed has no scheduler to requeue the job)"
+    both = launch("--slurm", "--testbed", "rsheal", "--collector", "127.0.0.1:7777", "--", "-m", "rankscope.trainer")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

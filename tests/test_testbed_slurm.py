@@ -56,6 +56,7 @@ def test_every_host_is_a_node_whose_job_steps_run_as_the_host_s_own_processes(cl
 
 def test_a_drained_node_keeps_a_job_that_needs_it_waiting_until_it_is_resumed(cluster: slurm.Slurm) -> None:
     reason = "rankscope: crash inc-1: rank 3 (node1) died"
+    cluster.wait_idle()  # the module's earlier jobs have left node1 (a node that still runs one is "draining")
     cluster.run(["scontrol", "update", "NodeName=node1", "State=DRAIN", f"Reason={reason}"])
     try:
         assert cluster.nodes()["node1"] == ("drained", reason)

@@ -89,6 +89,10 @@ class Driver:
     #: hosts that wait outside the job; one joins it for each host evicted (``join`` starts it)
     spares: list[str] = field(default_factory=list)
     join: Callable[[str], None] | None = None
+    #: hands the whole job back to its scheduler to place anew (the policy's ``requeue``): this
+    #: allocation ends, and the job comes back as the next attempt of the same run
+    requeue: Callable[[], None] | None = None
+    requeued: bool = False
     evicted: list[str] = field(default_factory=list)
     #: incident id -> the kind it had and the verdict on it (an incident may change kind: a lost
     #: rank whose host-mates fall silent too becomes a lost host, and is considered again)
@@ -113,6 +117,8 @@ class Driver:
                   evidence={"spares": self.spares, "policy": vars(self.policy)})  # fmt: skip
         while not self.job.finished():
             self._safely(self.poll)
+            if self.requeued:  # the scheduler ends this allocation: the run goes on in the next one
+                return self.job.exited()
             time.sleep(self.poll_s)
         exits = self.job.wait(0)
         self._safely(self.poll)
@@ -164,7 +170,8 @@ class Driver:
             return
         step = self._current_step()
         opened = self._opened_at_step.setdefault(key, step)
-        verdict, suspects, why = self.policy.verdict(incident["kind"], list(incident["hosts"]), step - opened, self.remaining)
+        verdict, suspects, why = self.policy.verdict(incident["kind"], list(incident["hosts"]), step - opened, self.remaining,
+                                                     len(self.spares) if self.join is not None else 0)  # fmt: skip
         first = self._decided.get(key, ("", verdict))[0] != incident["kind"]
         self._decided[key] = (incident["kind"], verdict)
         if verdict is Verdict.WAIT and not first:
@@ -172,7 +179,7 @@ class Driver:
         self._act("incident", suspects or list(incident["hosts"]), key, f"{verdict.value}: {why}",
                   {"kind": incident["kind"], "summary": incident["summary"], "verdict": verdict.value})  # fmt: skip
         self.log(f"[rankscope launch] {incident['kind']}: {incident['summary']} -> {verdict.value} ({why})")
-        if verdict is Verdict.EVICT:
+        if verdict in (Verdict.EVICT, Verdict.REQUEUE):
             self._evict(suspects, key, why, _reason(incident))
         elif verdict is Verdict.CHECK:
             self._check(incident, suspects)
@@ -225,13 +232,23 @@ class Driver:
     def _evict(self, hosts: list[str], incident_id: str, why: str, reason: str = "", *, restarted: bool = False) -> None:
         """Fence ``hosts`` (``reason``: what the cluster is told, by default ``why``) and put spares in
         their place; unless the survivors ``restarted`` already, their workers of now are killed if
-        they still run ``restart_grace_s`` later."""
+        they still run ``restart_grace_s`` later. Too few hosts left, and the policy requeues: the
+        hosts are fenced and the job handed back to its scheduler."""
+        spares = len(self.spares) if self.join is not None else 0
+        requeue = self.requeue is not None and self.policy.requeue and self.policy.short(len(self._active), len(hosts), spares)
         for host in hosts:
             done = self.fleet.fence(host, reason or f"rankscope: {why}")
             self.evicted.append(host)
             self._active.remove(host)
             self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining})
             self.log(f"[rankscope launch] evicted {host} ({why}); the job goes on with {', '.join(self.remaining)}")
+        if requeue:
+            self._act("requeue", self.remaining, incident_id, f"{len(self.remaining)} hosts left, fewer than {self.policy.min_hosts}: "
+                      "the job goes back to its scheduler, to resume on healthy hosts from its last checkpoint")  # fmt: skip
+            self.log(f"[rankscope launch] requeued: {len(self.remaining)} hosts left, fewer than {self.policy.min_hosts}")
+            self.requeue()  # type: ignore[misc]
+            self.requeued = True
+            return
         if not restarted:
             self._fenced = (time.monotonic(), self.fleet.workers(self.remaining))
         for host in hosts:

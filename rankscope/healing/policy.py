@@ -22,6 +22,7 @@ class Verdict(Enum):
     WAIT = "wait"  # a kind it acts on, not yet (a straggler that has not lasted long enough)
     CHECK = "check"  # self-check the suspects, evict those that fail
     EVICT = "evict"  # evict the suspects without a check
+    REQUEUE = "requeue"  # evict them, and too few hosts are left: the scheduler places the job anew
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class Policy:
     straggler_steps: int = 3
     #: the fewest hosts the job may shrink to (torchrun's --nnodes MIN)
     min_hosts: int = 1
+    #: below ``min_hosts``, requeue the job (its scheduler places it on healthy hosts, the fenced ones
+    #: excluded, and it resumes from its checkpoint) instead of leaving the suspects in it
+    requeue: bool = False
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.act_on) - set(KINDS))
@@ -44,9 +48,12 @@ class Policy:
         if self.straggler_steps < 0 or self.min_hosts < 1:
             raise ValueError("straggler steps must be 0 or more and the job needs at least one host")
 
-    def verdict(self, kind: str, hosts: list[str], steps_since: int, remaining: list[str]) -> tuple[Verdict, list[str], str]:
+    def verdict(
+        self, kind: str, hosts: list[str], steps_since: int, remaining: list[str], spares: int = 0
+    ) -> tuple[Verdict, list[str], str]:  # fmt: skip
         """The verdict on one incident of ``kind`` naming ``hosts``, ``steps_since`` steps after it
-        opened, with ``remaining`` hosts in the job; with the suspects to act on and why, in one line."""
+        opened, with ``remaining`` hosts in the job and ``spares`` waiting to join it; with the suspects
+        to act on and why, in one line."""
         suspects = [h for h in hosts if h in remaining]
         if kind not in self.act_on:
             return Verdict.IGNORE, [], f"the policy does not act on {kind} incidents"
@@ -54,8 +61,17 @@ class Policy:
             return Verdict.IGNORE, [], "it names no host that is still in the job"
         if kind == "straggler" and steps_since < self.straggler_steps:
             return Verdict.WAIT, suspects, f"a straggler is acted on after {self.straggler_steps} slow steps ({steps_since} so far)"
-        if len(remaining) - len(suspects) < self.min_hosts:
+        short = self.short(len(remaining), len(suspects), spares)
+        if short and not self.requeue:
             return Verdict.IGNORE, [], f"evicting {', '.join(suspects)} would leave fewer than {self.min_hosts} hosts"
         if kind in self.evict_unchecked:
+            if short:
+                return Verdict.REQUEUE, suspects, (f"{kind}: nothing of {', '.join(suspects)} is left to check, and fewer than"
+                                                   f" {self.min_hosts} hosts would be left: the job is requeued without it")  # fmt: skip
             return Verdict.EVICT, suspects, f"{kind}: nothing of {', '.join(suspects)} is left to check"
         return Verdict.CHECK, suspects, f"{kind} names {', '.join(suspects)}: self-check against the other hosts"
+
+    def short(self, remaining: int, evicted: int, spares: int) -> bool:
+        """Whether evicting ``evicted`` of ``remaining`` hosts, with ``spares`` to take their places,
+        would leave the job fewer than ``min_hosts``."""
+        return remaining - evicted + min(spares, evicted) < self.min_hosts

@@ -24,7 +24,7 @@ from typing import Any
 
 from rankscope.healing.fleet import Worker
 
-__all__ = ["SlurmError", "SlurmFleet", "SlurmRunner"]
+__all__ = ["SlurmError", "SlurmFleet", "SlurmRunner", "Wrap", "node_list"]
 
 Wrap = Callable[[Sequence[str]], list[str]]
 #: seconds a Slurm command may take (a node that does not answer makes srun wait for it)
@@ -52,6 +52,12 @@ def _step_on(job_id: str, host: str, argv: Sequence[str]) -> list[str]:
 def _fields(line: str) -> dict[str, str]:
     """``Key=Value Key=Value`` (``scontrol --oneliner``) as a dict."""
     return dict(item.split("=", 1) for item in line.split() if "=" in item)
+
+
+def node_list(slurm: Wrap, job_id: str) -> list[str]:
+    """The nodes of Slurm job ``job_id``, in Slurm's order (its batch script runs on the first)."""
+    nodes = _fields(_run(slurm, ["scontrol", "show", "job", "--oneliner", job_id]))["NodeList"]
+    return _run(slurm, ["scontrol", "show", "hostnames", nodes]).split()
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,7 @@ class SlurmFleet:
         return self._runner
 
     def hosts(self) -> list[str]:
-        nodes = _fields(_run(self.slurm, ["scontrol", "show", "job", "--oneliner", self.job_id]))["NodeList"]
-        return _run(self.slurm, ["scontrol", "show", "hostnames", nodes]).split()
+        return node_list(self.slurm, self.job_id)
 
     def workers(self, hosts: Iterable[str]) -> set[Worker]:
         found: set[Worker] = set()
@@ -130,6 +135,11 @@ class SlurmFleet:
         if host in self.unreachable:
             return f"{done}; {host} does not answer: what is left there ends when it does (Slurm cancels the steps then)"
         return f"{done}; killed {self.signal(left, signal.SIGKILL)} ranks left there"
+
+    def requeue(self) -> None:
+        """Hand the job back to Slurm: it ends the job's processes and runs its batch script again on
+        the nodes it picks (never a drained one)."""
+        _run(self.slurm, ["scontrol", "requeue", self.job_id])
 
     def _on(self, host: str, argv: Sequence[str]) -> dict[str, Any] | None:
         """``rankscope.healing.node_workers ARGV`` on ``host`` as a step of the job: its answer, None if

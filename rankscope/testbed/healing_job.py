@@ -1,50 +1,34 @@
 """A self-healing job on a test bed: torchrun's elastic agent on every host, the agent on, a driver acting on incidents.
 
 The rendezvous store runs on the test bed's control host (the switch, ``CONTROL_ADDRESS``), not on
-a training host, so any host may fail. Every host runs ``torchrun --nnodes=MIN:N --max-restarts=R
---rdzv-backend=c10d``; a node whose keep-alive stops is dropped from the rendezvous within a few
-seconds (``keep_alive_interval`` x ``keep_alive_max_attempt``), and the survivors wait
-``last_call_timeout`` for late joiners before they go on without it.
+a training host, so any host may fail; the agents' command line and the rendezvous settings are
+``rankscope.healing.elastic``'s.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rankscope.collector.client import Client
 from rankscope.common.agent_env import agent_environment
 from rankscope.healing.driver import Driver
+from rankscope.healing.elastic import RDZV_CONF, RDZV_PORT, RendezvousError
+from rankscope.healing.elastic import start_rendezvous as start_rendezvous_at
 from rankscope.testbed.healing_fleet import TestbedFleet
 from rankscope.healing.policy import Policy
 from rankscope.common.processes import terminate_tree
 from rankscope.testbed.hosts import CONTROL_ADDRESS, Testbed, TestbedError
-from rankscope.testbed.job import RDZV_PORT, Job, launch
-
-#: torchrun's c10d rendezvous settings of a self-healing job (seconds)
-RDZV_CONF = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 8, "join_timeout": 300}
+from rankscope.testbed.job import Job, launch
 
 
-def start_rendezvous(bed: Testbed, workdir: Path, port: int = RDZV_PORT, timeout_s: float = 30) -> subprocess.Popen[bytes]:
+def _start_rendezvous(bed: Testbed, workdir: Path, port: int = RDZV_PORT) -> subprocess.Popen[bytes]:
     """Serve the job's c10d store on the test bed's control host; returns once it listens."""
-    log = workdir / "rendezvous.log"
-    env = {k: v for k, v in os.environ.items() if k != "RANKSCOPE_ENABLE"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", bed.switch, sys.executable, "-m", "rankscope.healing.rendezvous", "--listen", f"{CONTROL_ADDRESS}:{port}"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + timeout_s
-    while b"serving" not in log.read_bytes():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            terminate_tree(proc, 1)
-            raise TestbedError(f"the rendezvous store did not start: {log.read_text(errors='replace')[-2000:]}")
-        time.sleep(0.1)
-    return proc
+    try:
+        return start_rendezvous_at(f"{CONTROL_ADDRESS}:{port}", workdir / "rendezvous.log", prefix=["ip", "netns", "exec", bed.switch])
+    except RendezvousError as e:
+        raise TestbedError(str(e)) from None
 
 
 def run(
@@ -66,7 +50,7 @@ def run(
         raise TestbedError(f"{spares} spares leave no host of the test bed's {len(bed.hosts)} to start the job")
     starting, waiting = bed.hosts[: len(bed.hosts) - spares], bed.hosts[len(bed.hosts) - spares :]
     workdir.mkdir(parents=True, exist_ok=True)
-    rendezvous = start_rendezvous(bed, workdir)
+    rendezvous = _start_rendezvous(bed, workdir)
     env = {**agent_environment(collector, run_id, spool_dir=workdir / "spool", every_s=1),
            # A fresh worker store every round: torchrun's shared one (served by the round's first node,
            # chosen once) keeps the previous attempt's keys, whose gloo addresses are dead processes.
@@ -78,7 +62,7 @@ def run(
     try:
         with Client(collector) as client:
             driver = Driver(run_id, client, TestbedFleet(bed), policy, job, ranks_per_host, check_timeout_s=check_timeout_s, log=log,
-                            spares=[h.name for h in waiting], join=lambda name: job.add(bed.host(name)))  # fmt: skip
+                            spares=[h.name for h in waiting], join=job.add)  # fmt: skip
             placement = job.placement()
             log(f"[rankscope launch] run {run_id}: {len(placement)} ranks on {len(bed.hosts)} hosts; logs in {workdir}")
             if on_start is not None:

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.common.processes import terminate_tree, training_rank
+from rankscope.common.processes import training_rank
+from rankscope.healing.elastic import RDZV_PORT, agent_command
+from rankscope.healing.launchers import Launchers
 from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, command_on, pin_rank
 
 __all__ = ["Job", "Rank", "find_ranks", "launch", "trainer"]
-
-RDZV_PORT = 29400
 
 
 def trainer(*flags: str) -> list[str]:
@@ -41,24 +40,13 @@ class Rank:
     host: Host
 
 
-@dataclass
-class Job:
-    """The launchers of one job (one per host) and where their output goes."""
+@dataclass(kw_only=True)
+class Job(Launchers):
+    """The launchers of one job on a test bed (one per host) and where its ranks run."""
 
     bed: Testbed
-    run_id: str
     ranks_per_host: int
-    launchers: dict[str, subprocess.Popen[bytes]]
-    logs: dict[str, Path]
-    #: starts one more host's launcher (a spare joining an elastic job)
-    _start: Callable[[Host], tuple[subprocess.Popen[bytes], Path]] | None = field(default=None, repr=False)
     _placement: dict[int, Rank] = field(default_factory=dict)
-
-    def add(self, host: Host) -> None:
-        """Start the job's launcher on ``host`` too: it joins the elastic job's next rendezvous."""
-        if self._start is None or host.name in self.launchers:
-            raise TestbedError(f"{host.name} cannot join job {self.run_id}")
-        self.launchers[host.name], self.logs[host.name] = self._start(host)
 
     @property
     def world_size(self) -> int:
@@ -84,31 +72,6 @@ class Job:
 
     def ranks_on(self, host: Host) -> list[Rank]:
         return sorted((r for r in self.placement().values() if r.host == host), key=lambda r: r.rank)
-
-    def finished(self) -> bool:
-        return all(p.poll() is not None for p in self.launchers.values())
-
-    def exited(self) -> dict[str, int]:
-        """The exit status of each host's launcher that has ended."""
-        return {name: code for name, p in self.launchers.items() if (code := p.poll()) is not None}
-
-    def wait(self, timeout_s: float) -> dict[str, int]:
-        """Each host's launcher exit status; TimeoutError (with the output) if the job runs on."""
-        deadline = time.monotonic() + timeout_s
-        while not self.finished():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {self.run_id} still running after {timeout_s:.0f} s\n{self.output()}")
-            time.sleep(0.2)
-        return {name: p.returncode for name, p in self.launchers.items()}
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stop every launcher and its ranks (the test bed's ``destroy`` kills whatever is left)."""
-        for proc in self.launchers.values():
-            terminate_tree(proc, grace_s)
-            proc.wait()
-
-    def output(self, tail: int = 4000) -> str:
-        return "\n".join(f"--- {name} ---\n{path.read_text(errors='replace')[-tail:]}" for name, path in self.logs.items())
 
 
 def launch(
@@ -137,12 +100,8 @@ def launch(
 
     def start(host: Host) -> tuple[subprocess.Popen[bytes], Path]:
         conf = {"is_host": str(rendezvous is None and host is head).lower(), **(rdzv_conf or {})}
-        torchrun = [
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={ranks_per_host}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous or f'{head.address}:{RDZV_PORT}'}", f"--rdzv-id={run_id}",
-            f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5", *program,
-        ]  # fmt: skip
+        torchrun = agent_command(program, run_id=run_id, nnodes=nnodes, ranks_per_host=ranks_per_host,
+                                 endpoint=rendezvous or f"{head.address}:{RDZV_PORT}", max_restarts=max_restarts, rdzv_conf=conf)  # fmt: skip
         log = workdir / f"{host.name}.log"
         with open(log, "wb") as out:
             launcher = subprocess.Popen(
@@ -151,10 +110,10 @@ def launch(
             )  # fmt: skip
         return launcher, log
 
-    launchers, logs = {}, {}
+    job = Job(run_id=run_id, bed=bed, ranks_per_host=ranks_per_host, start_on=lambda name: start(bed.host(name)))
     for host in starting:
-        launchers[host.name], logs[host.name] = start(host)
-    return Job(bed, run_id, ranks_per_host, launchers, logs, start)
+        job.add(host.name)
+    return job
 
 
 def find_ranks(bed: Testbed) -> dict[int, Rank]:
