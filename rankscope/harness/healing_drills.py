@@ -52,6 +52,8 @@ class Drill:
     spares: int = 0
     #: the host the fault hits (node0's first round also serves the workers' store)
     target: int = 1
+    #: the job may not shrink and has no spare: its scheduler places it again (Slurm's drills)
+    requeue: bool = False
 
 
 DRILLS: dict[str, Drill] = {
@@ -79,6 +81,8 @@ class Outcome:
     actions: list[dict[str, Any]] = field(default_factory=list)
     final_hosts: list[str] = field(default_factory=list)
     status: str = ""
+    #: the reason the cluster keeps for the fenced host (a drained Slurm node's)
+    fenced_as: str = ""
 
     def first(self, action: str) -> dict[str, Any] | None:
         return next((a for a in self.actions if a["action"] == action), None)

@@ -51,6 +51,10 @@ PRODUCTIVE_SQL = (
     "GROUP BY attempt, step) GROUP BY step)"
 )
 
+#: when the run was first launched: a requeued job's driver is a new process of the same run
+FIRST_LAUNCH_SQL = (
+    "SELECT toUnixTimestamp64Nano(min(time)) AS ns FROM actions WHERE run_id = {run:String} AND action = 'launched'"
+)
 
 #: incidents a pause of the workers causes by itself: they go silent and stop advancing
 PAUSE_SILENCES = ("lost_rank", "lost_host", "hang")
@@ -113,6 +117,7 @@ class Driver:
         self._active = [h for h in self.fleet.hosts() if h not in self.spares]
 
     def run(self) -> dict[str, int]:
+        self._safely(self._first_launch)
         self._act("launched", self._active, reason=f"{len(self._active)} hosts, {len(self.spares)} spares",
                   evidence={"spares": self.spares, "policy": vars(self.policy)})  # fmt: skip
         while not self.job.finished():
@@ -128,6 +133,12 @@ class Driver:
             time.sleep(1)
             self._send()
         return exits
+
+    def _first_launch(self) -> None:
+        """The run's wall time counts from its first launch (a requeue starts the driver again)."""
+        rows = self._query(FIRST_LAUNCH_SQL)
+        if rows and rows[0]["ns"]:
+            self._started_ns = min(self._started_ns, int(rows[0]["ns"]))
 
     def _safely(self, work: Callable[[], None]) -> None:
         """Run one poll; a collector that does not answer for a while stops nothing (said once per kind)."""
@@ -241,7 +252,8 @@ class Driver:
             self.evicted.append(host)
             self._active.remove(host)
             self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining})
-            self.log(f"[rankscope launch] evicted {host} ({why}); the job goes on with {', '.join(self.remaining)}")
+            goes = "goes back to its scheduler" if requeue else f"goes on with {', '.join(self.remaining)}"
+            self.log(f"[rankscope launch] evicted {host} ({why}); the job {goes}")
         if requeue:
             self._act("requeue", self.remaining, incident_id, f"{len(self.remaining)} hosts left, fewer than {self.policy.min_hosts}: "
                       "the job goes back to its scheduler, to resume on healthy hosts from its last checkpoint")  # fmt: skip

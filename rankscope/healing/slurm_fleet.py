@@ -137,8 +137,10 @@ class SlurmFleet:
         return f"{done}; killed {self.signal(left, signal.SIGKILL)} ranks left there"
 
     def requeue(self) -> None:
-        """Hand the job back to Slurm: it ends the job's processes and runs its batch script again on
-        the nodes it picks (never a drained one)."""
+        """Hand the job back to Slurm: it ends the job's processes (this one's among them) and runs its
+        batch script again on the nodes it picks, never a drained one, once the old credentials have
+        expired (``cred_expire``, 2 minutes by default). It asks for the nodes it holds then: one that
+        Slurm has declared DOWN under ``--no-kill`` has left the allocation."""
         _run(self.slurm, ["scontrol", "requeue", self.job_id])
 
     def _on(self, host: str, argv: Sequence[str]) -> dict[str, Any] | None:

@@ -90,7 +90,7 @@ def run(
         fleet = SlurmFleet(found.job_id, slurm)
         with Client(collector) as client:
             driver = Driver(run_id, client, fleet, policy, job, ranks_per_node, check_timeout_s=check_timeout_s, log=log,
-                            spares=list(waiting), join=job.add, requeue=lambda: fleet.requeue())  # fmt: skip
+                            spares=list(waiting), join=job.add, requeue=fleet.requeue)  # fmt: skip
             log(f"[rankscope launch] run {run_id}: Slurm job {found.job_id}, {ranks_per_node} ranks on each of {', '.join(starting)}"
                 f"{'; spares ' + ', '.join(waiting) if waiting else ''}; logs in {workdir}")  # fmt: skip
             return driver.run(), driver

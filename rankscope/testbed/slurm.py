@@ -33,8 +33,13 @@ __all__ = ["PARTITION", "Slurm", "missing", "start"]
 PARTITION = "bed"
 #: the daemons and commands a Slurm test bed needs, and the Debian package of each
 PROGRAMS = {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "srun": "slurm-wlm", "sinfo": "slurm-wlm"}
-#: seconds before slurmctld calls a silent slurmd's node DOWN (Slurm's default, 300, is for real clusters)
-SLURMD_TIMEOUT_S = 10
+#: seconds before slurmctld calls a silent slurmd's node DOWN (Slurm's default is 300): longer than the
+#: diagnosis takes to name a lost host, as on a real cluster, so that the healing driver acts first (a node
+#: that goes DOWN leaves its ``--no-kill`` job's allocation, and the job would be requeued a node short)
+SLURMD_TIMEOUT_S = 60
+#: seconds a job step's credential lives (Slurm's default is 120); a requeued job waits this long (and a
+#: second) before it may start again
+CRED_EXPIRE_S = 20
 START_TIMEOUT_S = 30.0
 #: the host's /etc/hosts over the machine's, then the host name, then the daemon (``unshare --mount``
 #: keeps the mount to the daemon and its job steps)
@@ -165,7 +170,7 @@ ClusterName={bed.name}
 SlurmctldHost=control({CONTROL_ADDRESS})
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge}
+AuthInfo=socket={munge},cred_expire={CRED_EXPIRE_S}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={directory / 'state'}
