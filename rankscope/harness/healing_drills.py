@@ -90,7 +90,7 @@ class Outcome:
     def seconds_to(self, action: str) -> float | None:
         """Seconds from the fault to the driver's first ``action`` (``incident``: it saw the incident it acted on)."""
         found = next((a for a in self.actions if a["action"] == action and (action != "incident" or "verdict" in a["evidence"]
-                      and json.loads(a["evidence"])["verdict"] in ("check", "evict"))), None)  # fmt: skip
+                      and json.loads(a["evidence"])["verdict"] in ("check", "evict", "requeue"))), None)  # fmt: skip
         return (found["time_ns"] - self.fault_ns) / 1e9 if found is not None and self.fault_ns else None
 
     @property
