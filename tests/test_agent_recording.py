@@ -222,11 +222,14 @@ def test_the_step_timeline_dates_late_events() -> None:
 
 def test_the_cpu_clock_is_monotonic_and_resolves_to_the_wall_clock() -> None:
     clock = CpuClock()
+    before = time.time_ns()
     ticks = np.array([clock.now() for _ in range(1000)] + [0, WALL_MIN + 5], dtype="<i8")
+    after = time.time_ns()
     assert (np.diff(ticks[:1000]) >= 0).all() and EVENT_LIMIT < ticks[0] < WALL_MIN
     values, ready = clock.resolve(ticks)
-    assert ready is None and abs(int(values[999]) - time.time_ns()) < 5_000_000
-    assert abs(clock.wall_ns() - time.time_ns()) < 5_000_000
+    # within the wall-clock times around the ticks (a starved test may be descheduled between them)
+    assert ready is None and before - 5_000_000 < int(values[0]) <= int(values[999]) < after + 5_000_000
+    assert before - 5_000_000 < clock.wall_ns() and clock.wall_ns() < time.time_ns() + 5_000_000
     assert values[-2:].tolist() == [0, WALL_MIN + 5]  # unknown stays unknown, wall-clock stays as it is
 
 
