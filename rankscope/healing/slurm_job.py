@@ -66,8 +66,12 @@ def run(
         raise SlurmError(f"the job may shrink to {policy.min_hosts} nodes but starts on {len(starting)}")
     workdir.mkdir(parents=True, exist_ok=True)
     here = socket.gethostname()
+    try:
+        address = socket.gethostbyname(here)
+    except OSError as e:
+        raise SlurmError(f"the batch node's name {here!r} does not resolve ({e}): the other nodes could not reach its rendezvous store") from None
     endpoint = f"{here}:{RDZV_PORT}"
-    rendezvous = start_rendezvous(f"{socket.gethostbyname(here)}:{RDZV_PORT}", workdir / "rendezvous.log")
+    rendezvous = start_rendezvous(f"{address}:{RDZV_PORT}", workdir / "rendezvous.log")
     env = {**os.environ, **agent_environment(collector, run_id, spool_dir=workdir / "spool", every_s=1),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
