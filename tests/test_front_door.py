@@ -69,9 +69,9 @@ def test_a_collector_stopped_longer_than_the_silence_bar_names_nobody_lost(proc_
     lost, crashed or hung, and the run finishes."""
     collector = start_collector(proc_runner, tmp_path / "store", "--silent-after", "4", "--diagnose-every", "1")
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool")}
-    flags = [*TINY, "--steps", "3000"]  # the later --steps wins; about 25 ms a step: it trains on well after the collector runs again
+    flags = [*TINY, "--steps", "4000"]  # the later --steps wins; about 25 ms a step: it trains on well after the collector runs again
     training = proc_runner.start([str(Path(sys.executable).parent / "rankscope"), "train", *flags], env=env, cwd=tmp_path, name="train")
-    training.wait_for("step    20/3000", timeout=180)
+    training.wait_for("step    20/4000", timeout=180)
     collector.proc.wait_for("registered", timeout=60)
     os.killpg(collector.proc.popen.pid, signal.SIGSTOP)
     try:
@@ -80,7 +80,8 @@ def test_a_collector_stopped_longer_than_the_silence_bar_names_nobody_lost(proc_
         os.killpg(collector.proc.popen.pid, signal.SIGCONT)
     resumed = time.monotonic()
     assert training.wait(300) == 0, training.output()
-    assert time.monotonic() - resumed > 8, "the run ended too soon after the collector ran again: lengthen it"
+    # the ranks went on longer than the silence bar after it (a starved test may see step 20 late)
+    assert time.monotonic() - resumed > 4, "the run ended too soon after the collector ran again: lengthen it"
 
     from rankscope.collector.client import Client
 

@@ -42,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     slurm.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command, e.g. -- sinfo -R")
     sub.add_parser("list", help="the test beds that are up")
     down = sub.add_parser("down", help="kill a test bed's processes and remove it")
-    down.add_argument("name", nargs="?", help="which test bed (default: every one)")
+    down.add_argument("name", nargs="?", help="which test bed (default: the only one `up` made; `list` names every bed, made by `up` or not)")
     run = sub.add_parser("run", help="run a job on every host (one torchrun agent each) until it ends")
     run.add_argument("--testbed", metavar="NAME", help="which test bed (default: the only one up)")
     run.add_argument("--ranks-per-host", type=count(1), help="default: the test bed's")
@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
                 print(name)
             return 0
         if args.action == "down":
-            for name in [args.name] if args.name else hosts.running():
+            # Without a name, only the bed `up` made: a bed a program made for itself (a test's, a
+            # scenario's) has nobody else's business being removed.
+            for name in [args.name] if args.name else [hosts.load().name]:
                 hosts.destroy(name)
                 print(f"test bed {name} is down")
             return 0
