@@ -198,11 +198,11 @@ COMMANDS: dict[str, Run | NotHere] = {
         Run("2 steps instead of 20", shorten=((r"--steps 20$", "--steps 2"),), expect=r"step\s+2/2"),
 }
 
-#: pages that read a recorded run through a collector at the default address (a copy of the README's store)
 #: the pages' scripts (``script_files``), written as the page shows them but for ``shorten``
 SCRIPTS = {
     "heal.sbatch": Run("24 steps instead of 60, as the test bed's drill above", shorten=((r"--steps 60 ", "--steps 24 "),)),
 }
+#: pages that read a recorded run through a collector at the default address (a copy of the README's store)
 NEEDS_A_COLLECTOR = {"docs/diagnosis.md", "docs/sql.md", "docs/dashboard.md"}
 #: pages whose commands make namespace hosts: root only
 NEEDS_ROOT = {"docs/testbed.md", "docs/selfcheck.md", "docs/healing.md"}

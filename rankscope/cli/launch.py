@@ -14,9 +14,12 @@ import argparse
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rankscope.cli.args import count
+
+if TYPE_CHECKING:
+    from rankscope.healing.policy import Policy
 
 HELP = "run a job that heals itself: evict the host an incident names, restart from the last checkpoint"
 EXTRA = "collector"  # the healing driver reads the incidents
@@ -75,7 +78,7 @@ class _Refused(Exception):
     """What cannot run, in one line."""
 
 
-def _policy(args: argparse.Namespace, job_hosts: int) -> Any:
+def _policy(args: argparse.Namespace, job_hosts: int) -> Policy:
     from rankscope.healing.policy import Policy
 
     if job_hosts < 1:

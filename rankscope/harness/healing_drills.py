@@ -25,7 +25,7 @@ from rankscope.testbed import healing_job
 from rankscope.healing.policy import Policy
 from rankscope.testbed import hosts
 from rankscope.testbed import host_faults
-from rankscope.testbed.job import Job, trainer
+from rankscope.testbed.job import trainer
 from rankscope.harness.testbed_scenarios import STEP_SQL, staged
 
 HOSTS, RANKS_PER_HOST = 3, 2
@@ -121,41 +121,58 @@ def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None]
         return _play(drill, bed, address, workdir, log)
 
 
+def trainer_flags(workdir: Path) -> list[str]:
+    """The drills' job: the bundled trainer, TP2 inside a host, dp over the hosts, checkpoints in ``workdir``."""
+    return ["--tp", "2", "--pp", "1", "--dp", "0", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "256",
+            "--micro-batch", "2", "--global-batch", "12", "--steps", str(STEPS), "--ckpt-dir", str(workdir / "ckpt"),
+            "--ckpt-every", str(CKPT_EVERY), "--resume", "--timeout", "120"]  # fmt: skip
+
+
+def fault_at_step(
+    outcome: Outcome, bed: hosts.Testbed, address: str, applied: list[host_faults.Applied], until: Callable[[], bool],
+    log: Callable[[str], None],
+) -> threading.Thread:  # fmt: skip
+    """Start a thread that hits the drill's target with its fault once the run reaches ``fault_step``
+    (unless ``until`` says the job is over first); what it applied goes into ``applied``."""
+    drill = outcome.drill
+
+    def apply() -> None:
+        if drill.apply is None:
+            return
+        with Client(address) as client:
+            while not until():
+                rows = client.query(STEP_SQL, {"run": outcome.run_id}).to_pylist()
+                if rows and (rows[0]["step"] or 0) >= drill.fault_step:
+                    applied.append(drill.apply(bed, bed.host(outcome.target)))
+                    outcome.fault_ns = applied[-1].at_ns
+                    log(f"{drill.name}: {applied[-1].what}")
+                    return
+                time.sleep(0.25)
+
+    thread = threading.Thread(target=apply, daemon=True, name="fault")
+    thread.start()
+    return thread
+
+
+def read_back(outcome: Outcome, address: str) -> None:
+    """What the store says of the run once it ended: the driver's actions, the last attempt's hosts, the run's status."""
+    with Client(address) as client:
+        time.sleep(1.5)  # the collector writes every 0.5 s: the driver's last rows are in
+        outcome.actions = client.query(ACTIONS_SQL, {"run": outcome.run_id}).to_pylist()
+        outcome.final_hosts = sorted(client.query(FINAL_HOSTS_SQL, {"run": outcome.run_id}).to_pylist()[0]["hosts"])
+        outcome.status = client.query(STATUS_SQL, {"run": outcome.run_id}).to_pylist()[0]["status"]
+
+
 def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Callable[[str], None]) -> Outcome:
     run_id = f"heal-{drill.name}-{uuid.uuid4().hex[:8]}"
     outcome = Outcome(drill, run_id, target=bed.hosts[drill.target].name)
-    program = trainer("--tp", "2", "--pp", "1", "--dp", "0", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64",
-                      "--vocab", "256", "--micro-batch", "2", "--global-batch", "12",
-                      "--steps", str(STEPS), "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(CKPT_EVERY), "--resume",
-                      "--timeout", "120")  # fmt: skip
     applied: list[host_faults.Applied] = []
-
-    def fault_later(job: Job) -> None:
-        if drill.apply is None:
-            return
-
-        def apply() -> None:
-            with Client(address) as client:
-                while not job.finished():
-                    rows = client.query(STEP_SQL, {"run": run_id}).to_pylist()
-                    if rows and (rows[0]["step"] or 0) >= drill.fault_step:
-                        applied.append(drill.apply(bed, bed.host(outcome.target)))  # type: ignore[misc]
-                        outcome.fault_ns = applied[-1].at_ns
-                        log(f"{drill.name}: {applied[-1].what}")
-                        return
-                    time.sleep(0.25)
-
-        threading.Thread(target=apply, daemon=True, name="fault").start()
-
     try:
-        outcome.exits, _ = healing_job.run(bed, program, collector=address, run_id=run_id, workdir=workdir / "job", policy=Policy(min_hosts=2),
-                                      log=log, on_start=fault_later, spares=drill.spares)  # fmt: skip
+        outcome.exits, _ = healing_job.run(bed, trainer(*trainer_flags(workdir)), collector=address, run_id=run_id, workdir=workdir / "job",
+                                           policy=Policy(min_hosts=2), log=log, spares=drill.spares,
+                                           on_start=lambda job: fault_at_step(outcome, bed, address, applied, job.finished, log))  # fmt: skip
     finally:
         for fault in applied:
             fault.undo()
-    with Client(address) as client:
-        time.sleep(1.5)  # the collector writes every 0.5 s: the driver's last rows are in
-        outcome.actions = client.query(ACTIONS_SQL, {"run": run_id}).to_pylist()
-        outcome.final_hosts = sorted(client.query(FINAL_HOSTS_SQL, {"run": run_id}).to_pylist()[0]["hosts"])
-        outcome.status = client.query(STATUS_SQL, {"run": run_id}).to_pylist()[0]["status"]
+    read_back(outcome, address)
     return outcome

@@ -13,6 +13,7 @@ holds what the store says, and the reason Slurm keeps for the node.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 import tempfile
 import threading
@@ -21,11 +22,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from rankscope.collector.client import Client
-from rankscope.harness.healing_drills import ACTIONS_SQL, CKPT_EVERY, FINAL_HOSTS_SQL, RANKS_PER_HOST, STATUS_SQL, STEPS, Drill, Outcome
-from rankscope.harness.testbed_scenarios import STEP_SQL, staged
+from rankscope.harness.healing_drills import RANKS_PER_HOST, Drill, Outcome, fault_at_step, read_back, trainer_flags
+from rankscope.harness.testbed_scenarios import staged
+from rankscope.healing.slurm_fleet import fields
 from rankscope.testbed import host_faults, hosts
 from rankscope.testbed import slurm as slurm_bed
+from rankscope.testbed.job import trainer
 
 __all__ = ["DRILLS", "run"]
 
@@ -56,14 +58,12 @@ def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None]
 
 def script(drill: Drill, address: str, run_id: str, workdir: Path) -> str:
     """The drill's batch script: the job on 3 nodes (and the spares), or on 3 of 4 with no shrinking and requeue."""
-    nodes = 3 + drill.spares
-    flags = "--requeue --min-hosts 3" if drill.requeue else f"--spares {drill.spares} --min-hosts 2"
+    flags = ["--requeue", "--min-hosts", "3"] if drill.requeue else ["--spares", str(drill.spares), "--min-hosts", "2"]
+    launch = [sys.executable, "-m", "rankscope.cli.main", "launch", "--slurm", *flags, "--ranks-per-node", str(RANKS_PER_HOST),
+              "--collector", address, "--run-id", run_id, "--workdir", str(workdir / "launch"), "--", *trainer(*trainer_flags(workdir))]  # fmt: skip
     return (
-        f"#!/bin/bash\n#SBATCH --nodes={nodes} --no-kill --requeue --open-mode=append --output={workdir / 'job-%j.out'}\n"
-        f"exec {sys.executable} -m rankscope.cli.main launch --slurm {flags} --ranks-per-node {RANKS_PER_HOST} --collector {address} --run-id {run_id}"
-        f" --workdir {workdir / 'launch'} -- -m rankscope.trainer --tp 2 --pp 1 --dp 0 --layers 2 --hidden 64 --heads 4 --seq 64"
-        f" --vocab 256 --micro-batch 2 --global-batch 12 --steps {STEPS} --ckpt-dir {workdir / 'ckpt'} --ckpt-every {CKPT_EVERY}"
-        " --resume --timeout 120\n"
+        f"#!/bin/bash\n#SBATCH --nodes={3 + drill.spares} --no-kill --requeue --open-mode=append --output={workdir / 'job-%j.out'}\n"
+        f"exec {shlex.join(launch)}\n"
     )
 
 
@@ -77,22 +77,7 @@ def _play(drill: Drill, cluster: slurm_bed.Slurm, address: str, workdir: Path, l
     log(f"{drill.name}: Slurm job {job}, run {run_id}")
     applied: list[host_faults.Applied] = []
     stop = threading.Event()
-
-    def fault() -> None:
-        if drill.apply is None:
-            return
-        with Client(address) as client:
-            while not stop.is_set():
-                rows = client.query(STEP_SQL, {"run": run_id}).to_pylist()
-                if rows and (rows[0]["step"] or 0) >= drill.fault_step:
-                    applied.append(drill.apply(bed, bed.host(outcome.target)))
-                    outcome.fault_ns = applied[-1].at_ns
-                    log(f"{drill.name}: {applied[-1].what}")
-                    return
-                time.sleep(0.25)
-
-    faulting = threading.Thread(target=fault, daemon=True, name="fault")
-    faulting.start()
+    faulting = fault_at_step(outcome, bed, address, applied, stop.is_set, log)
     try:
         deadline = time.monotonic() + 600
         while (state := _state(cluster, job)) not in ENDED:
@@ -102,15 +87,11 @@ def _play(drill: Drill, cluster: slurm_bed.Slurm, address: str, workdir: Path, l
     finally:
         stop.set()
         faulting.join(30)
-        for applied_fault in applied:
-            applied_fault.undo()
+        for fault in applied:
+            fault.undo()
     outcome.exits = {"slurm": 0 if state == "COMPLETED" else 1}
     outcome.fenced_as = cluster.nodes().get(outcome.target, ("", ""))[1]
-    with Client(address) as client:
-        time.sleep(1.5)  # the collector writes every 0.5 s: the driver's last rows are in
-        outcome.actions = client.query(ACTIONS_SQL, {"run": run_id}).to_pylist()
-        outcome.final_hosts = sorted(client.query(FINAL_HOSTS_SQL, {"run": run_id}).to_pylist()[0]["hosts"])
-        outcome.status = client.query(STATUS_SQL, {"run": run_id}).to_pylist()[0]["status"]
+    read_back(outcome, address)
     return outcome
 
 
@@ -119,4 +100,4 @@ def _state(cluster: slurm_bed.Slurm, job: str) -> str:
         out = cluster.run(["scontrol", "show", "job", "--oneliner", job]).stdout
     except hosts.TestbedError:
         return "UNKNOWN"
-    return dict(f.split("=", 1) for f in out.split() if "=" in f).get("JobState", "UNKNOWN")
+    return fields(out).get("JobState", "UNKNOWN")

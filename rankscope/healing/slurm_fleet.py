@@ -24,7 +24,7 @@ from typing import Any
 
 from rankscope.healing.fleet import Worker
 
-__all__ = ["SlurmError", "SlurmFleet", "SlurmRunner", "Wrap", "node_list"]
+__all__ = ["SlurmError", "SlurmFleet", "SlurmRunner", "Wrap", "fields", "node_list"]
 
 Wrap = Callable[[Sequence[str]], list[str]]
 #: seconds a Slurm command may take (a node that does not answer makes srun wait for it)
@@ -49,14 +49,14 @@ def _step_on(job_id: str, host: str, argv: Sequence[str]) -> list[str]:
     return ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--quiet", *argv]
 
 
-def _fields(line: str) -> dict[str, str]:
+def fields(line: str) -> dict[str, str]:
     """``Key=Value Key=Value`` (``scontrol --oneliner``) as a dict."""
     return dict(item.split("=", 1) for item in line.split() if "=" in item)
 
 
 def node_list(slurm: Wrap, job_id: str) -> list[str]:
     """The nodes of Slurm job ``job_id``, in Slurm's order (its batch script runs on the first)."""
-    nodes = _fields(_run(slurm, ["scontrol", "show", "job", "--oneliner", job_id]))["NodeList"]
+    nodes = fields(_run(slurm, ["scontrol", "show", "job", "--oneliner", job_id]))["NodeList"]
     return _run(slurm, ["scontrol", "show", "hostnames", nodes]).split()
 
 
@@ -97,7 +97,7 @@ class SlurmFleet:
         if self._runner is None:
             addresses = {}
             for line in _run(self.slurm, ["scontrol", "show", "node", "--oneliner", ",".join(self.hosts())]).splitlines():
-                node = _fields(line)
+                node = fields(line)
                 addresses[node["NodeName"]] = node["NodeAddr"]
             self._runner = SlurmRunner(self.job_id, self.slurm, addresses)
         return self._runner
