@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from rankscope.collector.batch_columns import IngestError, TimeWindow
-from rankscope.collector.decode import UnsupportedSchemaVersion, decode
+from rankscope.collector.batch_limits import UnregisteredRun
+from rankscope.collector.decode import REGISTRATIONS, RUN_LEVEL, UnsupportedSchemaVersion, decode
 from rankscope.collector.run_registry import RunRegistry
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.schema import BY_NAME
@@ -129,7 +130,13 @@ def end(run_id: str, rank: int, reason: int = 0, exit_code: int = 0) -> ingest_p
 
 
 def _decode(batch: ingest_pb2.Batch, registry: RunRegistry | None = None, window: TimeWindow = TimeWindow()):
-    return decode(batch, registry or RunRegistry(), time.time_ns(), window)
+    """``batch`` decoded; without a ``registry``, in one where its run is registered (a world of 16)
+    when its rows need that."""
+    if registry is None:
+        registry = RunRegistry()
+        if batch.WhichOneof("payload") not in (*REGISTRATIONS, *RUN_LEVEL):
+            decode(register(batch.run_id, 0, 16), registry, time.time_ns())
+    return decode(batch, registry, time.time_ns(), window)
 
 
 def test_every_payload_gives_exactly_the_insert_columns_of_its_tables() -> None:
@@ -266,19 +273,21 @@ def test_a_registration_delivered_after_a_newer_one_or_the_ranks_end_changes_not
     assert not registry.has_ended("r", 0)
 
 
-def test_ends_delivered_before_the_registrations_still_finish_the_run() -> None:
-    """A spool replayed beside the calls a frozen collector held can deliver every rank's end before
-    the registration that tells the world's size: the run is finished once that size is known."""
+def test_ends_delivered_before_their_ranks_registrations_still_finish_the_run() -> None:
+    """A spool replayed beside the calls a frozen collector held can deliver ranks' ends before their
+    own registrations: the run is finished once every rank of its world has ended. Ends of a run no
+    rank has registered are refused (the agent registers again first after a reconnect)."""
     registry = RunRegistry()
     before = time.time_ns() - 10**9
-    assert "runs" not in _decode(end("r", 0), registry).parts and "runs" not in _decode(end("r", 1), registry).parts
-    assert "runs" not in _decode(register("r", 0, 3, time_ns=before), registry).parts  # rank 2 has not ended
-    assert _decode(end("r", 2), registry).parts["runs"].to_pylist()[0]["status"] == "finished"  # the last of the 3
-    registry = RunRegistry()
+    with pytest.raises(UnregisteredRun, match="run 'r' is not registered"):
+        _decode(end("r", 0), registry)
+    assert registry.known("r") is None  # a refused batch leaves no run behind
+    _decode(register("r", 0, 2, time_ns=before), registry)
     for rank in (0, 1):
         _decode(end("r", rank), registry)
-    first = _decode(register("r", 1, 2, time_ns=before), registry).parts
-    assert first["runs"].to_pylist()[0]["status"] == "finished" and registry.has_ended("r", 1)
+    assert registry.has_ended("r", 1)
+    late = _decode(register("r", 1, 2, time_ns=before), registry).parts
+    assert late["runs"].to_pylist()[0]["status"] == "finished" and registry.has_ended("r", 1)
 
 
 def test_a_ranks_only_registration_replayed_after_its_end_is_stored_without_reopening_it() -> None:
@@ -341,7 +350,7 @@ def test_one_batch_speaks_for_several_ranks_when_its_rows_name_them() -> None:
         _decode(short, registry)
     negative = spans("r", 0, 1)
     negative.spans.rank = np.array([-1], "<i4").tobytes()
-    with pytest.raises(IngestError, match="rank -1 outside >= 0"):
+    with pytest.raises(IngestError, match=r"rank -1 outside 0 .. 15"):
         _decode(negative)
 
 
@@ -446,7 +455,7 @@ def _corrupt(batch: ingest_pb2.Batch, field: str, value: object) -> ingest_pb2.B
         (_corrupt(spans("r", 0, 4), "name", np.array([0, 1, 3, 0], "<i4").tobytes()), "spans.name: string index 3 outside"),
         (_corrupt(spans("r", 0, 4), "attributes", np.array([0, -2, 0, 0], "<i4").tobytes()), "string index -2"),
         (_corrupt(spans("r", 0, 4), "kind", np.array([0, 9, 0, 0], "u1").tobytes()), "spans.kind: unknown value 9"),
-        (_corrupt(spans("r", 0, 4), "step", np.array([1, -1, 1, 1], "<i4").tobytes()), "spans.step: negative value -1"),
+        (_corrupt(spans("r", 0, 4), "step", np.array([1, -1, 1, 1], "<i4").tobytes()), "spans.step: value -1 where only values >= 0"),
         (_corrupt(collectives("r", 0), "state", np.array([0, 3, 0], "u1").tobytes()), "collectives.state: unknown value 3"),
         (envelope("r", 0), "carries no payload"),
         (ingest_pb2.Batch(schema_version=1, run_id="r", rank=0, batch_id=b"short", stack=telemetry_pb2.StackDump()), "batch_id has 5 bytes"),
@@ -492,3 +501,92 @@ def test_a_group_with_a_member_outside_the_world_is_refused_and_nothing_register
     with pytest.raises(IngestError, match=re.escape(f"register.groups['dp[0]']: ranks {outside} outside 0 .. 1")):
         _decode(bad, registry)
     assert not registry.run("r").registered
+
+
+# --- hostile batches: refused by field, before anything is allocated, leaving nothing behind -----
+
+
+def _registered(world_size: int = 4) -> RunRegistry:
+    registry = RunRegistry()
+    _decode(register("r", 0, world_size), registry)
+    return registry
+
+
+def _claiming(batch: ingest_pb2.Batch, count: int) -> ingest_pb2.Batch:
+    getattr(batch, batch.WhichOneof("payload")).count = count
+    return batch
+
+
+def _beat(**fields: object) -> ingest_pb2.Batch:
+    now = time.time_ns()
+    beat = telemetry_pb2.Heartbeat(**{"time_ns": now, "step": 1, "phase": "forward", "status": "running", **fields})  # type: ignore[arg-type]
+    return envelope("r", 0, heartbeats=telemetry_pb2.HeartbeatBatch(heartbeats=[beat]))
+
+
+def _registration(**fields: object) -> ingest_pb2.Batch:
+    batch = register("r", 1, 4)
+    for name, value in fields.items():
+        setattr(batch.register, name, value)
+    return batch
+
+
+@pytest.mark.parametrize(
+    "batch, reason, message",
+    [
+        (_claiming(spans("r", 0, 2), 1 << 26), "count", "spans: count=67108864 rows need at least"),
+        (_claiming(metrics("r", 0), 1 << 26), "count", "metrics: count=67108864 rows need at least"),
+        (_registration(world_size=2**31 - 1), "range", "register.world_size is 2147483647"),
+        (_registration(dp=70000), "range", "register.dp is 70000"),
+        (_registration(host="h" * 300), "length", "register.host: 300 characters"),
+        (envelope("x" * (8 << 20), 0, stack=telemetry_pb2.StackDump(time_ns=time.time_ns())), "length", "run_id: 8388608 characters"),
+        (_beat(in_flight=[telemetry_pb2.InFlight(group="world", seq=1, op="all_reduce", peer=-1, issue_ns=2**63 - 1)]), "time",
+         "heartbeats.in_flight.issue_ns: times"),
+        (_beat(last_progress_ns=2**63 - 1), "time", "heartbeats.last_progress_ns: times"),
+        (_beat(last_progress_ns=-(32 * 365 * 86_400 * 10**9)), "time", "heartbeats.last_progress_ns: times"),
+        (_corrupt(spans("r", 0, 2), "end_ns", (time.time_ns() - np.array([10, 10]) * 10**6).astype("<i8").tobytes()), "order",
+         "spans.end_ns: row 0 ends"),
+        (spans("r", 9, 2), "rank", "rank: rank 9 outside 0 .. 3"),
+        (_corrupt(collectives("r", 0), "peer", np.array([-1, 7, 1], "<i4").tobytes()), "rank", "collectives.peer: rank 7 outside 0 .. 3"),
+        (_corrupt(spans("r", 0, 2), "microbatch", np.array([-2, 0], "<i4").tobytes()), "range", "spans.microbatch: value -2"),
+        (envelope("r", 0, attempt=70000, stack=telemetry_pb2.StackDump(time_ns=time.time_ns())), "range", "attempt is 70000"),
+    ],
+    ids=["spans claim 2^26 rows", "metrics claim 2^26 rows", "world 2^31-1", "dp 70000", "long host", "8 MB run id",
+         "in flight at 2^63-1", "progress overflows", "progress in 1938", "span ends before it starts", "rank outside the world",
+         "peer outside the world", "microbatch below -1", "attempt over UInt16"],
+)
+def test_a_hostile_batch_is_refused_naming_its_field_and_changes_no_run(batch: ingest_pb2.Batch, reason: str, message: str) -> None:
+    registry = _registered()
+    before = (dict(registry.run("r").registered), dict(registry.run("r").worlds), registry.run("r").dp, registry.run("r").world_size)
+    with pytest.raises(IngestError, match=re.escape(message)) as refused:
+        _decode(batch, registry)
+    assert refused.value.reason == reason
+    assert (dict(registry.run("r").registered), dict(registry.run("r").worlds), registry.run("r").dp, registry.run("r").world_size) == before
+    assert registry.known(batch.run_id) is None or batch.run_id == "r"  # no run kept for a refused id
+    assert _decode(end("r", 0), registry).parts["exits"].num_rows == 1  # the run's next valid batch is unharmed
+
+
+def test_rows_of_a_run_never_registered_are_refused_but_healings_run_level_records_are_not() -> None:
+    from rankscope.healing.record import action_batch
+
+    registry = RunRegistry()
+    for batch in (spans("new", 0, 2), heartbeats("new", 0), end("new", 0), stack("new", 0)):
+        with pytest.raises(UnregisteredRun):
+            _decode(batch, registry)
+    assert registry.known("new") is None
+    assert _decode(action_batch("new", "evict", attempt=0, hosts=["node-2"]), registry).parts["actions"].num_rows == 1
+    bad = register("new", 0, 2, world="10.0.0.1:5000/2")
+    bad.register.dp = 70000
+    with pytest.raises(IngestError, match="register.dp is 70000"):
+        _decode(bad, registry)
+    assert registry.known("new") is None  # the refused registration numbered no world
+
+
+def test_a_string_named_by_every_row_counts_against_the_batchs_size() -> None:
+    """A few bytes of indices can name one long string a million times: the rows' copies are bounded
+    by the payload's size (``STRING_EXPANSION``), whatever the count."""
+    batch = spans("r", 0, 20_000)  # every other row has attributes
+    batch.spans.strings[2] = "x" * 100_000
+    with pytest.raises(IngestError, match="spans.attributes: its rows name 1000000000 bytes of strings") as refused:
+        _decode(batch, _registered())
+    assert refused.value.reason == "length"
+    assert _decode(spans("r", 0, 20_000), _registered()).parts["spans"].num_rows == 20_000

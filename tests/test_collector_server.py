@@ -23,6 +23,7 @@ from test_collector_ingest import collectives, end, envelope, heartbeats, metric
 from rankscope.collector import server
 from rankscope.collector.client import Client, QueryRefused, ResultTooLarge, Unauthenticated
 from rankscope.collector.query import guard_for
+from rankscope.collector.run_registry import RunRegistry
 from rankscope.collector.store.base import open_store
 from rankscope.collector.store.migrations import migrate
 from rankscope.collector.writer import Writer
@@ -111,6 +112,7 @@ def test_every_payload_round_trips_into_the_store(ingest: ingest_pb2_grpc.Ingest
 
 
 def test_a_duplicated_batch_is_acknowledged_and_stored_once(ingest: ingest_pb2_grpc.IngestStub, client: Client) -> None:
+    send(ingest, register("dup", 0, 1))
     batch = spans("dup", 0, 10)
     assert not send(ingest, batch).duplicate
     assert send(ingest, batch).duplicate
@@ -130,7 +132,7 @@ def test_every_service_wants_the_token(collector: Running, ingest: ingest_pb2_gr
                 anonymous.request_stack("auth", 0, "test")
 
 
-def _corrupt(batch: ingest_pb2.Batch, field: str, value: bytes) -> ingest_pb2.Batch:
+def _corrupt(batch: ingest_pb2.Batch, field: str, value: object) -> ingest_pb2.Batch:
     setattr(getattr(batch, batch.WhichOneof("payload")), field, value)
     return batch
 
@@ -148,7 +150,11 @@ def test_bad_batches_are_refused_and_the_good_ones_around_them_are_stored(
         (spans(run, 0, 4, t0=old), grpc.StatusCode.INVALID_ARGUMENT, "outside the accepted window"),
         (spans(run, 0, 4, t0=time.time_ns() + 7200 * 10**9), grpc.StatusCode.INVALID_ARGUMENT, "outside the accepted window"),
         (ingest_pb2.Batch(schema_version=2, run_id=run, rank=0, batch_id=b"x" * 16), grpc.StatusCode.FAILED_PRECONDITION, "schema_version 2"),
+        (spans(run, 1, 4), grpc.StatusCode.INVALID_ARGUMENT, "rank: rank 1 outside 0 .. 0"),
+        (_corrupt(register(run, 0, 1), "world_size", 2**31 - 1), grpc.StatusCode.INVALID_ARGUMENT, "register.world_size is 2147483647"),
+        (spans(f"{run}-unregistered", 0, 4), grpc.StatusCode.FAILED_PRECONDITION, "is not registered"),
     ]
+    send(ingest, register(run, 0, 1))
     for step, (batch, code, message) in enumerate(bad, start=1):
         send(ingest, spans(run, 0, 1, step=step))
         error = refusal(ingest, batch)
@@ -166,6 +172,8 @@ def test_a_message_over_64_mib_is_refused_by_grpc_itself(ingest: ingest_pb2_grpc
 
 def test_an_overloaded_writer_asks_agents_to_retry_later(ingest: ingest_pb2_grpc.IngestStub, client: Client) -> None:
     run = "overload"
+    for rank in range(2):
+        send(ingest, register(run, rank, 2))
     # 20x the buffer limit and below flush_rows: it waits a whole flush interval in the buffer.
     big = ingest.Send.future(spans(run, 0, 20 * MAX_BUFFERED_ROWS), metadata=AUTH, timeout=60)
     probes = []
@@ -306,8 +314,13 @@ def test_the_first_batches_of_a_run_wait_for_one_load_of_it(tmp_path: Path, monk
 
     async def scenario() -> None:
         async with _in_process(tmp_path) as collector:
+            ingest = server.IngestService(collector)
+            await ingest._store(register("restarted", 0, 51), time.time_ns())  # stored before the restart
+            collector.runs = RunRegistry()
+            loads.clear()
             await asyncio.gather(*(collector.know_run("restarted", rank) for rank in range(50)))
             await collector.know_run("restarted", 50)  # loaded a moment ago: not again for a rank it does not know
+            await ingest.timelines.close()
 
     asyncio.run(scenario())
     assert loads == ["restarted"]
@@ -319,6 +332,7 @@ def _metric_values(url: str) -> dict[str, float]:
 
 
 def test_prometheus_serves_the_collector_counters(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
+    send(ingest, register("prometheus", 0, 1))
     send(ingest, spans("prometheus", 0, 5))
     assert collector.metrics_url
     deadline = time.monotonic() + 30  # the insert-latency histogram is filled once a second: await it
@@ -361,6 +375,7 @@ def test_a_batch_sent_three_seconds_ago_counts_as_three_seconds_on_its_way(colle
     now = time.time_ns()
     batch = spans("delivery", 0, 3, t0=now - 2_000_000_000, offset_ns=2_000_000_000)  # the rank's clock is 2 s behind
     batch.sent_ns = now - 5_000_000_000  # sent 3 s ago on the collector's clock
+    send(ingest, register("delivery", 0, 1))
     send(ingest, batch)
     after = _metric_values(collector.metrics_url)
     assert after[bucket % "2.5"] == before.get(bucket % "2.5", 0) and after[bucket % "5.0"] == before.get(bucket % "5.0", 0) + 1
@@ -371,9 +386,11 @@ def test_a_batch_sent_three_seconds_ago_counts_as_three_seconds_on_its_way(colle
 def test_refused_calls_are_counted_by_status_code(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
     refusal(ingest, envelope("counted", 0))
     refusal(ingest, spans("counted", 0, 1), ())
+    assert refusal(ingest, spans("counted", 0, 1)).code() == grpc.StatusCode.FAILED_PRECONDITION  # never registered
     assert collector.metrics_url
     text = urllib.request.urlopen(collector.metrics_url, timeout=10).read().decode()
     assert re.search(r'rankscope_rejected_calls_total\{code="INVALID_ARGUMENT"\} [1-9]', text)
+    assert re.search(r'rankscope_refused_batches_total\{reason="unregistered"\} [1-9]', text)
     assert re.search(r'rankscope_rejected_calls_total\{code="UNAUTHENTICATED"\} [1-9]', text)
 
 

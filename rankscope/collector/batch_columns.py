@@ -14,20 +14,18 @@ what a column must satisfy is said once, whichever payload carries it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from rankscope.collector.run_registry import RunRegistry
+from rankscope.collector.batch_limits import MAX_ID_CHARS, STRING_EXPANSION, IngestError, check_count, check_repeated
+from rankscope.collector.run_registry import RunInfo
 from rankscope.collector.store import schema
 from rankscope.collector.store.base import arrow_schema, arrow_type
 from rankscope.protos.v1 import ingest_pb2
-
-
-class IngestError(ValueError):
-    """A malformed batch (gRPC INVALID_ARGUMENT): resending it unchanged can never succeed."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +64,19 @@ def arrow_table(name: str, columns: Mapping[str, object], attempt: int | np.ndar
         columns = {**columns, "attempt": np.asarray(attempts, dtype=np.uint16)}
     if set(columns) != set(target.names):
         raise AssertionError(f"{name}: columns {sorted(columns)} != {sorted(target.names)}")
-    arrays = [_array(columns[f.name], f.type) for f in target]
+    arrays = [_array(name, columns[f.name], f) for f in target]
     return pa.Table.from_arrays(arrays, schema=target)
 
 
-def _array(values: object, type_: pa.DataType) -> pa.Array:
-    return values if isinstance(values, pa.Array) else pa.array(values, type=type_)
+def _array(table: str, values: object, target: pa.Field) -> pa.Array:
+    """One column as its Arrow type. The decoders check every value first; a value that still does
+    not fit the column is the batch's fault, and is refused as such rather than failing the call."""
+    if isinstance(values, pa.Array):
+        return values
+    try:
+        return pa.array(values, type=target.type)
+    except (pa.ArrowInvalid, OverflowError) as e:
+        raise IngestError(f"{table}.{target.name}: a value the column ({target.type}) cannot hold: {e}", "range") from None
 
 
 class BatchContext:
@@ -85,21 +90,39 @@ class BatchContext:
         #: the ranks the rows speak for and each row's attempt, when rows name their ranks (``row_ranks``)
         self.ranks: tuple[int, ...] = ()
         self.row_attempts: np.ndarray | None = None
+        #: the run as the registry knows it (``decode`` sets it; empty for registrations and run-level records)
+        self.run = RunInfo()
         self.offset = batch.clock_offset_ns
         self.now_ns = now_ns
         self.lo = now_ns - int(window.past_s * 1e9)
         self.hi = now_ns + int(window.future_s * 1e9)
 
+    def after_start(self, start_ns: int, window: TimeWindow) -> None:
+        """Refuse, from now on, rows from before the run began (``start_ns``, its ranks' earliest start)
+        less the clock skew the window allows ahead: a rank's first registration carries no clock
+        offset yet."""
+        if start_ns:
+            self.lo = max(self.lo, start_ns - int(window.future_s * 1e9))
+
     def check_times(self, what: str, lo: int, hi: int) -> None:
-        """Refuse times (already on the collector's clock) outside the accepted window."""
+        """Refuse times (already on the collector's clock, as Python ints: no wrap-around) outside the
+        accepted window."""
         if lo >= self.lo and hi <= self.hi:
             return
         raise IngestError(
             f"{what}: times {_iso(lo)} .. {_iso(hi)} (collector clock, after adding clock_offset_ns="
             f"{self.offset}) lie outside the accepted window {_iso(self.lo)} .. {_iso(self.hi)} around the"
-            f" collector's clock {_iso(self.now_ns)}: fix the rank's clock or clock offset, or widen the"
-            " collector's --time-window"
+            f" collector's clock {_iso(self.now_ns)}, and not before the run's start: fix the rank's clock or"
+            " clock offset, or widen the collector's --time-window",
+            "time",
         )
+
+    def shift(self, what: str, raw: np.ndarray) -> np.ndarray:
+        """Times of the rank's clock (int64) on the collector's, once their extremes, moved in Python
+        integers, lie inside the window: then no sum wraps around."""
+        if raw.size:
+            self.check_times(what, int(raw.min()) + self.offset, int(raw.max()) + self.offset)
+        return raw + np.int64(self.offset)
 
     @property
     def attempts(self) -> int | np.ndarray:
@@ -120,52 +143,105 @@ def _iso(ns: int) -> str:
         return f"{ns} ns"
 
 
-class Columns:
-    """The ``bytes`` columns of one columnar payload, each checked before it is used."""
+@dataclass(frozen=True)
+class Layout:
+    """A columnar payload's ``bytes`` columns and their little-endian types; ``optional`` ones may be
+    absent (older agents, rows that do not name their rank)."""
 
-    def __init__(self, ctx: BatchContext, message: object) -> None:
+    required: Mapping[str, str]
+    optional: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes every row takes in the required columns: what ``count`` is checked against."""
+        return sum(np.dtype(t).itemsize for t in self.required.values())
+
+
+class Columns:
+    """The ``bytes`` columns of one columnar payload, each checked before it is used.
+
+    Every column's length is checked against ``count`` when the payload is opened, before anything
+    is allocated for its rows: a few bytes that claim millions of rows are refused at once."""
+
+    def __init__(self, ctx: BatchContext, message: object, layout: Layout) -> None:
         self.ctx = ctx
         self.msg = message
         self.count: int = message.count  # type: ignore[attr-defined]
-        self.strings = pa.array(list(message.strings), type=pa.string())  # type: ignore[attr-defined]
+        self.layout = layout
+        check_count(ctx.kind, self.count, layout.row_bytes, message.ByteSize())  # type: ignore[attr-defined]
+        for column, dtype in layout.required.items():
+            self._check_length(column, dtype)
+        for column, dtype in layout.optional.items():
+            if getattr(message, column):
+                self._check_length(column, dtype)
+        table = message.strings  # type: ignore[attr-defined]
+        check_repeated(self.where("strings"), table)
+        self.strings = pa.array(list(table), type=pa.string())
+        #: each string's bytes, and one more 0 for the -1 of "none"
+        self._lengths = np.append(pc.binary_length(self.strings).to_numpy(zero_copy_only=False), 0).astype(np.int64)
+        #: bytes the string columns may hold once every row has its own copy (``strings_at``)
+        self._string_budget = STRING_EXPANSION * message.ByteSize()  # type: ignore[attr-defined]
 
-    def _where(self, column: str) -> str:
+    def where(self, column: str) -> str:
         return f"{self.ctx.kind}.{column}"
 
-    def array(self, column: str, dtype: str) -> np.ndarray:
-        """``column``'s values as ``dtype``, without a copy, once its byte length matches ``count``."""
+    def _check_length(self, column: str, dtype: str) -> None:
         raw = getattr(self.msg, column)
         itemsize = np.dtype(dtype).itemsize
         if len(raw) != self.count * itemsize:
             raise IngestError(
-                f"{self._where(column)}: {len(raw)} bytes, but count={self.count} values of {itemsize} bytes"
-                f" need {self.count * itemsize}: every column of a batch holds exactly `count` values"
+                f"{self.where(column)}: {len(raw)} bytes, but count={self.count} values of {itemsize} bytes"
+                f" need {self.count * itemsize}: every column of a batch holds exactly `count` values",
+                "count",
             )
-        return np.frombuffer(raw, dtype=dtype)
 
-    def optional(self, column: str, dtype: str, missing: int) -> np.ndarray:
+    def array(self, column: str) -> np.ndarray:
+        """``column``'s values as its layout's type, without a copy (its length was checked on opening)."""
+        dtype = self.layout.required.get(column) or self.layout.optional[column]
+        return np.frombuffer(getattr(self.msg, column), dtype=dtype)
+
+    def optional(self, column: str, missing: int) -> np.ndarray:
         """A column older agents may leave empty: then every value is ``missing``."""
         if self.count and not getattr(self.msg, column):
-            return np.full(self.count, missing, dtype=dtype)
-        return self.array(column, dtype)
+            return np.full(self.count, missing, dtype=self.layout.optional[column])
+        return self.array(column)
 
-    def unsigned(self, column: str, dtype: str) -> np.ndarray:
-        """A signed column the schema stores unsigned: a negative value would wrap, so it is refused."""
-        values = self.array(column, dtype)
-        if values.size and values.min() < 0:
-            raise IngestError(f"{self._where(column)}: negative value {values.min()} where only values >= 0 are valid")
+    def at_least(self, column: str, lo: int, values: np.ndarray | None = None) -> np.ndarray:
+        """``column``'s values (or ``values`` read from it), refused below ``lo`` (-1: "none"; 0: a
+        column the schema stores unsigned, where a negative value would wrap)."""
+        values = self.array(column) if values is None else values
+        if values.size and values.min() < lo:
+            raise IngestError(f"{self.where(column)}: value {values.min()} where only values >= {lo} are valid", "range")
         return values
 
-    def strings_at(self, column: str, *, none_allowed: bool = False) -> pa.Array:
-        """Strings from int32 indices into the batch's string table (-1 -> '' where allowed)."""
-        index = self.array(column, "<i4")
+    def unsigned(self, column: str) -> np.ndarray:
+        """A signed column the schema stores unsigned: a negative value would wrap, so it is refused."""
+        return self.at_least(column, 0)
+
+    def strings_at(self, column: str, *, none_allowed: bool = False, limit: int = MAX_ID_CHARS) -> pa.Array:
+        """Strings from int32 indices into the batch's string table (-1 -> '' where allowed), each at
+        most ``limit`` bytes (names are ids; free text such as attributes is longer)."""
+        index = self.array(column)
         n = len(self.strings)
         low = -1 if none_allowed else 0
         if index.size and (index.min() < low or index.max() >= n):
             bad = index[(index < low) | (index >= n)][0]
             raise IngestError(
-                f"{self._where(column)}: string index {bad} outside the batch's string table"
-                f" (valid: {low} .. {n - 1}, {n} strings)"
+                f"{self.where(column)}: string index {bad} outside the batch's string table"
+                f" (valid: {low} .. {n - 1}, {n} strings)",
+                "range",
+            )
+        lengths = self._lengths[index]
+        if lengths.size and lengths.max() > limit:
+            i = int(np.argmax(lengths > limit))
+            raise IngestError(f"{self.where(column)}: row {i} names a string of {lengths[i]} bytes, more than the {limit} allowed", "length")
+        taken = int(lengths.sum())
+        self._string_budget -= taken
+        if self._string_budget < 0:
+            raise IngestError(
+                f"{self.where(column)}: its rows name {taken} bytes of strings, more than {STRING_EXPANSION}"
+                " times the payload's size in all: name long strings from fewer rows",
+                "length",
             )
         if none_allowed:
             return pa.concat_arrays([self.strings, pa.array([""])]).take(np.where(index < 0, n, index))
@@ -173,50 +249,67 @@ class Columns:
 
     def enum(self, column: str, names: Sequence[str]) -> pa.Array:
         """A one-byte enum column as its ``names`` (``enum_names``), refusing values the contract lacks."""
-        values = self.array(column, "u1")
+        values = self.array(column)
         if values.size and values.max() >= len(names):
             known = ", ".join(f"{i}={name}" for i, name in enumerate(names))
-            raise IngestError(f"{self._where(column)}: unknown value {values.max()} (known: {known})")
+            raise IngestError(f"{self.where(column)}: unknown value {values.max()} (known: {known})", "range")
         return pa.array(names, type=pa.string()).take(values)
 
-    def times(self, column: str, *, zero_is_unknown: bool = False) -> pa.Array:
-        """Times moved onto the collector's clock and checked against the window.
+    def times(self, column: str, *, zero_is_unknown: bool = False) -> np.ndarray:
+        """Times (int64 ns) moved onto the collector's clock and checked against the window.
 
         Where the contract says 0 means "unknown" (a collective that never started or ended),
         0 stays 0 and is exempt from the window.
         """
-        raw = self.array(column, "<i8")
-        known = raw != 0 if zero_is_unknown else None
-        shifted = raw + np.int64(self.ctx.offset)
-        if zero_is_unknown:
-            shifted = np.where(known, shifted, 0)
-            checked = shifted[known]
-        else:
-            checked = shifted
-        if checked.size:
-            self.ctx.check_times(self._where(column), int(checked.min()), int(checked.max()))
-        return pa.array(shifted, type=TIMESTAMP)
+        raw = self.array(column)
+        if not zero_is_unknown:
+            return self.ctx.shift(self.where(column), raw)
+        known = raw != 0
+        self.ctx.shift(self.where(column), raw[known])
+        return np.where(known, raw + np.int64(self.ctx.offset), 0)
 
-    def run_rank(self, registry: RunRegistry) -> dict[str, object]:
+    def ordered(self, earlier: str, later: str, first: np.ndarray, then: np.ndarray) -> None:
+        """Refuse rows whose ``later`` time (0: unknown) comes before their ``earlier`` one."""
+        wrong = (then < first) & (then != 0) & (first != 0)
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            raise IngestError(
+                f"{self.where(later)}: row {i} ends ({then[i]}) before {self.where(earlier)} ({first[i]}): a span or"
+                " operation ends after it begins",
+                "order",
+            )
+
+    def run_rank(self) -> dict[str, object]:
         """The run and rank columns: each row's rank from the ``rank`` column where the batch has one."""
         if self.count and self.msg.rank:  # type: ignore[attr-defined]
-            ranks: np.ndarray = row_ranks(self.ctx, registry, self.array("rank", "<i4"), self._where("rank"))
+            ranks: np.ndarray = row_ranks(self.ctx, self.array("rank"), self.where("rank"))
         else:
             ranks = np.full(self.count, self.ctx.rank, dtype=np.uint32)
         return {"run_id": pa.repeat(pa.scalar(self.ctx.run_id), self.count), "rank": ranks}
 
 
-def row_ranks(ctx: BatchContext, registry: RunRegistry, ranks: np.ndarray, where: str) -> np.ndarray:
-    """Check the ranks rows name (>= 0, inside the run's world once it is known) and note them in
-    ``ctx``: the batch speaks for them, and its rows take each rank's attempt (``BatchContext.row_attempts``)."""
-    run = registry.run(ctx.run_id)
-    world = run.world_size
-    bad = ranks[(ranks < 0) | (ranks >= world)] if world else ranks[ranks < 0]
-    if bad.size:
-        inside = f"0 .. {world - 1} (the run's world)" if world else ">= 0"
-        raise IngestError(f"{where}: rank {bad[0]} outside {inside}")
+def timestamps(values: np.ndarray) -> pa.Array:
+    """Nanoseconds on the collector's clock as the schema's DateTime64(9)."""
+    return pa.array(values, type=TIMESTAMP)
+
+
+def row_ranks(ctx: BatchContext, ranks: np.ndarray, where: str) -> np.ndarray:
+    """Check the ranks rows name (``check_ranks``) and note them in ``ctx``: the batch speaks for them,
+    and its rows take each rank's attempt (``BatchContext.row_attempts``)."""
+    check_ranks(ctx.run, ranks, where)
     unique, where_in = np.unique(ranks, return_inverse=True)
     ctx.ranks = tuple(unique.tolist())
-    ctx.row_attempts = np.array(run.attempts(ctx.ranks), dtype=np.uint16)[where_in]
+    ctx.row_attempts = np.array(ctx.run.attempts(ctx.ranks), dtype=np.uint16)[where_in]
     return ranks.astype(np.uint32)
 
+
+def check_ranks(run: RunInfo, ranks: np.ndarray, where: str) -> None:
+    """Refuse ranks below 0, or past the run's world (once it is known) unless they registered: a rank
+    of an earlier, larger attempt still delivers its last rows."""
+    world = run.world_size
+    outside = (ranks < 0) | (ranks >= world) if world else ranks < 0
+    if world and outside.any():
+        outside &= ~np.isin(ranks, np.fromiter(run.registered, dtype=np.int64, count=len(run.registered)))
+    if outside.any():
+        inside = f"0 .. {world - 1} (the run's world)" if world else ">= 0"
+        raise IngestError(f"{where}: rank {ranks[outside][0]} outside {inside}", "rank")

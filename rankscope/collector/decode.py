@@ -17,9 +17,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rankscope.collector.batch_columns import SCHEMAS, TIMESTAMP, BatchContext, Columns, IngestError, TimeWindow, arrow_table, enum_names, row_ranks
+from rankscope.collector.batch_columns import (
+    SCHEMAS, BatchContext, Columns, IngestError, Layout, TimeWindow, arrow_table, check_ranks, enum_names, row_ranks, timestamps,
+)
+from rankscope.collector.batch_limits import (
+    MAX_ID_CHARS, MAX_IN_FLIGHT, MAX_STACK_CHARS, MAX_TEXT_CHARS, MAX_UINT16, UnregisteredRun, check_count, check_range, check_repeated, check_text,
+)
 from rankscope.collector.run_lifecycle import decode_end, decode_ends, decode_register, decode_registers
-from rankscope.collector.run_registry import RunRegistry
+from rankscope.collector.run_registry import RunInfo, RunRegistry
 from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2, telemetry_pb2
 
 BATCH_ID_BYTES = 16
@@ -46,18 +51,37 @@ class Decoded:
 SPAN_KINDS = enum_names(telemetry_pb2.SpanKind, "SPAN_KIND_")
 COLLECTIVE_STATES = enum_names(telemetry_pb2.CollectiveState, "COLLECTIVE_STATE_")
 
+#: the ``rank`` column of rows that name their rank (see telemetry.proto)
+_ROW_RANK = {"rank": "<i4"}
+SPAN_LAYOUT = Layout(
+    {"name": "<i4", "kind": "u1", "step": "<i4", "microbatch": "<i4", "start_ns": "<i8", "end_ns": "<i8", "attributes": "<i4"},
+    {"cpu_ns": "<i8", **_ROW_RANK},
+)
+COLLECTIVE_LAYOUT = Layout(
+    {
+        "group": "<i4", "seq": "<i8", "op": "<i4", "nbytes": "<i8", "dtype": "<i4", "peer": "<i4", "issue_ns": "<i8",
+        "start_ns": "<i8", "end_ns": "<i8", "state": "u1", "step": "<i4",
+    },
+    _ROW_RANK,
+)
+METRIC_LAYOUT = Layout({"time_ns": "<i8", "name": "<i4", "device": "<i4", "value": "<f8"})
+STEP_METRIC_LAYOUT = Layout({"step": "<i4", "name": "<i4", "value": "<f8", "time_ns": "<i8"}, _ROW_RANK)
+
 
 def _spans(ctx: BatchContext, msg: telemetry_pb2.SpanBatch, registry: RunRegistry) -> dict[str, pa.Table]:
-    c = Columns(ctx, msg)
-    who = c.run_rank(registry)
+    c = Columns(ctx, msg, SPAN_LAYOUT)
+    who = c.run_rank()
+    start, end = c.times("start_ns"), c.times("end_ns")
+    c.ordered("start_ns", "end_ns", start, end)
     return {
         "spans": arrow_table(
             "spans",
             {
-                **who, "step": c.unsigned("step", "<i4"), "name": c.strings_at("name"),
-                "kind": c.enum("kind", SPAN_KINDS), "start_time": c.times("start_ns"), "end_time": c.times("end_ns"),
-                "microbatch": c.array("microbatch", "<i4"), "attributes": c.strings_at("attributes", none_allowed=True),
-                "cpu_ns": c.optional("cpu_ns", "<i8", missing=-1),
+                **who, "step": c.unsigned("step"), "name": c.strings_at("name"),
+                "kind": c.enum("kind", SPAN_KINDS), "start_time": timestamps(start), "end_time": timestamps(end),
+                "microbatch": c.at_least("microbatch", -1),
+                "attributes": c.strings_at("attributes", none_allowed=True, limit=MAX_TEXT_CHARS),
+                "cpu_ns": c.at_least("cpu_ns", -1, c.optional("cpu_ns", missing=-1)),
             },
             ctx.attempts,
         )
@@ -65,21 +89,29 @@ def _spans(ctx: BatchContext, msg: telemetry_pb2.SpanBatch, registry: RunRegistr
 
 
 def _collectives(ctx: BatchContext, msg: telemetry_pb2.CollectiveBatch, registry: RunRegistry) -> dict[str, pa.Table]:
-    c = Columns(ctx, msg)
-    who = c.run_rank(registry)
+    c = Columns(ctx, msg, COLLECTIVE_LAYOUT)
+    who = c.run_rank()
+    issue, start, end = c.times("issue_ns"), c.times("start_ns", zero_is_unknown=True), c.times("end_ns", zero_is_unknown=True)
+    c.ordered("start_ns", "end_ns", start, end)
+    c.ordered("issue_ns", "end_ns", issue, end)
+    peers = c.array("peer")
+    check_ranks(ctx.run, peers[peers != -1], c.where("peer"))
     return {
         "collectives": arrow_table(
             "collectives",
             {
-                **who, "group_name": c.strings_at("group"), "seq": c.array("seq", "<i8"),
-                "op": c.strings_at("op"), "nbytes": c.unsigned("nbytes", "<i8"), "dtype": c.strings_at("dtype"),
-                "peer": c.array("peer", "<i4"), "issue_time": c.times("issue_ns"),
-                "start_time": c.times("start_ns", zero_is_unknown=True), "end_time": c.times("end_ns", zero_is_unknown=True),
-                "state": c.enum("state", COLLECTIVE_STATES), "step": c.unsigned("step", "<i4"),
+                **who, "group_name": c.strings_at("group"), "seq": c.unsigned("seq"),
+                "op": c.strings_at("op"), "nbytes": c.unsigned("nbytes"), "dtype": c.strings_at("dtype"),
+                "peer": peers, "issue_time": timestamps(issue), "start_time": timestamps(start), "end_time": timestamps(end),
+                "state": c.enum("state", COLLECTIVE_STATES), "step": c.unsigned("step"),
             },
             ctx.attempts,
         )
     }
+
+
+#: bytes a heartbeat takes on the wire at least: its time in the window is a 9-byte varint and a tag
+_HEARTBEAT_BYTES = 10
 
 
 def _heartbeats(ctx: BatchContext, msg: telemetry_pb2.HeartbeatBatch, registry: RunRegistry) -> dict[str, pa.Table]:
@@ -87,35 +119,44 @@ def _heartbeats(ctx: BatchContext, msg: telemetry_pb2.HeartbeatBatch, registry: 
     # ranks 10,000 heartbeats a second arrive, and this runs on the collector's event loop.
     beats = msg.heartbeats
     n = len(beats)
+    check_repeated("heartbeats.heartbeats", beats)
+    check_count("heartbeats", n, _HEARTBEAT_BYTES, msg.ByteSize())
     fields = [(hb.time_ns, hb.step, hb.phase, hb.status, hb.last_progress_ns, hb.events_dropped, hb.in_flight) for hb in beats]
     time_ns, step, phase, status, progress, dropped, flights = zip(*fields) if n else ((),) * 7
     steps = np.array(step, dtype=np.int64)
     if n and steps.min() < 0:
         i = int(np.argmax(steps < 0))
-        raise IngestError(f"heartbeats[{i}].step is {steps[i]}: steps are numbered from 1 (0 outside any step)")
-    times = np.array(time_ns, dtype=np.int64) + np.int64(ctx.offset)
-    if n and (times.min() < ctx.lo or times.max() > ctx.hi):
-        i = int(np.argmax((times < ctx.lo) | (times > ctx.hi)))
-        ctx.check_times(f"heartbeats[{i}].time_ns", int(times[i]), int(times[i]))
+        raise IngestError(f"heartbeats[{i}].step is {steps[i]}: steps are numbered from 1 (0 outside any step)", "range")
+    times = ctx.shift("heartbeats.time_ns", np.array(time_ns, dtype=np.int64))
     last = np.array(progress, dtype=np.int64)
+    ctx.shift("heartbeats.last_progress_ns", last[last != 0])
     last = np.where(last != 0, last + np.int64(ctx.offset), 0)
-    ops = [(op.group, op.seq, op.op, op.peer, op.issue_ns + ctx.offset, int(op.waiting)) for f in flights if f for op in f]
+    for what, texts in (("phase", phase), ("status", status)):
+        check_text(f"heartbeats.{what}", max(texts, key=len, default=""))
+    check_repeated("heartbeats.in_flight", max(flights, key=len, default=()), MAX_IN_FLIGHT)
+    ops = [(op.group, op.seq, op.op, op.peer, op.issue_ns, int(op.waiting)) for f in flights if f for op in f]
+    in_flight = list(zip(*ops)) if ops else [()] * len(_IN_FLIGHT_COLUMNS)
+    if ops:
+        in_flight[4] = ctx.shift("heartbeats.in_flight.issue_ns", np.array(in_flight[4], dtype=np.int64))
+        peers = np.array(in_flight[3], dtype=np.int64)
+        check_ranks(ctx.run, peers[peers != -1], "heartbeats.in_flight.peer")
+        for what, texts in (("group", in_flight[0]), ("op", in_flight[2])):
+            check_text(f"heartbeats.in_flight.{what}", max(texts, key=len))
     offsets = pa.array(np.concatenate([[0], np.cumsum([len(f) for f in flights], dtype=np.int64)]).astype(np.int32))
-    in_flight = zip(*ops) if ops else ((),) * len(_IN_FLIGHT_COLUMNS)
     if msg.ranks:
         if len(msg.ranks) != n:
-            raise IngestError(f"heartbeats.ranks: {len(msg.ranks)} ranks for {n} heartbeats: name one rank per heartbeat, or none")
-        ranks = row_ranks(ctx, registry, np.array(msg.ranks, dtype=np.int64), "heartbeats.ranks").tolist()
+            raise IngestError(f"heartbeats.ranks: {len(msg.ranks)} ranks for {n} heartbeats: name one rank per heartbeat, or none", "count")
+        ranks = row_ranks(ctx, np.array(msg.ranks, dtype=np.int64), "heartbeats.ranks").tolist()
     else:
         ranks = [ctx.rank] * n
-    hosts = registry.run(ctx.run_id).hosts
+    hosts = ctx.run.hosts
     return {
         "heartbeats": arrow_table(
             "heartbeats",
             {
                 "run_id": [ctx.run_id] * n, "rank": ranks, "host": [hosts.get(r, "") for r in ranks],
-                "time": pa.array(times, type=TIMESTAMP), "step": steps.astype(np.uint32), "phase": list(phase), "status": list(status),
-                "last_progress": pa.array(last, type=TIMESTAMP), "events_dropped": list(dropped),
+                "time": timestamps(times), "step": steps.astype(np.uint32), "phase": list(phase), "status": list(status),
+                "last_progress": timestamps(last), "events_dropped": list(dropped),
                 **{name: _lists(name, offsets, values) for name, values in zip(_IN_FLIGHT_COLUMNS, in_flight)},
             },
             ctx.attempts,
@@ -134,15 +175,15 @@ def _lists(column: str, offsets: pa.Array, values: Sequence[object]) -> pa.ListA
 
 
 def _metrics(ctx: BatchContext, msg: telemetry_pb2.MetricBatch, registry: RunRegistry) -> dict[str, pa.Table]:
-    c = Columns(ctx, msg)
+    c = Columns(ctx, msg, METRIC_LAYOUT)
+    device, times, name = c.strings_at("device"), timestamps(c.times("time_ns")), c.strings_at("name")
     return {
         "metrics": arrow_table(
             "metrics",
             {
                 "run_id": pa.repeat(pa.scalar(ctx.run_id), c.count), "rank": np.full(c.count, ctx.rank, dtype=np.int32),
                 "host": pa.repeat(pa.scalar(registry.host(ctx.run_id, ctx.rank)), c.count),
-                "device": c.strings_at("device"), "time": c.times("time_ns"), "name": c.strings_at("name"),
-                "value": c.array("value", "<f8"),
+                "device": device, "time": times, "name": name, "value": c.array("value"),
             },
             ctx.attempt,
         )
@@ -150,14 +191,14 @@ def _metrics(ctx: BatchContext, msg: telemetry_pb2.MetricBatch, registry: RunReg
 
 
 def _step_metrics(ctx: BatchContext, msg: telemetry_pb2.StepMetricBatch, registry: RunRegistry) -> dict[str, pa.Table]:
-    c = Columns(ctx, msg)
-    who = c.run_rank(registry)
+    c = Columns(ctx, msg, STEP_METRIC_LAYOUT)
+    who = c.run_rank()
     return {
         "step_metrics": arrow_table(
             "step_metrics",
             {
-                **who, "step": c.unsigned("step", "<i4"), "name": c.strings_at("name"),
-                "value": c.array("value", "<f8"), "time": c.times("time_ns"),
+                **who, "step": c.unsigned("step"), "name": c.strings_at("name"),
+                "value": c.array("value"), "time": timestamps(c.times("time_ns")),
             },
             ctx.attempts,
         )
@@ -165,6 +206,9 @@ def _step_metrics(ctx: BatchContext, msg: telemetry_pb2.StepMetricBatch, registr
 
 
 def _stack(ctx: BatchContext, msg: telemetry_pb2.StackDump, registry: RunRegistry) -> dict[str, pa.Table]:
+    check_text("stack.reason", msg.reason)
+    check_text("stack.method", msg.method)
+    check_text("stack.text", msg.text, MAX_STACK_CHARS)
     return {
         "stacks": arrow_table(
             "stacks",
@@ -181,6 +225,11 @@ def _stack(ctx: BatchContext, msg: telemetry_pb2.StackDump, registry: RunRegistr
 def _action(ctx: BatchContext, msg: telemetry_pb2.Action, registry: RunRegistry) -> dict[str, pa.Table]:
     if not msg.action:
         raise IngestError("action.action is empty: say what was decided or done")
+    for what, text, limit in (("action", msg.action, MAX_ID_CHARS), ("incident_id", msg.incident_id, MAX_ID_CHARS),
+                              ("reason", msg.reason, MAX_TEXT_CHARS), ("evidence_json", msg.evidence_json, MAX_TEXT_CHARS)):
+        check_text(f"action.{what}", text, limit)
+    check_repeated("action.hosts", msg.hosts)
+    check_text("action.hosts", max(msg.hosts, key=len, default=""))
     return {
         "actions": arrow_table(
             "actions",
@@ -197,6 +246,12 @@ def _action(ctx: BatchContext, msg: telemetry_pb2.Action, registry: RunRegistry)
 def _selfcheck(ctx: BatchContext, msg: telemetry_pb2.SelfCheck, registry: RunRegistry) -> dict[str, pa.Table]:
     if not msg.host:
         raise IngestError("selfcheck.host is empty: a self-check names the host it checked")
+    check_text("selfcheck.host", msg.host)
+    check_text("selfcheck.summary", msg.summary, MAX_TEXT_CHARS)
+    check_repeated("selfcheck.figures", msg.figures)
+    for i, f in enumerate(msg.figures):
+        for what, text, limit in (("check", f.check, MAX_ID_CHARS), ("unit", f.unit, MAX_ID_CHARS), ("detail", f.detail, MAX_TEXT_CHARS)):
+            check_text(f"selfcheck.figures[{i}].{what}", text, limit)
     n = len(msg.figures)
     return {
         "selfchecks": arrow_table(
@@ -238,10 +293,12 @@ def check_envelope(batch: ingest_pb2.Batch) -> str:
         )
     if not batch.run_id:
         raise IngestError("run_id is empty: every batch names its run")
+    check_text("run_id", batch.run_id)
     if batch.rank < 0:
-        raise IngestError(f"rank is {batch.rank}: ranks are >= 0")
+        raise IngestError(f"rank is {batch.rank}: ranks are >= 0", "rank")
     if len(batch.batch_id) != BATCH_ID_BYTES:
-        raise IngestError(f"batch_id has {len(batch.batch_id)} bytes: it must have {BATCH_ID_BYTES}")
+        raise IngestError(f"batch_id has {len(batch.batch_id)} bytes: it must have {BATCH_ID_BYTES}", "length")
+    check_range("attempt", batch.attempt, 0, MAX_UINT16)
     kind = batch.WhichOneof("payload")
     if kind is None:
         raise IngestError(
@@ -259,7 +316,19 @@ def decode(batch: ingest_pb2.Batch, registry: RunRegistry, now_ns: int, window: 
     """
     kind = check_envelope(batch)
     ctx = BatchContext(batch, now_ns, window, kind)
-    if kind not in RUN_LEVEL:
-        ctx.attempt = registry.run(batch.run_id).attempt_of(batch)
+    if batch.sent_ns:
+        ctx.time("sent_ns", batch.sent_ns)
+    run = registry.known(batch.run_id)
+    if kind in REGISTRATIONS:
+        ctx.attempt = (run or RunInfo()).attempt_of(batch)
+    elif kind not in RUN_LEVEL:
+        if run is None or not run.world_size:
+            raise UnregisteredRun(batch.run_id)
+        check_ranks(run, np.array([batch.rank]), "rank")
+        ctx.run = run
+        ctx.attempt = run.attempt_of(batch)
+        ctx.after_start(run.start_ns, window)
     parts = _PAYLOADS[kind](ctx, getattr(batch, kind), registry)
+    if kind in REGISTRATIONS:  # accepted: its world keeps the number it was given
+        registry.run(batch.run_id).note_world(batch, ctx.attempt)
     return Decoded(kind, parts, ctx.ranks or (() if kind in RUN_LEVEL else (batch.rank,)))

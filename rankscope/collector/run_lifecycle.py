@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from rankscope.collector.batch_columns import TIMESTAMP, BatchContext, IngestError, arrow_table, enum_names, row_ranks
+from rankscope.collector.batch_limits import MAX_TEXT_CHARS, MAX_UINT16, MAX_WORLD, check_range, check_repeated, check_text
 from rankscope.collector.run_registry import RunInfo, RunRegistry, group_key
 from rankscope.protos.v1 import telemetry_pb2
 
@@ -33,6 +34,7 @@ def decode_registers(ctx: BatchContext, msg: telemetry_pb2.RegisterBatch, regist
     """Several ranks' registrations from one sender: one call and one table each for all of them."""
     if not msg.registers:
         raise IngestError("registers.registers is empty: a registration batch holds at least one registration")
+    check_repeated("registers.registers", msg.registers)
     if len(msg.ranks) != len(msg.registers):
         raise IngestError(f"registers: {len(msg.ranks)} ranks for {len(msg.registers)} registrations: give each registration its rank")
     worlds = sorted({reg.world for reg in msg.registers})
@@ -51,18 +53,18 @@ def _registrations(
     checked: set[tuple[bytes, int]] = set()  # (group, world size) found inside the world: a batch's ranks share their groups
     for i, (rank, reg) in enumerate(regs):
         if reg.world_size < 1:
-            raise IngestError(f"{where(i)}.world_size is {reg.world_size}: it must be at least 1")
+            raise IngestError(f"{where(i)}.world_size is {reg.world_size}: it must be at least 1", "range")
+        check_range(f"{where(i)}.world_size", reg.world_size, 1, MAX_WORLD)
         if rank < 0:
-            raise IngestError(f"the rank of {where(i)} is {rank}: ranks are >= 0")
+            raise IngestError(f"the rank of {where(i)} is {rank}: ranks are >= 0", "rank")
         if rank >= reg.world_size:
-            raise IngestError(f"rank {rank} is not below {where(i)}.world_size {reg.world_size}")
+            raise IngestError(f"rank {rank} is not below {where(i)}.world_size {reg.world_size}", "rank")
+        _check_register(reg, where(i))
         keys.append([group_key(g) for g in reg.groups])
         for g, key in zip(reg.groups, keys[-1]):
             if (key, reg.world_size) in checked:
                 continue
-            if g.ranks and (min(g.ranks) < 0 or max(g.ranks) >= reg.world_size):  # min and max first: thousands of members
-                outside = [r for r in g.ranks if not 0 <= r < reg.world_size]
-                raise IngestError(f"{where(i)}.groups[{g.name!r}]: ranks {outside} outside 0 .. {reg.world_size - 1}")
+            _check_group(g, reg.world_size, f"{where(i)}.groups[{g.name[:64]!r}]")
             checked.add((key, reg.world_size))
         start = ctx.time(f"{where(i)}.start_time_ns", reg.start_time_ns)
         times.append((start, ctx.time(f"{where(i)}.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns))
@@ -130,6 +132,29 @@ def _registrations(
     return parts
 
 
+def _check_register(reg: telemetry_pb2.Register, where: str) -> None:
+    """Refuse a registration whose sizes, coordinates or texts the run's rows cannot hold or believe."""
+    for what in ("host", "device", "run_name", "agent_version", "world"):
+        check_text(f"{where}.{what}", getattr(reg, what))
+    check_text(f"{where}.config_json", reg.config_json, MAX_TEXT_CHARS)
+    check_range(f"{where}.local_rank", reg.local_rank, -1, reg.world_size - 1)
+    for size, coordinate in (("tp", "tp_rank"), ("pp", "pp_rank"), ("dp", "dp_rank")):
+        value = getattr(reg, size)
+        check_range(f"{where}.{size}", value, 0, min(reg.world_size, MAX_UINT16))  # 0: unknown, taken as 1
+        check_range(f"{where}.{coordinate}", getattr(reg, coordinate), -1, max(value, 1) - 1)  # -1: unknown
+    check_repeated(f"{where}.groups", reg.groups)
+
+
+def _check_group(g: telemetry_pb2.Group, world_size: int, where: str) -> None:
+    """Refuse a group whose name or members do not fit the registration's world."""
+    check_text(f"{where}.name", g.name)
+    check_text(f"{where}.description", g.description, MAX_TEXT_CHARS)
+    if g.ranks and (min(g.ranks) < 0 or max(g.ranks) >= world_size):  # min and max first: thousands of members
+        outside = [r for r in g.ranks if not 0 <= r < world_size][:8]
+        raise IngestError(f"{where}: ranks {outside} outside 0 .. {world_size - 1}", "rank")
+    check_repeated(f"{where}.ranks", g.ranks, world_size)
+
+
 def _runs_row(ctx: BatchContext, run: RunInfo, status: str, end_ns: int) -> pa.Table:
     return arrow_table(
         "runs",
@@ -153,9 +178,10 @@ def decode_ends(ctx: BatchContext, msg: telemetry_pb2.EndBatch, registry: RunReg
     """Several ranks' ends from one sender, each of its rank's newest registration's attempt."""
     if not msg.ends:
         raise IngestError("ends.ends is empty: an end batch holds at least one end")
+    check_repeated("ends.ends", msg.ends)
     if len(msg.ranks) != len(msg.ends):
         raise IngestError(f"ends: {len(msg.ranks)} ranks for {len(msg.ends)} ends: give each end its rank")
-    ranks = row_ranks(ctx, registry, np.asarray(msg.ranks, dtype=np.int64), "ends.ranks")
+    ranks = row_ranks(ctx, np.asarray(msg.ranks, dtype=np.int64), "ends.ranks")
     return _exits(ctx, [(int(r), end, True) for r, end in zip(ranks, msg.ends)], registry, lambda i: f"ends.ends[{i}]")
 
 
@@ -166,7 +192,8 @@ def _exits(ctx: BatchContext, ends: list[tuple[int, telemetry_pb2.EndOfRank, boo
     for i, (rank, msg, current) in enumerate(ends):
         if not 0 <= msg.reason < len(EXIT_REASONS):
             known = ", ".join(f"{k}={name}" for k, name in enumerate(EXIT_REASONS))
-            raise IngestError(f"{where(i)}.reason: unknown value {msg.reason} (known: {known})")
+            raise IngestError(f"{where(i)}.reason: unknown value {msg.reason} (known: {known})", "range")
+        check_text(f"{where(i)}.message", msg.message, MAX_TEXT_CHARS)
         checked.append((rank, msg, current, EXIT_REASONS[msg.reason], ctx.time(f"{where(i)}.time_ns", msg.time_ns)))
     run = registry.run(ctx.run_id)
     for rank, _, current, reason, time_ns in checked:

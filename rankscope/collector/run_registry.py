@@ -100,19 +100,24 @@ class RunInfo:
         return [held.attempt if (held := registered.get(rank)) is not None else 0 for rank in ranks]
 
     def attempt_of(self, batch: ingest_pb2.Batch) -> int:
-        """The attempt of the process that sent ``batch``: the number of the world it registered in
-        (a new world gets the next number), else its rank's newest registration's (a collector that
-        restarted since), else what the envelope says (an agent that sends no world)."""
-        process = (batch.rank, bytes(batch.batch_id[:8]))
-        kind = batch.WhichOneof("payload")
-        world = batch.register.world if kind == "register" else batch.registers.registers[0].world if kind == "registers" and batch.registers.registers else ""
+        """The attempt of the process that sent ``batch``: the number of the world it registers in (a
+        new world would get the next number: ``note_world`` keeps it once the registration is
+        accepted), else its rank's newest registration's (a collector that restarted since), else what
+        the envelope says (an agent that sends no world)."""
+        world = _world(batch)
         if world:
-            if world not in self.worlds:
-                self.worlds[world] = max(self.worlds.values(), default=-1) + 1
-            self.processes[process] = self.worlds[world]
+            return self.worlds[world] if world in self.worlds else max(self.worlds.values(), default=-1) + 1
+        process = (batch.rank, bytes(batch.batch_id[:8]))
         if process in self.processes:
             return self.processes[process]
         return self.attempt(batch.rank) if batch.rank in self.registered else batch.attempt
+
+    def note_world(self, batch: ingest_pb2.Batch, attempt: int) -> None:
+        """Keep the world a registration ``batch`` that passed its checks names, and its process's attempt."""
+        world = _world(batch)
+        if world:
+            self.worlds.setdefault(world, attempt)
+            self.processes[(batch.rank, bytes(batch.batch_id[:8]))] = attempt
 
     def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> int | None:
         """Note a registration of ``rank`` (its process's start and its time on the rank's clock,
@@ -152,8 +157,13 @@ class RunRegistry:
         self._loaded_at: dict[str, float] = {}
 
     def run(self, run_id: str) -> RunInfo:
-        """The record of ``run_id``, begun empty when first named: any of a run's batches may come first."""
+        """The record of ``run_id``, begun empty when first named: called once a batch that registers
+        has passed its checks (a refused batch leaves no run behind)."""
         return self._runs.setdefault(run_id, RunInfo())
+
+    def known(self, run_id: str) -> RunInfo | None:
+        """The record of ``run_id``, None when this collector knows nothing of it."""
+        return self._runs.get(run_id)
 
     def host(self, run_id: str, rank: int) -> str:
         """``rank``'s host as it registered it ('' before that): the rows of its batches carry it."""
@@ -176,7 +186,10 @@ class RunRegistry:
 
     def merge_loaded(self, run_id: str, stored: RunInfo, now_s: float) -> None:
         """Merge what the store knew of ``run_id`` (``read_run``) into what this process has seen since,
-        loaded at monotonic ``now_s`` (``needs_load`` counts from then)."""
+        loaded at monotonic ``now_s`` (``needs_load`` counts from then). A run the store does not know
+        and this process has not seen is not kept: a stream of made-up run ids leaves nothing behind."""
+        if run_id not in self._runs and not (stored.world_size or stored.registered or stored.exits or stored.hosts):
+            return
         self.run(run_id).merge(stored)
         self._loaded_at[run_id] = now_s
 
@@ -189,6 +202,14 @@ class RunRegistry:
             known = self.run(run_id).groups
             for row in groups.select(["name", "description", "ranks"]).to_pylist():
                 known[row["name"]] = group_key(telemetry_pb2.Group(**row))
+
+
+def _world(batch: ingest_pb2.Batch) -> str:
+    """The world a registration batch names ('' for other payloads)."""
+    kind = batch.WhichOneof("payload")
+    if kind == "register":
+        return batch.register.world
+    return batch.registers.registers[0].world if kind == "registers" and batch.registers.registers else ""
 
 
 def group_key(group: telemetry_pb2.Group) -> bytes:

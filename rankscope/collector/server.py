@@ -27,6 +27,7 @@ from typing import NoReturn
 import grpc
 
 from rankscope.collector.batch_columns import IngestError, TimeWindow
+from rankscope.collector.batch_limits import UnregisteredRun
 from rankscope.collector.control import PendingCommands
 from rankscope.collector.decode import REGISTRATIONS, Decoded, UnsupportedSchemaVersion, check_envelope, decode
 from rankscope.collector.diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
@@ -211,7 +212,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         except UnsupportedSchemaVersion as e:
             raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except IngestError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"batch refused: {e}") from None
+            c.telemetry.refused.labels(e.reason).inc()
+            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, UnregisteredRun) else grpc.StatusCode.INVALID_ARGUMENT
+            raise _Refusal(code, f"batch refused: {e}") from None
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {e}") from None
         if c.writer.overloaded():
@@ -254,7 +257,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
             await c.refuse(context, _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"result over the limit: {e}"))
         except StoreError as e:
             await c.refuse(context, _Refusal(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {e}"))
-        return query_pb2.QueryResponse(arrow_ipc=data, rows=table.num_rows, elapsed_s=time.perf_counter() - started)
+        return query_pb2.QueryResponse(arrow_ipc=data, rows=rows, elapsed_s=time.perf_counter() - started)
 
     async def RequestStack(self, request: query_pb2.StackRequest, context: grpc.aio.ServicerContext) -> query_pb2.StackRequestReply:
         c = self.c

@@ -66,6 +66,13 @@ class Telemetry:
         self.rejected = Counter(
             "rankscope_rejected_calls", "Calls answered with an error, per gRPC status code.", ["code"], registry=self.registry
         )
+        self.refused = Counter(
+            "rankscope_refused_batches",
+            "Batches refused as malformed or untrue, nothing of them kept, per reason: count (declared counts or lengths the "
+            "bytes do not hold), length (ids and texts), range (integers, enums, string indices), time (outside the window), "
+            "order (ends before starts), rank (outside the world), unregistered (rows of a run no rank registered), malformed.",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
         self.insert_seconds = Histogram(
             "rankscope_insert_seconds", "Duration of one insert into the store, per table.", ["table"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,
