@@ -49,6 +49,10 @@ def test_the_flag_defaults_are_the_collectors_own() -> None:
     args, options = parser.parse_args([]), ServerOptions()
     assert (args.flush_interval, args.diagnose_every, args.max_buffered_rows) == (
         options.flush_interval_s, options.diagnose_interval_s, options.max_buffered_rows)
+    limits = options.limits
+    assert (args.query_max_rows, args.query_max_bytes, args.query_timeout, args.query_max_memory, args.query_threads) == (
+        limits.max_rows, limits.max_bytes, limits.max_execution_s, limits.max_memory_bytes, limits.max_threads)
+    assert args.query_concurrency == options.query_concurrency
 
 
 YIELD = """

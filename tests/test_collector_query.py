@@ -16,7 +16,7 @@ from rankscope.collector.query import (
     to_ipc,
 )
 
-GUARD = ReadOnlyGuard(["file", "url", "s3", "numbers", "someFutureLake"])
+GUARD = ReadOnlyGuard(["file", "url", "s3", "numbers", "someFutureLake", "merge"], ["otherdb"])
 
 
 @pytest.mark.parametrize(
@@ -31,9 +31,11 @@ GUARD = ReadOnlyGuard(["file", "url", "s3", "numbers", "someFutureLake"])
         ("SELECT 'it''s', 'a\\'b', `odd``name` FROM t", "SELECT 'it''s', 'a\\'b', `odd``name` FROM t"),
         ("SELECT * FROM numbers(3)", "SELECT * FROM numbers(3)"),
         ("SELECT format('{} {}', 'a', 'b')", "SELECT format('{} {}', 'a', 'b')"),
-        ("SELECT * FROM system.settings WHERE name = 'readonly'", "SELECT * FROM system.settings WHERE name = 'readonly'"),
-        ("SHOW SETTINGS LIKE 'max%'", "SHOW SETTINGS LIKE 'max%'"),
+        ("SELECT value FROM metrics WHERE name = 'system.cpu.utilization'", "SELECT value FROM metrics WHERE name = 'system.cpu.utilization'"),
+        ("SELECT currentDatabase(), t.settings FROM t", "SELECT currentDatabase(), t.settings FROM t"),
         ("SHOW TABLES", "SHOW TABLES"),
+        ("SHOW COLUMNS FROM spans", "SHOW COLUMNS FROM spans"),
+        ("SHOW CREATE TABLE spans", "SHOW CREATE TABLE spans"),
         ("DESC spans", "DESC spans"),
         ("DESCRIBE TABLE spans", "DESCRIBE TABLE spans"),
         ("EXPLAIN SELECT 1", "EXPLAIN SELECT 1"),
@@ -77,6 +79,23 @@ def test_reads_pass_without_their_trailing_semicolon_or_comment(sql: str, expect
         ("SELECT 1 SETTINGS readonly = 0", "SETTINGS clause"),
         ("", "empty"),
         (" ; ", "empty"),
+        ("SELECT * FROM system.processes", "database system is not readable"),
+        ("SELECT * FROM `system`.`settings`", "database system is not readable"),
+        ("SELECT * FROM \"SYSTEM\" . server_settings", "database SYSTEM is not readable"),
+        ("SELECT * FROM INFORMATION_SCHEMA.TABLES", "database INFORMATION_SCHEMA is not readable"),
+        ("DESCRIBE TABLE system.disks", "database system is not readable"),
+        ("SELECT * FROM otherdb.t", "database otherdb is not readable"),
+        ("SHOW TABLES FROM system", "database system is not readable"),
+        ("SHOW PROCESSLIST", "'SHOW PROCESSLIST' is not accepted"),
+        ("SHOW SETTINGS LIKE 'max%'", "'SHOW SETTINGS LIKE' is not accepted"),
+        ("SHOW CREATE USER default", "'SHOW CREATE USER' is not accepted"),
+        ("SHOW", "'SHOW' is not accepted"),
+        ("SELECT getSetting('readonly')", "getSetting\\(\\) reveals"),
+        ("SELECT getServerSetting('path')", "getServerSetting\\(\\) reveals"),
+        ("SELECT GETMERGETREESETTING('index_granularity')", "GETMERGETREESETTING\\(\\) reveals"),
+        ("SELECT filesystemCapacity()", "filesystemCapacity\\(\\) reveals"),
+        ("SELECT dictGetString('system.d', 'x', 1)", "dictGetString\\(\\) reveals"),
+        ("SELECT * FROM merge('system', 'processes')", "table function merge\\(\\)"),
     ],
 )
 def test_everything_else_is_refused_with_the_reason(sql: str, reason: str) -> None:
@@ -120,6 +139,16 @@ def test_engine_settings_make_the_read_readonly_last_and_cap_the_rows() -> None:
     assert settings["max_result_rows"] == 10
     assert engine_settings(Limits(max_rows=100), max_rows=1000)["max_result_rows"] == 100
     assert engine_settings(Limits(max_rows=100))["max_result_rows"] == 100
+
+
+def test_engine_settings_bound_memory_threads_and_time_by_the_callers_deadline() -> None:
+    limits = Limits(max_execution_s=60, max_memory_bytes=2**28, max_threads=3)
+    settings = engine_settings(limits, tag="rankscope-read-1", within_s=29.9996)
+    assert (settings["max_memory_usage"], settings["max_threads"], settings["log_comment"]) == (2**28, 3, "rankscope-read-1")
+    assert settings["max_execution_time"] == 30.0
+    assert engine_settings(limits, within_s=600)["max_execution_time"] == 60
+    assert engine_settings(limits, within_s=-1)["max_execution_time"] == 0.1  # past its deadline: the least, not none
+    assert "log_comment" not in engine_settings(limits)
 
 
 def test_results_travel_as_one_arrow_ipc_stream() -> None:

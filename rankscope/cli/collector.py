@@ -72,7 +72,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--query-max-bytes", metavar="N", type=count(1), default=512 * 2**20,
                         help="largest query result in bytes (default: 512 MiB)")
     parser.add_argument("--query-timeout", metavar="SECONDS", type=seconds, default=60.0,
-                        help="longest a query may run (default: 60)")
+                        help="longest a query may run (default: 60; never longer than its caller waits)")
+    parser.add_argument("--query-max-memory", metavar="N", type=count(1), default=2**30,
+                        help="the engine's memory for one query, in bytes (default: 1 GiB)")
+    parser.add_argument("--query-threads", metavar="N", type=count(1), default=2,
+                        help="the engine's threads for one query (default: 2)")
+    parser.add_argument("--query-concurrency", metavar="N", type=count(1), default=4,
+                        help="queries run at once, on threads of their own apart from ingest (default: 4); four"
+                             " times as many wait, more are refused with RESOURCE_EXHAUSTED")
     add_thresholds(parser)
     parser.add_argument("--diagnose-every", metavar="SECONDS", type=seconds, default=5.0,
                         help="seconds between two diagnosis passes over the active runs (default: 5); a run"
@@ -124,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
             time_window=TimeWindow(past, future),
             max_buffered_rows=args.max_buffered_rows,
             flush_interval_s=args.flush_interval,
-            limits=Limits(args.query_max_rows, args.query_max_bytes, args.query_timeout),
+            limits=Limits(args.query_max_rows, args.query_max_bytes, args.query_timeout, args.query_max_memory, args.query_threads),
+            query_concurrency=args.query_concurrency,
             diagnosis=None if args.no_diagnosis else thresholds(args),
             diagnose_interval_s=args.diagnose_every,
             alert_webhook=args.alert_webhook,

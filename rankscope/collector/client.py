@@ -9,8 +9,8 @@ and users' notebooks.
 - on an embedded store directory (``store=DIR``) when no collector holds it (post mortem).
 
 The read-only guard applies in every mode (``collector.query``), and every failure is one of a
-few exceptions a caller can act on: ``QueryRefused``, ``ResultTooLarge``, ``Unauthenticated``,
-``Unreachable`` (all ``QueryFailed``).
+few exceptions a caller can act on: ``QueryRefused``, ``ResultTooLarge``, ``QueryBusy``,
+``Unauthenticated``, ``Unreachable`` (all ``QueryFailed``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import pyarrow as pa
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
 from rankscope.collector.query import (
+    BUSY_METADATA,
     Limits,
+    QueryBusy,
     QueryFailed,
     QueryRefused,
     ResultTooLarge,
@@ -39,7 +41,7 @@ from rankscope.collector.store.base import Store, StoreBusyError, StoreError, St
 DEFAULT_COLLECTOR = "127.0.0.1:7777"
 
 __all__ = [
-    "Client", "QueryFailed", "QueryRefused", "Reader", "ResultTooLarge", "StoreReader", "Unauthenticated",
+    "Client", "QueryBusy", "QueryFailed", "QueryRefused", "Reader", "ResultTooLarge", "StoreReader", "Unauthenticated",
     "Unreachable", "open_reader",
 ]
 
@@ -125,7 +127,8 @@ def _error(e: grpc.RpcError, target: str, timeout_s: float) -> QueryFailed:
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(f"the collector at {target} refused the call: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResultTooLarge(details)
+        busy = any(key == BUSY_METADATA for key, _ in e.trailing_metadata() or ())  # type: ignore[attr-defined]
+        return QueryBusy(details) if busy else ResultTooLarge(details)
     if code == grpc.StatusCode.UNAVAILABLE:  # "failed to connect to all addresses; last error: ...: Connection refused"
         return Unreachable(f"cannot reach the collector at {target}: {details.rsplit(': ', 1)[-1]}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

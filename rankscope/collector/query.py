@@ -8,9 +8,12 @@ Two layers, because neither is enough alone:
    function ``file('/etc/passwd')`` (it reads the file), and it runs ``SELECT 1; SELECT 2`` as
    two statements.
 2. This module checks the statement text first: one statement, starting with SELECT, WITH,
-   SHOW, DESCRIBE, DESC or EXPLAIN; no INTO OUTFILE, no FORMAT or SETTINGS clause (results
-   travel as Arrow under the collector's limits); and no table function that reaches outside
-   the store.
+   SHOW (TABLES, COLUMNS, CREATE TABLE), DESCRIBE, DESC or EXPLAIN; no INTO OUTFILE, no FORMAT or
+   SETTINGS clause (results travel as Arrow under the collector's limits); no table function that
+   reaches outside the store; no other database than the store's (``system``,
+   ``information_schema``: running queries, settings, the data path) and no function that reveals
+   the engine's settings or its machine (``REVEALING_FUNCTIONS``: ``getSetting``,
+   ``getServerSetting``, ``filesystemCapacity``...).
 
 Table functions: an allow-list, not a deny-list. ClickHouse 26.9 has about 110 of them and every
 release adds more that reach outside (``filesystem``, ``arrowstream``, ``bigquery``, ``paimon*``,
@@ -18,7 +21,8 @@ release adds more that reach outside (``filesystem``, ``arrowstream``, ``bigquer
 upgraded. So a call ``name(...)`` is refused when ``name`` is one of the engine's table
 functions (``system.table_functions``, read when a reader opens, merged with
 ``OUTSIDE_TABLE_FUNCTIONS``) and is not one of the few that only compute or read tables of this
-store (``LOCAL_TABLE_FUNCTIONS``). The
+store (``LOCAL_TABLE_FUNCTIONS``; not ``merge``, ``loop`` or ``mergeTreeIndex``, which name
+their database in a string, out of this check's sight). The
 check matches names wherever they are called, not only after FROM: a position-based check
 would need ClickHouse's whole grammar (DESCRIBE, JOIN, comma joins, ``IN``, ``view()``...), and
 the only ordinary functions sharing a name with a table function are ``file`` (reads a server
@@ -51,9 +55,7 @@ READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXPL
 LOCAL_TABLE_FUNCTIONS: tuple[str, ...] = (
     "numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateSeries", "primes",
     "generateRandom", "values", "SQLStandardValues", "null", "format", "view", "viewIfPermitted",
-    "viewExplain", "merge", "loop", "fuzzJSON", "mergeTreeIndex", "mergeTreeProjection",
-    "mergeTreeAnalyzeIndexes", "mergeTreeAnalyzeIndexesUUID", "mergeTreeCodecBlockCounts",
-    "mergeTreeTextIndex",
+    "viewExplain", "fuzzJSON",
 )
 _LOCAL = frozenset(name.lower() for name in LOCAL_TABLE_FUNCTIONS)
 
@@ -78,6 +80,28 @@ OUTSIDE_TABLE_FUNCTIONS = frozenset(
 )
 
 
+#: Databases no reader sees, whatever the engine lists: running queries, settings, the data path.
+HIDDEN_DATABASES = frozenset({"system", "information_schema"})
+
+#: Functions that reveal the engine's settings, its machine or tables outside the statement's text.
+REVEALING_FUNCTIONS = frozenset(
+    name.lower()
+    for name in (
+        "getSetting", "getSettingOrDefault", "getServerSetting", "getMergeTreeSetting", "getMacro",
+        "getServerPort", "tcpPort", "getOSKernelVersion", "getClientHTTPHeader", "filesystemAvailable",
+        "filesystemCapacity", "filesystemUnreserved", "serverUUID", "hostName", "fullHostName",
+        "displayName", "uptime", "zookeeperSessionUptime", "currentProfiles", "enabledProfiles",
+        "defaultProfiles", "currentRoles", "enabledRoles", "defaultRoles", "hasColumnInTable", "joinGet",
+        "joinGetOrNull", "catboostEvaluate", "logTrace", "getMaxTableNameLengthForDatabase",
+    )
+)
+#: ... and every dictionary function (dictGet*, dictHas, dictIsIn): a dictionary names its source in a string
+_DICTIONARY_FUNCTION = re.compile(r"dict(get|has|isin)", re.IGNORECASE)
+
+#: What may follow SHOW: the store's tables, their columns and definitions; not processes, settings, users...
+SHOW_WHAT = frozenset({"TABLES", "COLUMNS", "CREATE"})
+
+
 class QueryFailed(Exception):
     """A query that did not produce a result; the subclasses say what a caller can do about it."""
 
@@ -87,7 +111,15 @@ class QueryRefused(QueryFailed):
 
 
 class ResultTooLarge(QueryFailed):
-    """The result is over the row, byte or time limit: narrow the query or raise max_rows."""
+    """The result is over the row, byte, memory or time limit: narrow the query or raise max_rows."""
+
+
+class QueryBusy(QueryFailed):
+    """The collector runs as many queries as it allows and as many wait: try again shortly."""
+
+
+#: trailing metadata of the Query service's RESOURCE_EXHAUSTED that means QueryBusy, not ResultTooLarge
+BUSY_METADATA = "rankscope-busy"
 
 
 # --- tokenizer --------------------------------------------------------------------------------
@@ -169,9 +201,10 @@ def _quoted(sql: str, start: int) -> tuple[str, int]:
 class ReadOnlyGuard:
     """Checks that a statement only reads the store; see the module docstring for the rules."""
 
-    def __init__(self, table_functions: Iterable[str] = ()):
+    def __init__(self, table_functions: Iterable[str] = (), databases: Iterable[str] = ()):
         names = OUTSIDE_TABLE_FUNCTIONS | {name.lower() for name in table_functions}
         self.refused_functions = frozenset(names - _LOCAL)
+        self.hidden_databases = HIDDEN_DATABASES | {name.lower() for name in databases}
 
     def check(self, sql: str) -> str:
         """``sql`` without its trailing ``;``, or QueryRefused with the reason."""
@@ -187,6 +220,8 @@ class ReadOnlyGuard:
         if first.kind != "word" or first.text.upper() not in READ_STATEMENTS:
             allowed = ", ".join(sorted(READ_STATEMENTS))
             raise QueryRefused(f"only read statements are accepted ({allowed}); this one starts with {first.text!r}")
+        if first.text.upper() == "SHOW":
+            _check_show(tokens)
         for k, tok in enumerate(tokens):
             follows = tokens[k + 1] if k + 1 < len(tokens) else None
             called = follows is not None and follows.kind == "punct" and follows.text == "("
@@ -194,6 +229,12 @@ class ReadOnlyGuard:
                 raise QueryRefused(
                     f"table function {tok.text}() reaches outside the store and is not accepted"
                     f" (those that stay inside it: {', '.join(LOCAL_TABLE_FUNCTIONS)})"
+                )
+            if tok.kind in ("word", "quoted") and called and _reveals(tok.text):
+                raise QueryRefused(f"function {tok.text}() reveals the collector's settings, machine or other tables and is not accepted")
+            if tok.kind in ("word", "quoted") and not called and tok.text.lower() in self.hidden_databases:
+                raise QueryRefused(
+                    f"database {tok.text} is not readable here: only the store's own tables are (SHOW TABLES lists them)"
                 )
             if tok.kind != "word" or called:
                 continue
@@ -211,9 +252,21 @@ class ReadOnlyGuard:
 
 
 def _is_name(tokens: list[Token], k: int) -> bool:
-    """Whether word ``k`` names something (``system.settings``, ``AS format``, ``SHOW SETTINGS``)."""
+    """Whether word ``k`` names something (``t.settings``, ``AS format``)."""
     before = tokens[k - 1] if k else None
-    return before is not None and (before.text == "." or before.text.upper() in ("AS", "SHOW"))
+    return before is not None and (before.text == "." or before.text.upper() == "AS")
+
+
+def _check_show(tokens: list[Token]) -> None:
+    """SHOW TABLES, SHOW COLUMNS and SHOW CREATE TABLE only (SHOW PROCESSLIST, SETTINGS, USERS... are refused)."""
+    what = [t.text.upper() for t in tokens[1:3]]
+    if not what or what[0] not in SHOW_WHAT or (what[0] == "CREATE" and what[1:] != ["TABLE"]):
+        shown = " ".join(t.text for t in tokens[:3])
+        raise QueryRefused(f"{shown!r} is not accepted: SHOW TABLES, SHOW COLUMNS FROM t and SHOW CREATE TABLE t are")
+
+
+def _reveals(name: str) -> bool:
+    return name.lower() in REVEALING_FUNCTIONS or _DICTIONARY_FUNCTION.match(name) is not None
 
 
 # --- running a statement under the guard -----------------------------------------------------
@@ -227,36 +280,63 @@ class ArrowReadable(Protocol):
     ) -> pa.Table: ...
 
 
+class Commandable(Protocol):
+    """The part of a store that stops a read (``store.base.Store`` has it)."""
+
+    def command(self, sql: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one read may cost; a caller's ``max_rows`` can lower ``max_rows``, never raise it."""
 
     max_rows: int = 1_000_000
+    #: the result's size, as the engine counts it and as it decodes (a repeated value counts each time)
     max_bytes: int = 512 * 2**20
     max_execution_s: float = 60.0
+    #: the engine's memory for one read (max_memory_usage)
+    max_memory_bytes: int = 2**30
+    #: the engine's threads for one read (max_threads): a read never takes every core from the inserts
+    max_threads: int = 2
 
 
 #: ClickHouse error names that mean "over a limit" rather than "wrong statement"
 _LIMIT_ERRORS = ("TOO_MANY_ROWS_OR_BYTES", "TIMEOUT_EXCEEDED", "MEMORY_LIMIT_EXCEEDED")
 
 
-def engine_settings(limits: Limits, max_rows: int = 0) -> dict[str, object]:
-    """The settings every read runs with; ``readonly`` comes last, since it forbids later changes."""
+def engine_settings(limits: Limits, max_rows: int = 0, *, tag: str = "", within_s: float | None = None) -> dict[str, object]:
+    """The settings every read runs with; ``readonly`` comes last, since it forbids later changes.
+
+    ``tag`` marks the read (``log_comment``) so that ``cancel_read`` can find and stop it;
+    ``within_s`` (the caller's deadline) shortens the time limit: no read outlives its caller.
+    """
     rows = min(max_rows, limits.max_rows) if max_rows > 0 else limits.max_rows
+    seconds = limits.max_execution_s if within_s is None else max(0.1, min(within_s, limits.max_execution_s))
     return {
         "max_result_rows": rows,
         "max_result_bytes": limits.max_bytes,
         "result_overflow_mode": "throw",
-        "max_execution_time": limits.max_execution_s,
+        "max_execution_time": round(seconds, 3),
         "timeout_overflow_mode": "throw",
+        "max_memory_usage": limits.max_memory_bytes,
+        "max_threads": limits.max_threads,
+        **({"log_comment": tag} if tag else {}),
         "readonly": 1,
     }
 
 
+def cancel_read(store: Commandable, tag: str) -> None:
+    """Stop the read marked ``tag`` (``engine_settings``) wherever it is, on chDB and ClickHouse alike."""
+    if not re.fullmatch(r"[\w\-]+", tag):
+        raise ValueError(f"a read's tag is a plain word, got {tag!r}")
+    store.command(f"KILL QUERY WHERE Settings['log_comment'] = '{tag}' ASYNC")
+
+
 def guard_for(store: ArrowReadable) -> ReadOnlyGuard:
-    """A guard that also knows the table functions of this store's engine version."""
+    """A guard that also knows the table functions and the other databases of this store's engine."""
     names = store.query_arrow("SELECT name FROM system.table_functions", settings={"readonly": 1})
-    return ReadOnlyGuard(names["name"].to_pylist())
+    databases = store.query_arrow("SELECT name FROM system.databases WHERE name != currentDatabase()", settings={"readonly": 1})
+    return ReadOnlyGuard(names["name"].to_pylist(), databases["name"].to_pylist())
 
 
 def run_read_only(
@@ -266,15 +346,20 @@ def run_read_only(
     params: Mapping[str, object] | None = None,
     limits: Limits = Limits(),
     max_rows: int = 0,
+    *,
+    tag: str = "",
+    within_s: float | None = None,
 ) -> pa.Table:
     """Check ``sql``, run it read-only under ``limits``; QueryRefused or ResultTooLarge otherwise.
 
-    Store errors other than the engine refusing the statement (an unreachable server, a closed
-    store) pass through unchanged: they are not the statement's fault.
+    ``tag`` and ``within_s``: see ``engine_settings``. Store errors other than the engine
+    refusing the statement (an unreachable server, a closed store) pass through unchanged: they
+    are not the statement's fault.
     """
     statement = guard.check(sql)
+    settings = engine_settings(limits, max_rows, tag=tag, within_s=within_s)
     try:
-        return store.query_arrow(statement, dict(params or {}), settings=engine_settings(limits, max_rows))
+        return store.query_arrow(statement, dict(params or {}), settings=settings)
     except QueryError as e:
         message = str(e)
         if any(f"({name})" in message for name in _LIMIT_ERRORS):

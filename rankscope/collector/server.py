@@ -1,8 +1,9 @@
 """The collector process: gRPC (grpc.aio) in front of the batching writer and the read-only guard.
 
-One event loop does all the gRPC work; store calls run on threads (the writer's own, and the
-default executor for queries and run look-ups), so a slow insert never stalls the acks of
-batches that are already stored. The timelines (spans, collectives, metrics) are decoded in a
+One event loop does all the gRPC work; store calls run on threads (the writer's own, the
+Query service's own in ``read_pool``, and the default executor for run look-ups), so a slow
+insert never stalls the acks of batches that are already stored and no number of slow queries
+delays a batch. The timelines (spans, collectives, metrics) are decoded in a
 lane of their own, one batch per turn of the loop, and everything else at once: a collector with
 hundreds of timeline batches queued still decodes a heartbeat (where a rank is blocked) as soon as
 it arrives. A batch is acknowledged only once written (``Writer.write``),
@@ -32,7 +33,8 @@ from rankscope.collector.control import PendingCommands
 from rankscope.collector.decode import REGISTRATIONS, Decoded, UnsupportedSchemaVersion, check_envelope, decode
 from rankscope.collector.diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
 from rankscope.collector.liveness import LastHeard
-from rankscope.collector.query import Limits, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire, run_read_only, to_ipc
+from rankscope.collector.query import BUSY_METADATA, Limits, QueryBusy, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire
+from rankscope.collector.read_pool import ReadPool
 from rankscope.collector.run_registry import RunRegistry, read_run
 from rankscope.collector.store.base import Store, StoreError, open_store
 from rankscope.collector.store.migrations import migrate
@@ -71,6 +73,8 @@ class ServerOptions:
     flush_interval_s: float = FLUSH_INTERVAL_S
     flush_rows: int = 50_000
     limits: Limits = field(default_factory=Limits)
+    #: queries run at once on their own threads; a few times as many wait, the rest are refused
+    query_concurrency: int = 4
     #: detector thresholds (``--hang-after`` sets hang_after_s); None: no live diagnosis
     diagnosis: Settings | None = field(default_factory=Settings)
     #: seconds between two diagnosis passes over the active runs
@@ -108,6 +112,8 @@ class Collector:
         self.heard = LastHeard(int(silent_after_s * 1e9))
         self.commands = PendingCommands()
         self.telemetry = Telemetry(writer)
+        self.reads = ReadPool(store, guard, options.limits, options.query_concurrency)
+        self.reads.export(self.telemetry.registry)
         self._loading: dict[str, asyncio.Future[None]] = {}  # run -> its load from the store, while in flight
 
     async def refuse(self, context: grpc.aio.ServicerContext, refusal: _Refusal) -> NoReturn:
@@ -247,14 +253,14 @@ class QueryService(query_pb2_grpc.QueryServicer):
         started = time.perf_counter()
         c = self.c
         try:
-            table = await asyncio.to_thread(
-                run_read_only, c.store, c.guard, request.sql, params_from_wire(request.params, request.sql), c.options.limits, request.max_rows
-            )
-            data = await asyncio.to_thread(to_ipc, table)
+            params = params_from_wire(request.params, request.sql)
+            data, rows = await c.reads.read(request.sql, params, request.max_rows, context.time_remaining())
         except QueryRefused as e:
             await c.refuse(context, _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         except ResultTooLarge as e:
             await c.refuse(context, _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"result over the limit: {e}"))
+        except QueryBusy as e:
+            await c.refuse(context, _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), [(BUSY_METADATA, "1")]))
         except StoreError as e:
             await c.refuse(context, _Refusal(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {e}"))
         return query_pb2.QueryResponse(arrow_ipc=data, rows=rows, elapsed_s=time.perf_counter() - started)
@@ -404,6 +410,7 @@ async def _run(
         stopping = asyncio.create_task(server.stop(SHUTDOWN_GRACE_S))
         await writer.close()
         await stopping
+        await asyncio.to_thread(collector.reads.close)
         await ingest.timelines.close()
         await ticker
         if diagnosis is not None:

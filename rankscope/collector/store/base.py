@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -85,6 +85,27 @@ def open_store(*, store_dir: Path | None = None, clickhouse_url: str | None = No
 
         return ServerStore(clickhouse_url, database=database)
     raise StoreError("give either a store directory (embedded chDB) or a ClickHouse URL, not both or neither")
+
+
+def capped_table(batches: Iterable[pa.RecordBatch], schema: pa.Schema, settings: Mapping[str, object] | None) -> pa.Table:
+    """The batches of a result as one table, decoding no further than ``max_result_bytes`` (QueryError).
+
+    The engine counts a constant column once: ``SELECT repeat('x', 1000) FROM numbers(900000)``
+    is 1 KB to its limit and 903 MB decoded (its Arrow output compresses the repeats). So the
+    setting is held again here, batch by batch, before the whole result is in memory.
+    """
+    limit = int((settings or {}).get("max_result_bytes", 0))  # type: ignore[call-overload]
+    kept: list[pa.RecordBatch] = []
+    size = 0
+    for batch in batches:
+        size += batch.nbytes
+        if limit and size > limit:
+            raise QueryError(
+                f"the result decodes to more than max_result_bytes={limit} ({size} bytes after {sum(b.num_rows for b in kept)}"
+                " rows): narrow the query (TOO_MANY_ROWS_OR_BYTES)"
+            )
+        kept.append(batch)
+    return pa.Table.from_batches(kept, schema=schema)
 
 
 def table_spec(name: str) -> Table:

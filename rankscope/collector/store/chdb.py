@@ -32,7 +32,7 @@ import chdb
 import pyarrow as pa
 from clickhouse_connect.driver.binding import format_bind_value
 
-from rankscope.collector.store.base import QueryError, StoreBusyError, StoreError, conform, split_table_name
+from rankscope.collector.store.base import QueryError, StoreBusyError, StoreError, capped_table, conform, split_table_name
 
 _SETTING_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _SETTING_VALUE = re.compile(r"[\w.\-]*")
@@ -83,8 +83,12 @@ class EmbeddedStore:
         settings: Mapping[str, object] | None = None,
     ) -> pa.Table:
         bound = {name: format_bind_value(value) for name, value in (params or {}).items()}
-        with self._connection(settings) as conn:
-            return _run(conn, sql, "ArrowTable", bound)
+        with self._connection(settings) as conn:  # decoded before the connection closes: it owns the result's memory
+            result = _run(conn, sql, "Arrow", bound)
+            if len(result) == 0:  # chDB's empty answer (a statement that returns nothing) has no schema
+                return pa.table({})
+            reader = pa.ipc.open_file(result.get_memview().view())
+            return capped_table((reader.get_batch(i) for i in range(reader.num_record_batches)), reader.schema, settings)
 
     def close(self) -> None:
         with self._lock:

@@ -16,7 +16,7 @@ import clickhouse_connect
 import pyarrow as pa
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
-from rankscope.collector.store.base import QueryError, StoreError, StoreUnreachableError, conform, split_table_name
+from rankscope.collector.store.base import QueryError, StoreError, StoreUnreachableError, capped_table, conform, split_table_name
 
 T = TypeVar("T")
 
@@ -62,9 +62,14 @@ class ServerStore:
         *,
         settings: Mapping[str, object] | None = None,
     ) -> pa.Table:
-        return self._call(
-            self._client.query_arrow, sql, parameters=dict(params or {}), settings=dict(settings or {}), use_strings=True
-        )
+        return self._call(self._read, sql, dict(params or {}), dict(settings or {}))
+
+    def _read(self, sql: str, params: dict[str, object], settings: dict[str, object]) -> pa.Table:
+        """The result streamed and decoded batch by batch (``capped_table``); leaving early closes the
+        response, which ends the query."""
+        with self._client.query_arrow_stream(sql, parameters=params, settings=settings, use_strings=True) as stream:
+            reader = stream.gen  # clickhouse-connect's pyarrow RecordBatchStreamReader
+            return capped_table(reader, reader.schema, settings)
 
     def close(self) -> None:
         self._client.close()

@@ -1,0 +1,137 @@
+"""Readers cannot starve ingest, limits hold, and a reader that gives up frees its query (issue 30, parts 2-3).
+
+A real ``rankscope collector`` process with two query threads: slow queries that sleep in the
+engine (``sleep(0.5)`` per block of ``numbers()``, no CPU spent) fill them and the waiting line,
+while a new run's batches are timed from send to acknowledgement.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+from test_collector_ingest import register, spans
+
+from rankscope.collector.client import Client, QueryBusy, QueryRefused, ResultTooLarge
+from rankscope.collector.query import Limits, engine_settings, guard_for, run_read_only
+from rankscope.collector.store.chdb import EmbeddedStore
+from rankscope.protos.v1 import ingest_pb2_grpc, query_pb2, query_pb2_grpc
+
+from conftest import Running, start_collector
+
+if TYPE_CHECKING:
+    from conftest import ProcRunner
+
+pytestmark = pytest.mark.slow
+
+CONCURRENCY = 2
+#: sleeps half a second per block of 65,409 numbers: minutes, stopped by the caller or the time limit
+SLOW = "SELECT sum(sleep(0.5)) AS s FROM numbers(100000000)"
+#: the three queries of issue 30 that went through: 903 MB of one repeated string, 1 GB in one array, the engine's queries
+LIMIT_QUERIES = {
+    "SELECT repeat('x', 1000) FROM numbers(900000)": (ResultTooLarge, "decodes to more than max_result_bytes"),
+    "SELECT max(length(arrayMap(x -> repeat('y', 100), range(10000000)))) AS n": (ResultTooLarge, "MEMORY_LIMIT_EXCEEDED"),
+    "SELECT * FROM system.processes": (QueryRefused, "database system is not readable here"),
+}
+
+
+@pytest.fixture(scope="module")
+def collector(module_runner: ProcRunner, tmp_path_factory: pytest.TempPathFactory) -> Running:
+    return start_collector(
+        module_runner, tmp_path_factory.mktemp("store") / "data", "--metrics-port", "0", "--flush-interval", "0.2",
+        "--no-diagnosis", "--query-concurrency", str(CONCURRENCY), "--query-timeout", "30",
+    )
+
+
+@pytest.fixture(scope="module")
+def channel(collector: Running) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(collector.target) as ch:
+        yield ch
+
+
+def queries(url: str) -> tuple[float, float]:
+    """(running, waiting) queries, from the collector's /metrics."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    found = dict(re.findall(r"^rankscope_queries_(running|waiting) (\S+)$", text, re.MULTILINE))
+    return float(found["running"]), float(found["waiting"])
+
+
+def await_queries(url: str, running: int, waiting: int, timeout_s: float) -> float:
+    """Seconds until the collector reports this many queries running and waiting; fails after ``timeout_s``."""
+    started = time.monotonic()
+    while (now := queries(url)) != (running, waiting):
+        assert time.monotonic() - started < timeout_s, f"still {now} (running, waiting) queries after {timeout_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+@pytest.mark.timeout(90)
+def test_batches_are_acknowledged_at_once_while_slow_and_limit_queries_fill_every_query_thread(
+    collector: Running, channel: grpc.Channel
+) -> None:
+    assert collector.metrics_url
+    stub, ingest = query_pb2_grpc.QueryStub(channel), ingest_pb2_grpc.IngestStub(channel)
+    slow = [stub.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=20) for _ in range(6)]
+    await_queries(collector.metrics_url, CONCURRENCY, 6 - CONCURRENCY, timeout_s=10)
+    slow += [stub.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=20) for _ in range(4)]
+    await_queries(collector.metrics_url, CONCURRENCY, 4 * CONCURRENCY, timeout_s=10)  # as many as may wait
+    with Client(collector.target) as client, ThreadPoolExecutor(len(LIMIT_QUERIES)) as pool:
+        with pytest.raises(QueryBusy, match="collector busy: 2 queries run and 8 wait, the most it takes; retry"):
+            client.query(SLOW)
+        acks = []
+        for step in range(10):  # a new run: its first batch reads what the store knows of it
+            sent = time.perf_counter()
+            ingest.Send(register("under-reads", 0, 1) if step == 0 else spans("under-reads", 0, 100, step=step), timeout=30)
+            acks.append(time.perf_counter() - sent)
+        for call in slow:
+            call.cancel()  # as Ctrl-C does: the limit queries get the threads
+        limited = {sql: pool.submit(client.query, sql) for sql in LIMIT_QUERIES}
+        for sql, (error, message) in LIMIT_QUERIES.items():
+            with pytest.raises(error, match=re.escape(message)):
+                limited[sql].result(timeout=60)
+    assert max(acks) < 3.0, f"acks took {[round(a, 2) for a in acks]} s while queries ran"
+    await_queries(collector.metrics_url, 0, 0, timeout_s=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_caller_that_gives_up_stops_its_query_in_the_collector(collector: Running, channel: grpc.Channel) -> None:
+    assert collector.metrics_url
+    stub = query_pb2_grpc.QueryStub(channel)
+    await_queries(collector.metrics_url, 0, 0, timeout_s=10)
+    call = stub.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=1.5)  # a deadline: rankscope sql's 30 s, shortened
+    await_queries(collector.metrics_url, 1, 0, timeout_s=5)
+    with pytest.raises(grpc.RpcError) as info:
+        call.result()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await_queries(collector.metrics_url, 0, 0, timeout_s=3) < 2.0
+    call = stub.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=30)  # no deadline soon: Ctrl-C
+    await_queries(collector.metrics_url, 1, 0, timeout_s=5)
+    call.cancel()
+    assert await_queries(collector.metrics_url, 0, 0, timeout_s=3) < 2.0
+
+
+@pytest.mark.timeout(60)
+def test_reads_run_readonly_in_the_engine_within_the_databases_and_limits_given(tmp_path: Path) -> None:
+    """The guard's other side: what the engine itself holds, in this process."""
+    store = EmbeddedStore(tmp_path / "store")
+    try:
+        guard = guard_for(store)
+        assert {"system", "information_schema", "default"} <= guard.hidden_databases
+        assert store.database not in guard.hidden_databases
+        with pytest.raises(QueryRefused, match="getSetting"):
+            run_read_only(store, guard, "SELECT getSetting('readonly')")
+        settings = engine_settings(Limits(max_memory_bytes=2**29, max_threads=1), tag="rankscope-read-t")
+        sql = "SELECT getSetting('readonly') AS ro, getSetting('max_memory_usage') AS m, getSetting('max_threads') AS t"
+        assert store.query_arrow(sql, settings=settings).to_pylist() == [{"ro": 1, "m": 2**29, "t": 1}]
+        assert run_read_only(store, guard, "SHOW TABLES").num_rows == 0  # a new store: no tables, and no error
+        empty = run_read_only(store, guard, "SELECT 1 AS a, 'x' AS b WHERE 0")
+        assert (empty.num_rows, empty.column_names) == (0, ["a", "b"])
+    finally:
+        store.close()
