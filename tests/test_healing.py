@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from rankscope.common.incidents import INCIDENTS_SQL
-from rankscope.healing import driver
+from rankscope.healing import driver, node_life, verdict
 from rankscope.harness import healing_drills as scenarios
 from rankscope.healing.policy import Policy, Verdict
 from rankscope.testbed import hosts
@@ -57,13 +57,21 @@ class Cluster:
     reasons: list[str] = field(default_factory=list)
     joined: list[str] = field(default_factory=list)
     actions: list[tuple[str, list[str], str]] = field(default_factory=list)
+    #: the node_states rows it stored: (host, state, reason)
+    states: list[tuple[str, str, str]] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    #: where a self-check would run: nowhere here (a check fails to run; tests replace the re-check)
+    runner: Any = None
 
     # the collector's client
     def query(self, sql: str, params: dict[str, object] | None = None) -> pa.Table:
         return pa.Table.from_pylist(self.rows.get(sql, []))
 
     def send(self, batch: Any) -> bool:
-        self.actions.append((batch.action.action, list(batch.action.hosts), batch.action.reason))
+        if batch.WhichOneof("payload") == "node_state":
+            self.states.append((batch.node_state.host, batch.node_state.state, batch.node_state.reason))
+        elif batch.WhichOneof("payload") == "action":
+            self.actions.append((batch.action.action, list(batch.action.hosts), batch.action.reason))
         return True
 
     # the fleet
@@ -81,6 +89,10 @@ class Cluster:
         self.fenced.append(host)
         self.reasons.append(reason)
         return f"killed {host}"
+
+    def release(self, host: str) -> str:
+        self.released.append(host)
+        return f"resumed {host}"
 
     # the job
     def finished(self) -> bool:
@@ -166,6 +178,65 @@ def test_silence_while_the_driver_paused_the_workers_is_not_a_lost_host(monkeypa
     heal.poll()
     assert cluster.fenced == ["node1"]
     assert any(a[0] == "incident" and a[1] == ["node0"] and "paused the workers" in a[2] for a in cluster.actions)
+
+
+def test_a_node_s_life_is_stored_suspect_checking_drained_and_back_after_it_passes_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)]})
+    heal = driver.Driver("run", cluster, cluster, Policy(min_hosts=2, recheck_s=0.01), cluster, log=lambda line: None,  # type: ignore[arg-type]
+                         join=cluster.joined.append)  # fmt: skip
+    crash = {"incident_id": "crash:rank=2", "kind": "crash", "hosts": ["node1"], "summary": "rank 2 (node1) died", "first_seen_ns": time.time_ns()}
+    cluster.rows[INCIDENTS_SQL] = [crash]
+    heal.poll()  # the check cannot run here (the fake fleet has no runner): the node stays a suspect, in the job
+    assert cluster.states[:2] == [("node1", "suspect", "crash: rank 2 (node1) died"), ("node1", "checking", "self-check against 3 other hosts")]
+    assert cluster.states[2][:2] == ("node1", "suspect") and cluster.states[2][2].startswith("the self-check could not run") and not cluster.fenced
+    lost = {"incident_id": "lost:host=node2", "kind": "lost_host", "hosts": ["node2"], "summary": "every rank of node2 went silent",
+            "first_seen_ns": time.time_ns()}  # fmt: skip
+    cluster.rows[INCIDENTS_SQL] = [crash, lost]
+    cluster.states.clear()
+    heal.poll()
+    assert cluster.states == [("node2", "suspect", "lost_host: every rank of node2 went silent"),
+                              ("node2", "drained", "rankscope: lost_host lost:host=node2: every rank of node2 went silent")]  # fmt: skip
+    # a re-check that fails leaves it drained; one that passes takes it back as a spare
+    verdicts = iter([False, True])
+    monkeypatch.setattr(driver.node_life, "recheck", lambda host, *a, **k: verdict.HostResult(host, next(verdicts), "figures", ()))
+    monkeypatch.setattr(driver.node_life, "reference", lambda client, host: {})
+    cluster.states.clear()
+    time.sleep(0.02)
+    heal.poll()
+    assert not cluster.states and cluster.actions[-1][:2] == ("recheck", ["node2"]) and "still fails" in cluster.actions[-1][2]
+    time.sleep(0.02)
+    heal.poll()
+    assert cluster.states == [("node2", "healthy", "passed its self-check again: figures")] and cluster.released == ["node2"]
+    assert heal.spares == ["node2"]
+    cluster.rows[INCIDENTS_SQL] = [crash, lost, {**lost, "incident_id": "lost:host=node0", "hosts": ["node0"]}]
+    heal.poll()
+    assert cluster.joined == ["node2"] and heal.remaining == ["node1", "node3", "node2"]  # it took node0's place
+
+
+def test_a_node_drained_twice_within_the_hour_stays_drained_for_a_person(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)], node_life.NODES_SQL: [
+        {"host": "node2", "state": "drained", "drains": 2, "run_id": "run", "incident_id": "x", "reason": "", "actor": "rankscope launch"}]})  # fmt: skip
+    heal = driver.Driver("run", cluster, cluster, Policy(min_hosts=2, recheck_s=0.01), cluster, log=lambda line: None)  # type: ignore[arg-type]
+    monkeypatch.setattr(driver.node_life, "recheck", lambda *a, **k: pytest.fail("a held node is not checked again"))
+    cluster.rows[INCIDENTS_SQL] = [{"incident_id": "lost:host=node2", "kind": "lost_host", "hosts": ["node2"], "summary": "silent"}]
+    heal.poll()
+    time.sleep(0.02)
+    heal.poll()
+    heal.poll()
+    rechecks = [a for a in cluster.actions if a[0] == "recheck"]
+    assert len(rechecks) == 1 and "stays drained until a person resumes it" in rechecks[0][2] and not cluster.released
+
+
+def test_an_incident_raised_before_this_launch_is_left_to_the_driver_of_its_time() -> None:
+    """A requeued job's driver reads the run's incidents of the allocation before: decided there, not acted on again."""
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)]})
+    heal = _driver(cluster)
+    cluster.rows[INCIDENTS_SQL] = [{"incident_id": "lost:host=node1", "kind": "lost_host", "hosts": ["node1"], "summary": "silent",
+                                    "first_seen_ns": heal._since_ns - 1}]  # fmt: skip
+    heal.poll()
+    heal.poll()
+    assert not cluster.fenced and not cluster.states
+    assert [(a, h) for a, h, _ in cluster.actions] == [("incident", ["node1"])] and "raised before this launch" in cluster.actions[0][2]
 
 
 #: the drills the suite leaves to others (the suite must fit its time; `benchmarks/healing.py` runs every

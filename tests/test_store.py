@@ -115,6 +115,9 @@ def sample_rows(table: str, n: int = 3, *, run_id: str = "run-1", start_ns: int 
                                "value": i * 10.5, "unit": ["GFLOP/s"] * n, "reference": [float("nan")] + [20.0] * (n - 1),
                                "passed": (i % 2).astype("uint8"), "host_passed": (i % 2).astype("uint8"), "summary": text(),
                                "detail": [""] * n},
+        "node_states": lambda: {"run_id": [run_id] * n, "host": [f"node-{k:02d}" for k in i], "time": ns,
+                                "state": ["drained"] * n, "incident_id": [f"crash:rank={k}" for k in i], "reason": text(),
+                                "actor": ["rankscope launch"] * n},
         "batches": lambda: {"run_id": [run_id] * n, "rank": u32, "batch_id": [int(k).to_bytes(16, "big") for k in i],
                             "kind": ["spans"] * n, "rows": np.full(n, 4096, "uint32"), "received": ns},
     }[table]()
@@ -198,7 +201,7 @@ def test_cluster_ddl_has_replicated_local_tables_and_distributed_tables_over_the
         # Rows of one rank (or run, for tables and rollups without ranks) stay on one shard.
         key = {"schema_version": "rand()", "runs": "cityHash64(run_id)", "groups": "cityHash64(run_id)",
                "incidents": "cityHash64(run_id)", "actions": "cityHash64(run_id)",
-               "selfchecks": "cityHash64(run_id)", "step_losses": "cityHash64(run_id)"}.get(table.name, "cityHash64(run_id, rank)")
+               "selfchecks": "cityHash64(run_id)", "node_states": "cityHash64(run_id)", "step_losses": "cityHash64(run_id)"}.get(table.name, "cityHash64(run_id, rank)")
         assert (
             f"CREATE TABLE IF NOT EXISTS obs.{table.name} ON CLUSTER prod AS obs.{table.name}_local "
             f"ENGINE = Distributed(prod, obs, {table.name}_local, {key})"

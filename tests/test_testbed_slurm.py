@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ProcRunner, start_collector
+
+from rankscope.harness.orchestration import CLI
 from rankscope.healing.slurm_fleet import SlurmFleet
 from rankscope.testbed import hosts, slurm
 
@@ -182,3 +185,52 @@ def _state(pid: int) -> str | None:
     except OSError:
         return None
     return None if state == "Z" else state
+
+
+def test_a_drained_node_comes_back_only_after_it_passes_its_self_check_again(cluster: slurm.Slurm, proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """``rankscope node resume``, as an operator runs it on the cluster: the node is held by a reservation
+    and checked as a task in it against its healthy peers' stored figures. Throttled hard it fails
+    and stays drained with the finding as its reason; given its CPU back it passes and takes jobs."""
+    from rankscope.collector.client import Client
+    from rankscope.healing import node_life, record
+    from rankscope.healing.selfcheck import check_hosts
+    from rankscope.healing.slurm_fleet import SlurmRunner, addresses
+    from rankscope.testbed import host_faults
+
+    collector = start_collector(proc_runner, tmp_path / "store", listen=f"unix:{tmp_path / 'c.sock'}")
+    cluster.wait_idle()
+    peers = check_hosts(["node0", "node2"], SlurmRunner((), cluster.command, addresses(cluster.command, ["node0", "node2"])), links=False, timeout_s=60)
+    assert peers.passed, peers.as_json()
+    reason = "rankscope: crash crash:rank=1: rank 1 (node1) died"
+    with Client(collector.target) as client:
+        for host in peers.hosts:
+            client.send(host.batch("run-1"))
+        client.send(record.node_state_batch("run-1", "node1", node_life.DRAINED, actor="rankscope launch", incident_id="crash:rank=1", reason=reason))
+    cluster.run(["scontrol", "update", "NodeName=node1", "State=DRAIN", f"Reason={reason}"])
+
+    def resume() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cluster.command([*CLI, "node", "resume", "node1", "--slurm", "--collector", collector.target]),
+                              capture_output=True, text=True, timeout=150)  # fmt: skip
+
+    throttled = host_faults.throttle_cpu(cluster.bed, cluster.bed.host("node1"), 0.1)
+    try:
+        failed = resume()
+    finally:
+        throttled.undo()
+    assert failed.returncode == 1 and "node1 stays drained: failed its self-check again" in failed.stdout, failed.stdout + failed.stderr
+    deadline = time.monotonic() + 30
+    while (state := cluster.nodes()["node1"])[0] != "drained":  # draining while the check's task completes
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    assert state[1].startswith("rankscope: failed its self-check again: "), state
+    assert "rankscope-check" not in cluster.run(["scontrol", "show", "reservation"]).stdout  # nothing holds it but the drain
+
+    passed = resume()
+    assert passed.returncode == 0 and "node1 is back" in passed.stdout and "against 2 healthy peers' figures" in passed.stdout, passed.stdout + passed.stderr
+    assert cluster.nodes()["node1"] == ("idle", "")
+    listed = subprocess.run([*CLI, "node", "list", "--collector", collector.target], capture_output=True, text=True, timeout=60).stdout
+    row = next(line for line in listed.splitlines() if line.startswith("node1"))
+    assert row.split()[1] == "healthy" and "resumed by root after its self-check" in row, listed
+    with Client(collector.target) as client:
+        history = client.query("SELECT state FROM node_states WHERE host = 'node1' ORDER BY time").column("state").to_pylist()
+    assert history == ["drained", "checking", "drained", "checking", "healthy"]

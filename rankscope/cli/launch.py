@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rankscope.cli.args import count
+from rankscope.cli.args import count, seconds
 
 if TYPE_CHECKING:
     from rankscope.healing.policy import Policy
@@ -41,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requeue", action="store_true",
                         help="under Slurm, when evicting would leave fewer than --min-hosts nodes and no spare: requeue the job"
                              " (scontrol requeue) to resume on healthy nodes as the next attempt of the same run")  # fmt: skip
+    parser.add_argument("--recheck-drained", type=seconds, default=0.0, metavar="SECONDS",
+                        help="self-check a drained host again this often while the job runs; one that passes takes jobs again and"
+                             " waits as a spare, unless drained twice within the hour (default: 0, never: rankscope node resume)")  # fmt: skip
     parser.add_argument("--straggler-steps", type=count(0), default=3, help="act on a straggler once it stayed slow this many steps (default: 3)")
     parser.add_argument("--spares", type=count(0), default=0,
                         help="the last N hosts (the test bed's, or the allocation's nodes) wait outside the job; one joins it for each host evicted (default: 0)")  # fmt: skip
@@ -88,7 +91,7 @@ def _policy(args: argparse.Namespace, job_hosts: int) -> Policy:
         raise _Refused(f"--min-hosts {min_hosts} is more than the job's {job_hosts} hosts")
     try:
         return Policy(act_on=tuple(k.strip() for k in args.act_on.split(",") if k.strip()), straggler_steps=args.straggler_steps,
-                      min_hosts=min_hosts, requeue=args.requeue)  # fmt: skip
+                      min_hosts=min_hosts, requeue=args.requeue, recheck_s=args.recheck_drained)  # fmt: skip
     except ValueError as e:
         raise _Refused(str(e)) from None
 

@@ -46,6 +46,7 @@ COMMANDS: dict[str, str] = {
     "testbed": "rankscope.cli.testbed",
     "selfcheck": "rankscope.cli.selfcheck",
     "launch": "rankscope.cli.launch",
+    "node": "rankscope.cli.node",
     "dashboard": "rankscope.cli.dashboard",
     "demo": "rankscope.cli.demo",
 }

@@ -29,7 +29,9 @@ from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2, telemetry_pb2
 
 BATCH_ID_BYTES = 16
 #: payloads about the run as a whole (their batch's rank is 0 and says nothing about rank 0)
-RUN_LEVEL = ("action", "selfcheck")
+RUN_LEVEL = ("action", "selfcheck", "node_state")
+#: a node's states in its life as healing sees it (``rankscope.healing.node_life``)
+NODE_STATES = ("healthy", "suspect", "checking", "drained")
 #: payloads that register ranks
 REGISTRATIONS = frozenset({"register", "registers"})
 
@@ -267,6 +269,22 @@ def _selfcheck(ctx: BatchContext, msg: telemetry_pb2.SelfCheck, registry: RunReg
     }
 
 
+def _node_state(ctx: BatchContext, msg: telemetry_pb2.NodeState, registry: RunRegistry) -> dict[str, pa.Table]:
+    if not msg.host:
+        raise IngestError("node_state.host is empty: a node's state names the node")
+    if msg.state not in NODE_STATES:
+        raise IngestError(f"node_state.state is {msg.state!r}: one of {', '.join(NODE_STATES)}")
+    return {
+        "node_states": arrow_table(
+            "node_states",
+            {
+                "run_id": [ctx.run_id], "host": [msg.host], "time": [ctx.time("node_state.time_ns", msg.time_ns)], "state": [msg.state],
+                "incident_id": [msg.incident_id], "reason": [msg.reason], "actor": [msg.actor],
+            },
+        )
+    }
+
+
 # Payload field of Batch -> builder(context, payload message, registry) -> tables.
 _PAYLOADS: dict[str, Callable[[BatchContext, Any, RunRegistry], dict[str, pa.Table]]] = {
     "register": decode_register,
@@ -281,6 +299,7 @@ _PAYLOADS: dict[str, Callable[[BatchContext, Any, RunRegistry], dict[str, pa.Tab
     "ends": decode_ends,
     "action": _action,
     "selfcheck": _selfcheck,
+    "node_state": _node_state,
 }
 
 

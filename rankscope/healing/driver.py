@@ -23,8 +23,9 @@ from typing import Any, Protocol
 
 from rankscope.collector.client import Client, QueryFailed
 from rankscope.common.incidents import INCIDENTS_SQL
-from rankscope.healing import record
+from rankscope.healing import node_life, record
 from rankscope.healing.fleet import Fleet, Worker
+from rankscope.healing.node_life import CHECKING, DRAINED, HEALTHY, SUSPECT
 from rankscope.healing.policy import Policy, Verdict
 from rankscope.healing.selfcheck import check_hosts
 from rankscope.protos.v1 import ingest_pb2
@@ -62,6 +63,8 @@ PAUSE_SILENCES = ("lost_rank", "lost_host", "hang")
 PAUSE_MARGIN_NS = 5_000_000_000
 #: how long after a pause its silences have to end (heartbeats back, a diagnosis pass) before they count
 PAUSE_SETTLE_NS = 8_000_000_000
+#: who the driver's rows of ``node_states`` say decided
+ACTOR = "rankscope launch"
 
 
 class Job(Protocol):
@@ -112,6 +115,10 @@ class Driver:
     _warned: set[type] = field(default_factory=set)
     #: (start, end) ns of each time the workers were paused for a self-check
     _pauses: list[tuple[int, int]] = field(default_factory=list)
+    #: when this driver started: an incident first seen before was the previous launch's to act on
+    _since_ns: int = field(default_factory=time.time_ns)
+    #: the hosts this driver drained, and when it last looked at each (a re-check brings them back)
+    _drained: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._active = [h for h in self.fleet.hosts() if h not in self.spares]
@@ -166,6 +173,7 @@ class Driver:
             decided = self._decided.get(incident["incident_id"])
             if decided is None or decided[1] is Verdict.WAIT or decided[0] != incident["kind"]:
                 self._consider(incident)
+        self._recheck()
         if self._fenced is not None and time.monotonic() - self._fenced[0] > self.restart_grace_s:
             stale, self._fenced = self._fenced[1] & self.fleet.workers(self.remaining), None
             if stale:  # the survivors' workers of before the fence have not failed by themselves: make them
@@ -177,7 +185,7 @@ class Driver:
 
     def _consider(self, incident: dict[str, Any]) -> None:
         key = incident["incident_id"]
-        if self._paused_silence(incident):
+        if self._paused_silence(incident) or self._stale(incident):
             return
         step = self._current_step()
         opened = self._opened_at_step.setdefault(key, step)
@@ -190,6 +198,9 @@ class Driver:
         self._act("incident", suspects or list(incident["hosts"]), key, f"{verdict.value}: {why}",
                   {"kind": incident["kind"], "summary": incident["summary"], "verdict": verdict.value})  # fmt: skip
         self.log(f"[rankscope launch] {incident['kind']}: {incident['summary']} -> {verdict.value} ({why})")
+        if first and verdict is not Verdict.IGNORE:
+            for host in suspects:
+                self._node(host, SUSPECT, key, f"{incident['kind']}: {incident['summary']}")
         if verdict in (Verdict.EVICT, Verdict.REQUEUE):
             self._evict(suspects, key, why, _reason(incident))
         elif verdict is Verdict.CHECK:
@@ -214,9 +225,21 @@ class Driver:
                   {"kind": incident["kind"], "summary": incident["summary"], "verdict": Verdict.IGNORE.value})  # fmt: skip
         return True
 
+    def _stale(self, incident: dict[str, Any]) -> bool:
+        """Whether ``incident`` was first seen before this driver started: a requeued job's driver finds
+        the previous allocation's incidents, decided and acted on there; it records them and leaves them."""
+        if int(incident.get("first_seen_ns") or self._since_ns) >= self._since_ns:
+            return False
+        self._decided[incident["incident_id"]] = (incident["kind"], Verdict.IGNORE)
+        self._act("incident", list(incident["hosts"]), incident["incident_id"], "ignore: raised before this launch of the run, "
+                  "and decided by the driver of its time", {"kind": incident["kind"], "summary": incident["summary"], "verdict": Verdict.IGNORE.value})  # fmt: skip
+        return True
+
     def _check(self, incident: dict[str, Any], suspects: list[str]) -> None:
         """Self-check every remaining host (the suspects judged against the others); evict the suspects that fail."""
         key = incident["incident_id"]
+        for host in suspects:
+            self._node(host, CHECKING, key, f"self-check against {len(self.remaining) - 1} other hosts")
         # A straggler's hosts compute slowly: measure them without the job's load.
         paused = self.fleet.workers(self.remaining) if incident["kind"] == "straggler" else set()
         self.fleet.signal(paused, signal.SIGSTOP)
@@ -226,6 +249,8 @@ class Driver:
                 report = check_hosts(self.remaining, self.fleet.runner, ranks=self.ranks_per_host, timeout_s=self.check_timeout_s)
             except Exception as e:  # a check that cannot run at all decides nothing
                 self._act("selfcheck", suspects, key, f"the self-check could not run: {e}")
+                for host in suspects:
+                    self._node(host, SUSPECT, key, f"the self-check could not run: {e}")
                 return
             self._outbox += [result.batch(self.run_id) for result in report.hosts]
             self._act("selfcheck", suspects, key, "; ".join(f"{h.host}: {h.summary}" for h in report.hosts),
@@ -233,7 +258,10 @@ class Driver:
             failed = [h for h in suspects if h in report.failed]
             if failed:
                 self._evict(failed, key, "; ".join(report.host(h).summary for h in failed), _reason(incident))
-            else:
+            for host in suspects:
+                if host not in failed:
+                    self._node(host, HEALTHY, key, f"passed its self-check: {report.host(host).summary}")
+            if not failed:
                 self._act("kept", suspects, key, "the suspects passed their self-check: they stay in the job")
         finally:
             self.fleet.signal(paused, signal.SIGCONT)  # whatever happened, no worker stays stopped
@@ -248,9 +276,12 @@ class Driver:
         spares = len(self.spares) if self.join is not None else 0
         requeue = self.requeue is not None and self.policy.requeue and self.policy.short(len(self._active), len(hosts), spares)
         for host in hosts:
-            done = self.fleet.fence(host, reason or f"rankscope: {why}")
+            told = reason or f"rankscope: {why}"
+            done = self.fleet.fence(host, told)
             self.evicted.append(host)
             self._active.remove(host)
+            self._drained[host] = time.monotonic()
+            self._node(host, DRAINED, incident_id, told)
             self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining})
             goes = "goes back to its scheduler" if requeue else f"goes on with {', '.join(self.remaining)}"
             self.log(f"[rankscope launch] evicted {host} ({why}); the job {goes}")
@@ -270,6 +301,46 @@ class Driver:
                 self._active.append(spare)
                 self._act("spare", [spare], incident_id, f"{spare} joins the job in place of {host}")
                 self.log(f"[rankscope launch] {spare} joins the job in place of {host}")
+
+    def _recheck(self) -> None:
+        """Self-check again each host drained at least ``policy.recheck_s`` ago; one that passes (judged
+        against its healthy peers' stored figures) takes jobs again and waits as a spare. A host drained
+        too often lately stays drained for a person (``node_life.held``)."""
+        if not self.policy.recheck_s:
+            return
+        due = [h for h, at in self._drained.items() if time.monotonic() - at >= self.policy.recheck_s]
+        if not due:
+            return
+        states = {row["host"]: row for row in node_life.nodes(self.client)}
+        for host in due:
+            self._drained[host] = time.monotonic()
+            if host in states and node_life.held(states[host]):
+                del self._drained[host]
+                self._act("recheck", [host], reason=f"drained {states[host]['drains']} times within {node_life.HOLD_WINDOW_S // 60} minutes: "
+                          "it stays drained until a person resumes it (rankscope node resume)")  # fmt: skip
+                continue
+            try:
+                result = node_life.recheck(host, self.fleet.runner, node_life.reference(self.client, host), ranks=self.ranks_per_host,
+                                           timeout_s=self.check_timeout_s)  # fmt: skip
+            except Exception as e:  # a check that cannot run decides nothing: the host stays drained
+                self._act("recheck", [host], reason=f"the self-check could not run: {e}")
+                continue
+            self._outbox.append(result.batch(self.run_id))
+            if not result.passed:
+                self._act("recheck", [host], reason=f"still fails its self-check: {result.summary}")
+                continue
+            del self._drained[host]
+            done = self.fleet.release(host)
+            self.spares.append(host)
+            self._node(host, HEALTHY, reason=f"passed its self-check again: {result.summary}")
+            self._act("recheck", [host], reason=f"passed its self-check again ({result.summary}): {done}; it waits as a spare",
+                      evidence={"spares": self.spares})  # fmt: skip
+            self.log(f"[rankscope launch] {host} passed its self-check again: a spare now")
+
+    def _node(self, host: str, state: str, incident_id: str = "", reason: str = "") -> None:
+        """Store that ``host`` is now ``state`` (``node_states``), with the actions."""
+        self._outbox.append(record.node_state_batch(self.run_id, host, state, actor=ACTOR, incident_id=incident_id, reason=reason))
+        self._send()
 
     # --- attempts ----------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """What a self-healing driver can do to the hosts of a job: pause and resume its workers, check a
-host, fence it, make the survivors restart.
+host, fence it, make the survivors restart, take a fenced host back.
 
 ``Fleet`` is the seam: ``rankscope.healing.slurm_fleet.SlurmFleet`` reaches a Slurm job's nodes
 through Slurm alone; ``rankscope.testbed.healing_fleet.TestbedFleet`` drives the namespace hosts of
@@ -39,4 +39,8 @@ class Fleet(Protocol):
     def fence(self, host: str, reason: str) -> str:
         """Make sure nothing of the job runs on ``host`` any more, and never rejoins; ``reason`` says why
         where the cluster keeps one (a drained node's); returns what was done."""
+        ...
+
+    def release(self, host: str) -> str:
+        """Let jobs land on a fenced ``host`` again (it passed a self-check since); returns what was done."""
         ...

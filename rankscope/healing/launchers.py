@@ -27,9 +27,10 @@ class Launchers:
     start_on: Callable[[str], tuple[subprocess.Popen[bytes], Path]] | None = field(default=None, repr=False)
 
     def add(self, host: str) -> None:
-        """Start the job's launcher on ``host`` too: it joins the elastic job's next rendezvous."""
-        if self.start_on is None or host in self.launchers:
-            raise ValueError(f"{host} cannot join job {self.run_id}: {'it runs the job already' if host in self.launchers else 'no way to start it'}")
+        """Start the job's launcher on ``host`` too (again, if its launcher ended): it joins the elastic job's next rendezvous."""
+        running = host in self.launchers and self.launchers[host].poll() is None
+        if self.start_on is None or running:
+            raise ValueError(f"{host} cannot join job {self.run_id}: {'it runs the job already' if running else 'no way to start it'}")
         self.launchers[host], self.logs[host] = self.start_on(host)
 
     def finished(self) -> bool:

@@ -40,13 +40,16 @@ class Policy:
     #: below ``min_hosts``, requeue the job (its scheduler places it on healthy hosts, the fenced ones
     #: excluded, and it resumes from its checkpoint) instead of leaving the suspects in it
     requeue: bool = False
+    #: self-check a drained host again this often (seconds) while the job runs; one that passes takes
+    #: jobs again and waits as a spare (0: never; a person resumes it: ``rankscope node resume``)
+    recheck_s: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.act_on) - set(KINDS))
         if unknown:
             raise ValueError(f"cannot act on {', '.join(unknown)}: the kinds that name a host are {', '.join(KINDS)}")
-        if self.straggler_steps < 0 or self.min_hosts < 1:
-            raise ValueError("straggler steps must be 0 or more and the job needs at least one host")
+        if self.straggler_steps < 0 or self.min_hosts < 1 or self.recheck_s < 0:
+            raise ValueError("straggler steps and the re-check period must be 0 or more, and the job needs at least one host")
 
     def verdict(
         self, kind: str, hosts: list[str], steps_since: int, remaining: list[str], spares: int = 0

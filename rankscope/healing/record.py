@@ -2,7 +2,7 @@
 
 The collector owns the store, so the driver and ``rankscope selfcheck`` write the way agents do:
 one ``Batch`` per record, with a fresh batch id (a retry of the same batch is stored once). The
-rows land in the ``actions`` and ``selfchecks`` tables.
+rows land in the ``actions``, ``selfchecks`` and ``node_states`` tables.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2, telemetry_pb2
 
-__all__ = ["Figure", "action_batch", "selfcheck_batch"]
+__all__ = ["Figure", "action_batch", "node_state_batch", "selfcheck_batch"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +62,13 @@ def selfcheck_batch(
         ],
     )  # fmt: skip
     return _batch(run_id, attempt, selfcheck=record)
+
+
+def node_state_batch(
+    run_id: str, host: str, state: str, *, actor: str, incident_id: str = "", reason: str = "", time_ns: int | None = None
+) -> ingest_pb2.Batch:
+    """A batch that stores one row of ``node_states``: ``host`` is now ``state``, because of ``incident_id``, as ``actor`` decided."""
+    record = telemetry_pb2.NodeState(
+        time_ns=time_ns or time.time_ns(), host=host, state=state, incident_id=incident_id, reason=reason, actor=actor
+    )
+    return _batch(run_id, 0, node_state=record)

@@ -22,6 +22,7 @@ networks the link tests may contact.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -158,7 +159,18 @@ class _Child:
                 return json.loads(line[len(MARK) :])
         return None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """End it: ``grace_s`` to end by itself, then SIGTERM, then SIGKILL (a scheduler's task whose
+        client is killed outright runs on: srun ends its remote task on SIGTERM)."""
+        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 1.0)):  # srun ends its remote task on SIGTERM
+            if sig is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -192,13 +204,15 @@ class _Child:
 def check_hosts(
     hosts: Sequence[str], runner: Runner, *, ranks: int = 2, timeout_s: float = TIMEOUT_S, factor: float = FACTOR,
     links: bool = True, device: str = "auto", link_bytes: int = LINK_BYTES, link_seconds: float = LINK_SECONDS,
+    peers: Mapping[str, Sequence[Figure]] | None = None,
 ) -> Report:  # fmt: skip
     """Run every test on every host of ``hosts`` (one host at a time), then the link tests between
     the hosts that answered, and judge each host against the others (``judge``).
 
     ``ranks``: processes of the loopback all-reduce (0: one per GPU, else 2; 1 counts as 2: an
     all-reduce of one process tests nothing); ``timeout_s``: the most each test may take on a host;
-    ``device``: auto (CUDA where there is one), cpu or cuda.
+    ``device``: auto (CUDA where there is one), cpu or cuda; ``peers``: figures other hosts measured
+    before (host -> figures), judged with but not measured again nor reported (a node checked alone).
     """
     if len(set(hosts)) != len(hosts) or not hosts:
         raise ValueError(f"name each host once, at least one: {list(hosts)}")
@@ -215,17 +229,18 @@ def check_hosts(
         elapsed[host] += time.monotonic() - began
     if links and len(hosts) > 1:
         _links(runner, hosts, raw, elapsed, silent, timeout_s=timeout_s, link_bytes=link_bytes, link_seconds=link_seconds)
-    report = judge(raw, factor=factor)
+    stored = {host: list(figures) for host, figures in (peers or {}).items() if host not in raw}
+    report = judge({**raw, **stored}, factor=factor)
     measured_again: set[str] = set()
-    while again := [h for h in _slow_locally(report) if h not in silent and h not in measured_again]:
+    while again := [h for h in _slow_locally(report) if h in raw and h not in silent and h not in measured_again]:
         for host in again:  # a failure is measured twice before it counts: a loaded machine's blip passes
             began = time.monotonic()
             figures, _ = _local(runner, host, ranks=ranks, timeout_s=timeout_s, device=device)
             raw[host] = best_of(raw[host], figures)
             elapsed[host] += time.monotonic() - began
             measured_again.add(host)
-        report = judge(raw, factor=factor)
-    return replace(report, hosts=tuple(replace(h, elapsed_s=elapsed[h.host]) for h in report.hosts))
+        report = judge({**raw, **stored}, factor=factor)
+    return replace(report, hosts=tuple(replace(h, elapsed_s=elapsed[h.host]) for h in report.hosts if h.host in raw))
 
 
 def check_local(*, ranks: int = 0, timeout_s: float = TIMEOUT_S, device: str = "auto") -> Report:
@@ -265,7 +280,7 @@ def _local(runner: Runner, host: str, *, ranks: int, timeout_s: float, device: s
                 continue
             figures += _figures(message)
     finally:
-        child.stop()
+        child.stop(0.0 if silent else 5.0)
     return figures, silent
 
 

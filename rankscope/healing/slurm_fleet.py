@@ -14,17 +14,20 @@ environment; the test bed runs them on its control host).
 
 from __future__ import annotations
 
+import getpass
 import json
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.healing.fleet import Worker
 
-__all__ = ["SlurmError", "SlurmFleet", "SlurmRunner", "Wrap", "fields", "node_list"]
+__all__ = ["SlurmError", "SlurmFleet", "SlurmNodes", "SlurmRunner", "Wrap", "addresses", "fields", "node_list"]
 
 Wrap = Callable[[Sequence[str]], list[str]]
 #: seconds a Slurm command may take (a node that does not answer makes srun wait for it)
@@ -44,9 +47,14 @@ def _run(wrap: Wrap, argv: Sequence[str], timeout_s: float = COMMAND_TIMEOUT_S) 
     return done.stdout
 
 
-def _step_on(job_id: str, host: str, argv: Sequence[str]) -> list[str]:
-    """``argv`` as a one-task step of job ``job_id`` on node ``host``, beside the job's own steps."""
-    return ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--quiet", *argv]
+def _in_job(job_id: str) -> tuple[str, ...]:
+    """srun's options for a step of job ``job_id`` beside the job's own steps."""
+    return ("--overlap", f"--jobid={job_id}")
+
+
+def _step_on(where: Sequence[str], host: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` as one task on node ``host``, where srun's options ``where`` place it (a job's step, a reservation)."""
+    return ["srun", *where, f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--quiet", *argv]
 
 
 def fields(line: str) -> dict[str, str]:
@@ -62,9 +70,11 @@ def node_list(slurm: Wrap, job_id: str) -> list[str]:
 
 @dataclass(frozen=True)
 class SlurmRunner:
-    """A self-check's commands as job steps on the node (``srun --overlap``, beside the job's own)."""
+    """A self-check's commands as srun tasks on the node: job steps beside the job's own (``srun
+    --overlap --jobid``), or, for a node outside any job, in a reservation that holds it."""
 
-    job_id: str
+    #: srun's options that place the task (``_in_job(job_id)``, ``--reservation=NAME``)
+    where: tuple[str, ...]
     slurm: Wrap = list
     #: the nodes' addresses (the link probes contact them and loopback only)
     addresses: dict[str, str] = field(default_factory=dict)
@@ -74,7 +84,7 @@ class SlurmRunner:
         return (*(f"{address}/32" for address in self.addresses.values()), "127.0.0.0/8")
 
     def command(self, host: str, argv: Sequence[str]) -> list[str]:
-        return self.slurm(_step_on(self.job_id, host, argv))
+        return self.slurm(_step_on(self.where, host, argv))
 
     def address(self, host: str) -> str:
         return self.addresses[host]
@@ -95,11 +105,7 @@ class SlurmFleet:
     @property
     def runner(self) -> SlurmRunner:
         if self._runner is None:
-            addresses = {}
-            for line in _run(self.slurm, ["scontrol", "show", "node", "--oneliner", ",".join(self.hosts())]).splitlines():
-                node = fields(line)
-                addresses[node["NodeName"]] = node["NodeAddr"]
-            self._runner = SlurmRunner(self.job_id, self.slurm, addresses)
+            self._runner = SlurmRunner(_in_job(self.job_id), self.slurm, addresses(self.slurm, self.hosts()))
         return self._runner
 
     def hosts(self) -> list[str]:
@@ -122,7 +128,7 @@ class SlurmFleet:
     def fence(self, host: str, reason: str) -> str:
         """Drain the node with ``reason``, cancel the job's steps that run on it alone, kill the job's
         ranks left there; returns what was done."""
-        _run(self.slurm, ["scontrol", "update", f"NodeName={host}", "State=DRAIN", f"Reason={reason}"])
+        SlurmNodes(self.slurm).drain(host, reason)
         steps = []
         for line in _run(self.slurm, ["squeue", "--steps", f"--jobs={self.job_id}", "--noheader", "--format=%i|%N"]).splitlines():
             step, _, nodes = line.strip().partition("|")
@@ -136,6 +142,10 @@ class SlurmFleet:
             return f"{done}; {host} does not answer: what is left there ends when it does (Slurm cancels the steps then)"
         return f"{done}; killed {self.signal(left, signal.SIGKILL)} ranks left there"
 
+    def release(self, host: str) -> str:
+        """The node may take jobs again (it passed its self-check); it is still in this job's allocation."""
+        return SlurmNodes(self.slurm).release(host)
+
     def requeue(self) -> None:
         """Hand the job back to Slurm: it ends the job's processes (this one's among them) and runs its
         batch script again on the nodes it picks, never a drained one, once the old credentials have
@@ -147,10 +157,68 @@ class SlurmFleet:
         """``rankscope.healing.node_workers ARGV`` on ``host`` as a step of the job: its answer, None if
         the node did not answer in time (it goes into ``unreachable``)."""
         try:
-            out = _run(self.slurm, _step_on(self.job_id, host, [self.python, "-m", "rankscope.healing.node_workers", *argv]), NODE_TIMEOUT_S)
+            out = _run(self.slurm, _step_on(_in_job(self.job_id), host, [self.python, "-m", "rankscope.healing.node_workers", *argv]), NODE_TIMEOUT_S)
             answer: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
         except (SlurmError, subprocess.TimeoutExpired, ValueError, IndexError):
             self.unreachable.add(host)
             return None
         self.unreachable.discard(host)
         return answer
+
+
+def addresses(slurm: Wrap, nodes: Sequence[str]) -> dict[str, str]:
+    """Each of ``nodes``' address, as Slurm knows it."""
+    found = {}
+    for line in _run(slurm, ["scontrol", "show", "node", "--oneliner", ",".join(nodes)]).splitlines():
+        node = fields(line)
+        found[node["NodeName"]] = node["NodeAddr"]
+    return found
+
+
+@dataclass(frozen=True)
+class SlurmNodes:
+    """A Slurm cluster's nodes outside any job (``rankscope node``), through Slurm's own commands; draining,
+    resuming and reserving a node take Slurm operator rights."""
+
+    slurm: Wrap = list
+    #: the most a check may hold a node before Slurm lets jobs land on it again, whatever happens here
+    hold_minutes: int = 30
+
+    def drain(self, host: str, reason: str) -> str:
+        _run(self.slurm, ["scontrol", "update", f"NodeName={host}", "State=DRAIN", f"Reason={reason}"])
+        return f"drained {host} ({reason})"
+
+    @contextmanager
+    def holding(self, host: str) -> Iterator[SlurmRunner]:
+        """A maintenance reservation on ``host`` for this user, then the node resumed: only this user's
+        tasks in the reservation land on it while it is checked. The reservation is deleted at the end:
+        a node drained again meanwhile stays drained, one that passed takes jobs again."""
+        name = f"rankscope-check-{host}"
+        _run(self.slurm, ["scontrol", "create", "reservation", f"ReservationName={name}", f"Nodes={host}", "StartTime=now",
+                          f"Duration={self.hold_minutes}", f"Users={getpass.getuser()}", "Flags=MAINT,IGNORE_JOBS"])  # fmt: skip
+        try:
+            _run(self.slurm, ["scontrol", "update", f"NodeName={host}", "State=RESUME"])
+            yield SlurmRunner((f"--reservation={name}",), self.slurm, addresses(self.slurm, [host]))
+        finally:
+            self._unreserve(name)
+
+    def _unreserve(self, name: str, timeout_s: float = 30.0) -> None:
+        """Cancel what still runs in reservation ``name`` (a check's task that did not end), then delete it."""
+        _run(self.slurm, ["scancel", "--quiet", f"--reservation={name}"])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                _run(self.slurm, ["scontrol", "delete", f"ReservationName={name}"])
+                return
+            except SlurmError as e:
+                if time.monotonic() > deadline:
+                    raise SlurmError(f"reservation {name} is still in use after {timeout_s:g} s ({e}): it ends by itself in {self.hold_minutes} minutes") from None
+            time.sleep(0.5)
+
+    def release(self, host: str) -> str:
+        _run(self.slurm, ["scontrol", "update", f"NodeName={host}", "State=RESUME"])
+        return f"resumed {host} in Slurm"
+
+    def states(self) -> dict[str, tuple[str, str]]:
+        out = _run(self.slurm, ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"])
+        return {name: (state, "" if reason == "none" else reason) for name, state, reason in (line.split("|", 2) for line in out.splitlines())}

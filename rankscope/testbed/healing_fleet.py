@@ -9,7 +9,8 @@ meet the others at a new rendezvous, without the fenced host (its agent is gone 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from rankscope.common.processes import signal_each
@@ -67,3 +68,26 @@ class TestbedFleet:
         """Kill every process of the host, its torchrun agent included (a frozen host is thawed to die);
         a test bed keeps no reason."""
         return host_faults.kill_host(self.bed, self.bed.host(host)).what
+
+    def release(self, host: str) -> str:
+        return "a test bed keeps no fence: nothing to release"
+
+
+@dataclass(frozen=True)
+class TestbedNodes:
+    """A test bed's hosts for ``rankscope node``: no scheduler keeps them, so a drain is only what the
+    store says (``rankscope launch`` leaves a fenced host out of its job); a check runs inside the host."""
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+    bed: Testbed
+
+    def drain(self, host: str, reason: str) -> str:
+        return f"{host} stays out of the jobs rankscope launches (a test bed keeps no drained state of its own)"
+
+    @contextmanager
+    def holding(self, host: str) -> Iterator[Runner]:
+        yield TestbedRunner(self.bed)
+
+    def states(self) -> dict[str, tuple[str, str]]:
+        return {}

@@ -79,10 +79,16 @@ def _bounded_diagnosis(database: str, retention_days: int | None, cluster: str |
     return statements + [sql for table in TABLES for index in table.indexes for sql in add_index_statements(table, index, database, cluster)]
 
 
+def _node_states(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
+    """Version 4: a node's life as healing sees it is stored (``node_states`` is new)."""
+    return create_statements(database, retention_days=retention_days, cluster=cluster, tables=[BY_NAME["node_states"]])[1:]
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create the tables", lambda db, days, cluster: create_statements(db, retention_days=days, cluster=cluster)),
     Migration(2, "attempts of a run, self-healing actions and self-checks", _attempts),
     Migration(3, "a bounded state for the live diagnosis: rollups and step-range indexes", _bounded_diagnosis),
+    Migration(4, "nodes' states as healing sees them", _node_states),
 )
 
 

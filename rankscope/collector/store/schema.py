@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 TIME = "DateTime64(9)"
 TIME_CODEC = "CODEC(Delta, ZSTD(1))"
@@ -462,6 +462,22 @@ TABLES: tuple[Table, ...] = (
             Column("detail", "String"),
         ),
         order_by=("run_id", "host", "time"),
+        time_column="time",
+    ),
+    Table(
+        "node_states",
+        "Each node's life as healing sees it: healthy, suspect, checking, drained (with the incident) and back; "
+        "a row per change, by a self-healing driver or a person (rankscope node resume). A node's state is its newest row.",
+        (
+            Column("run_id", NAME, comment="the run whose incident or driver changed it"),
+            Column("host", NAME),
+            Column("time", TIME),
+            Column("state", NAME, comment="healthy, suspect, checking or drained"),
+            Column("incident_id", "String", comment="the incident behind it, '' when none"),
+            Column("reason", "String", comment="why; a drained node's is what the cluster was told"),
+            Column("actor", NAME, comment="rankscope launch, or the person who ran rankscope node"),
+        ),
+        order_by=("host", "time"),
         time_column="time",
     ),
     Table(

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Batch(_message.Message):
-    __slots__ = ("schema_version", "run_id", "rank", "batch_id", "clock_offset_ns", "sent_ns", "attempt", "register", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stack", "end", "action", "selfcheck", "registers", "ends")
+    __slots__ = ("schema_version", "run_id", "rank", "batch_id", "clock_offset_ns", "sent_ns", "attempt", "register", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stack", "end", "action", "selfcheck", "registers", "ends", "node_state")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class Batch(_message.Message):
     SELFCHECK_FIELD_NUMBER: _ClassVar[int]
     REGISTERS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_STATE_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     rank: int
@@ -47,7 +48,8 @@ class Batch(_message.Message):
     selfcheck: _telemetry_pb2.SelfCheck
     registers: _telemetry_pb2.RegisterBatch
     ends: _telemetry_pb2.EndBatch
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., clock_offset_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., register: _Optional[_Union[_telemetry_pb2.Register, _Mapping]] = ..., spans: _Optional[_Union[_telemetry_pb2.SpanBatch, _Mapping]] = ..., collectives: _Optional[_Union[_telemetry_pb2.CollectiveBatch, _Mapping]] = ..., heartbeats: _Optional[_Union[_telemetry_pb2.HeartbeatBatch, _Mapping]] = ..., metrics: _Optional[_Union[_telemetry_pb2.MetricBatch, _Mapping]] = ..., step_metrics: _Optional[_Union[_telemetry_pb2.StepMetricBatch, _Mapping]] = ..., stack: _Optional[_Union[_telemetry_pb2.StackDump, _Mapping]] = ..., end: _Optional[_Union[_telemetry_pb2.EndOfRank, _Mapping]] = ..., action: _Optional[_Union[_telemetry_pb2.Action, _Mapping]] = ..., selfcheck: _Optional[_Union[_telemetry_pb2.SelfCheck, _Mapping]] = ..., registers: _Optional[_Union[_telemetry_pb2.RegisterBatch, _Mapping]] = ..., ends: _Optional[_Union[_telemetry_pb2.EndBatch, _Mapping]] = ...) -> None: ...
+    node_state: _telemetry_pb2.NodeState
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., clock_offset_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., register: _Optional[_Union[_telemetry_pb2.Register, _Mapping]] = ..., spans: _Optional[_Union[_telemetry_pb2.SpanBatch, _Mapping]] = ..., collectives: _Optional[_Union[_telemetry_pb2.CollectiveBatch, _Mapping]] = ..., heartbeats: _Optional[_Union[_telemetry_pb2.HeartbeatBatch, _Mapping]] = ..., metrics: _Optional[_Union[_telemetry_pb2.MetricBatch, _Mapping]] = ..., step_metrics: _Optional[_Union[_telemetry_pb2.StepMetricBatch, _Mapping]] = ..., stack: _Optional[_Union[_telemetry_pb2.StackDump, _Mapping]] = ..., end: _Optional[_Union[_telemetry_pb2.EndOfRank, _Mapping]] = ..., action: _Optional[_Union[_telemetry_pb2.Action, _Mapping]] = ..., selfcheck: _Optional[_Union[_telemetry_pb2.SelfCheck, _Mapping]] = ..., registers: _Optional[_Union[_telemetry_pb2.RegisterBatch, _Mapping]] = ..., ends: _Optional[_Union[_telemetry_pb2.EndBatch, _Mapping]] = ..., node_state: _Optional[_Union[_telemetry_pb2.NodeState, _Mapping]] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("stack_dump",)

@@ -281,6 +281,22 @@ class Action(_message.Message):
     evidence_json: str
     def __init__(self, time_ns: _Optional[int] = ..., action: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., evidence_json: _Optional[str] = ...) -> None: ...
 
+class NodeState(_message.Message):
+    __slots__ = ("time_ns", "host", "state", "incident_id", "reason", "actor")
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    time_ns: int
+    host: str
+    state: str
+    incident_id: str
+    reason: str
+    actor: str
+    def __init__(self, time_ns: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., actor: _Optional[str] = ...) -> None: ...
+
 class SelfCheck(_message.Message):
     __slots__ = ("time_ns", "host", "passed", "summary", "figures")
     TIME_NS_FIELD_NUMBER: _ClassVar[int]
