@@ -196,6 +196,15 @@ def _restarted_run(store: EmbeddedStore, start: int) -> None:
         "action": [a[2] for a in acts], "hosts": [a[3] for a in acts], "incident_id": [a[4] for a in acts],
         "reason": [a[5] for a in acts], "evidence": [json.dumps(a[6]) for a in acts],
     })  # fmt: skip
+    # node-b drained by the driver (its newest state), node-a suspected then found healthy
+    states = [("node-a", 60, "suspect", "a straggler on node-b for 3 steps"), ("node-a", 65, "healthy", "passed its self-check"),
+              ("node-b", 60, "suspect", "a straggler on node-b for 3 steps"), ("node-b", 61, "checking", "self-check against 1 other host"),
+              ("node-b", 70, "drained", "rankscope: straggler straggler-2: rank 2 (node-b): forward 3x its stage's median")]  # fmt: skip
+    _insert(store, "node_states", {
+        "run_id": ["healed"] * len(states), "host": [n[0] for n in states], "time": [start + n[1] * S for n in states],
+        "state": [n[2] for n in states], "incident_id": ["straggler-2"] * len(states), "reason": [n[3] for n in states],
+        "actor": ["rankscope launch"] * len(states),
+    })  # fmt: skip
     # (host, check, value, unit, peers' median, passed, host passed)
     checks = [("node-a", "matmul", 40.0, "GFLOP/s", 5.0, 1, 1), ("node-a", "memory_bandwidth", 10.0, "GB/s", 9.5, 1, 1),
               ("node-b", "matmul", 5.0, "GFLOP/s", 40.0, 0, 0), ("node-b", "memory_bandwidth", 9.5, "GB/s", 10.0, 1, 0)]  # fmt: skip
@@ -262,6 +271,8 @@ def test_a_restarted_run_shows_where_it_restarted_and_what_the_driver_did(store)
 
     listed = open_page("hosts", run="healed").table[0].value.set_index("host")
     assert listed.loc["node-c", "ranks"] == "none now (left the run at a restart)" and listed.loc["node-c", "hottest GPU (°C)"] == "91"
+    assert listed.loc["node-b", "node state"].startswith("drained since ") and "forward 3x its stage's median" in listed.loc["node-b", "why"]
+    assert listed.loc["node-a", "node state"].startswith("healthy since ") and listed.loc["node-c", "node state"] == "never suspected"
     graph = open_page("graph", run="healed")  # just before attempt 1 ended: its two ranks, not attempt 0's stopped four
     assert "2 computing" in said(graph) and "crashed" not in said(graph)
 

@@ -25,13 +25,12 @@ from rankscope.collector.batch_limits import (
 )
 from rankscope.collector.run_lifecycle import decode_end, decode_ends, decode_register, decode_registers
 from rankscope.collector.run_registry import RunInfo, RunRegistry
+from rankscope.common.node_states import NODE_STATES
 from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2, telemetry_pb2
 
 BATCH_ID_BYTES = 16
 #: payloads about the run as a whole (their batch's rank is 0 and says nothing about rank 0)
 RUN_LEVEL = ("action", "selfcheck", "node_state")
-#: a node's states in its life as healing sees it (``rankscope.healing.node_life``)
-NODE_STATES = ("healthy", "suspect", "checking", "drained")
 #: payloads that register ranks
 REGISTRATIONS = frozenset({"register", "registers"})
 

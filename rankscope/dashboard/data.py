@@ -28,6 +28,7 @@ import pandas as pd
 import streamlit as st
 
 from rankscope.common.incidents import INCIDENTS_SQL, Incident, from_rows
+from rankscope.common.node_states import NODES_SQL
 from rankscope.dashboard.connection import query
 
 #: seconds a live run's answers are kept (live pages redraw every ui.REFRESH_S)
@@ -465,6 +466,12 @@ def hosts(run: Run) -> pd.DataFrame:
     """Per host: its ranks, metric samples, GPUs, hottest GPU, mean GPU use, throttled samples,
     new uncorrected ECC errors and Xid codes seen."""
     return query(HOSTS_SQL, {"run": run.id})
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def node_states() -> pd.DataFrame:
+    """Every node's newest state as healing sees it (``NODES_SQL``): a node's, not a run's."""
+    return query(NODES_SQL)
 
 
 #: what the hosts page plots, in panel order: (metric, panel title, rate of a cumulative counter?)

@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from rankscope.collector.client import Client
-from rankscope.collector.decode import NODE_STATES
+from rankscope.common.node_states import CHECKING, DRAINED, HEALTHY, HOLD_DRAINS, HOLD_WINDOW_S, NODES_SQL, SUSPECT, held
 from rankscope.healing.probes import LOCAL_CHECKS
 from rankscope.healing.record import Figure
 from rankscope.healing.selfcheck import Runner, check_hosts
@@ -31,19 +31,6 @@ __all__ = [
     "CHECKING", "DRAINED", "HEALTHY", "HOLD_DRAINS", "HOLD_WINDOW_S", "NODES_SQL", "SUSPECT", "Nodes", "held", "nodes", "recheck", "reference",
 ]  # fmt: skip
 
-HEALTHY, SUSPECT, CHECKING, DRAINED = NODE_STATES
-#: a node drained this many times within ``HOLD_WINDOW_S`` stays drained until a person resumes it
-HOLD_DRAINS = 2
-HOLD_WINDOW_S = 3600
-
-#: each node's newest state, and how many times it was drained within the hold window
-NODES_SQL = (
-    "SELECT host, argMax(s, time) AS state, max(time) AS since, argMax(r, time) AS run_id, argMax(i, time) AS incident_id, "
-    "argMax(why, time) AS reason, argMax(who, time) AS actor, "
-    f"countIf(s = '{DRAINED}' AND time > now64(9) - INTERVAL {HOLD_WINDOW_S} SECOND) AS drains "
-    "FROM (SELECT host, time, state AS s, run_id AS r, incident_id AS i, reason AS why, actor AS who FROM node_states) "
-    "GROUP BY host ORDER BY host"
-)
 #: the newest local figures of every other host whose self-check passed: what a node checked alone is judged against
 REFERENCE_SQL = (
     "SELECT host, check, argMax(v, time) AS value, argMax(u, time) AS unit FROM (SELECT host, check, time, value AS v, unit AS u "
@@ -72,11 +59,6 @@ class Nodes(Protocol):
 def nodes(client: Client) -> list[dict[str, Any]]:
     """Every node healing has an opinion of: its newest state (``NODES_SQL``'s columns)."""
     return client.query(NODES_SQL).to_pylist()
-
-
-def held(node: Mapping[str, Any]) -> bool:
-    """Whether ``node`` (a row of ``NODES_SQL``) stays drained for a person: drained too often lately."""
-    return node["state"] == DRAINED and int(node["drains"]) >= HOLD_DRAINS
 
 
 def reference(client: Client, host: str) -> dict[str, list[Figure]]:
