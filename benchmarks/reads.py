@@ -1,0 +1,112 @@
+"""Readers against ingest: how long a new run's batches wait for their acks while slow queries run,
+and what the queries that once broke the limits cost the collector now.
+
+    python benchmarks/reads.py [--slow 6] [--batches 20]
+
+One ``rankscope collector`` (embedded chDB, no diagnosis). First a new run's batches are sent one
+at a time with nothing else running; then ``--slow`` queries that sleep in the engine are started
+(each as ``rankscope sql`` would: a 30 s deadline) and a second new run's batches are sent while
+they run. Printed: each phase's ack latency (median, slowest) and the batches that missed their
+30 s deadline; then the three queries of issue 30 (903 MB of one repeated string, 1 GB in one
+array, ``system.processes``), each with its answer and the collector's peak RSS after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from ingest import spans
+
+from rankscope.harness.orchestration import start_collector, stop
+from rankscope.harness.simulate.payloads import register
+from rankscope.harness.simulate.topology import build
+from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
+
+#: sleeps half a second per block of numbers(): minutes, unless stopped
+SLOW = "SELECT sum(sleep(0.5)) AS s FROM numbers(100000000)"
+LIMIT_QUERIES = (
+    "SELECT repeat('x', 1000) FROM numbers(900000)",
+    "SELECT max(length(arrayMap(x -> repeat('y', 100), range(10000000)))) AS n",
+    "SELECT * FROM system.processes",
+)
+#: rankscope sql's and an agent's deadline
+DEADLINE_S = 30.0
+
+
+def acks(stub: ingest_pb2_grpc.IngestStub, run_id: str, batches: int) -> tuple[list[float], int]:
+    """Seconds from send to ack of a new run's batches (a registration, then spans), and how many missed the deadline."""
+    took, missed = [], 0
+    for step in range(batches):
+        if step == 0:
+            payload = {"register": register(build(1, 1, 1), 0, run_name=run_id, config_json="{}", start_ns=time.time_ns(), pid=os.getpid())}
+        else:
+            payload = {"spans": spans(0, 100, time.time_ns(), step)}
+        batch = ingest_pb2.Batch(schema_version=1, run_id=run_id, rank=0, batch_id=os.urandom(16), sent_ns=time.time_ns(), **payload)
+        sent = time.perf_counter()
+        try:
+            stub.Send(batch, timeout=DEADLINE_S)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                raise
+            missed += 1
+        took.append(time.perf_counter() - sent)
+    return took, missed
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+def answer(stub: query_pb2_grpc.QueryStub, sql: str) -> str:
+    """The query's answer in one line: rows and bytes, or its status and the start of its message."""
+    try:
+        reply = stub.Query(query_pb2.QueryRequest(sql=sql), timeout=120)
+        return f"OK: {reply.rows} rows, {len(reply.arrow_ipc) / 1e6:.0f} MB"
+    except grpc.RpcError as e:
+        return f"{e.code().name}: {e.details()[:90]}"  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--slow", type=int, default=6, help="slow queries running while the second run sends (default: 6)")
+    parser.add_argument("--batches", type=int, default=20, help="batches per run (default: 20)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rankscope-bench-reads-"))
+    proc, address = start_collector(work / "store", work / "collector.log", "--no-diagnosis", "--flush-interval", "0.2")
+    try:
+        with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
+            ingest, query = ingest_pb2_grpc.IngestStub(channel), query_pb2_grpc.QueryStub(channel)
+            rows = [("no queries", *acks(ingest, "reads-idle", args.batches))]
+            slow = [query.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=DEADLINE_S) for _ in range(args.slow)]
+            time.sleep(1.0)  # every slow query started
+            rows.append((f"{args.slow} slow queries running", *acks(ingest, "reads-loaded", args.batches)))
+            for call in slow:
+                call.cancel()
+            time.sleep(1.0)
+            print(f"{'phase':<28} {'batches':>7} {'ack median ms':>14} {'ack max ms':>11} {'deadline missed':>16}")
+            for phase, took, missed in rows:
+                print(f"{phase:<28} {len(took):>7} {statistics.median(took) * 1e3:>14.1f} {max(took) * 1e3:>11.1f} {missed:>16}")
+            print()
+            print(f"{'query':<76} {'collector peak RSS MB':>21}  answer")
+            print(f"{'(idle)':<76} {peak_rss_mb(proc.pid):>21.0f}")
+            for sql in LIMIT_QUERIES:
+                said = answer(query, sql)
+                print(f"{sql:<76} {peak_rss_mb(proc.pid):>21.0f}  {said}")
+    finally:
+        stop(proc)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
