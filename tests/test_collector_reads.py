@@ -7,6 +7,7 @@ while a new run's batches are timed from send to acknowledgement.
 
 from __future__ import annotations
 
+import io
 import re
 import time
 import urllib.request
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+import pyarrow as pa
 import pytest
 from test_collector_ingest import register, spans
 
 from rankscope.collector.client import Client, QueryBusy, QueryRefused, ResultTooLarge
-from rankscope.collector.query import Limits, engine_settings, guard_for, run_read_only
+from rankscope.collector.query import Limits, engine_settings, guard_for, run_read_only, to_ipc
+from rankscope.collector.store.base import QueryError
 from rankscope.collector.store.chdb import EmbeddedStore
 from rankscope.protos.v1 import ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
@@ -92,6 +95,7 @@ def test_batches_are_acknowledged_at_once_while_slow_and_limit_queries_fill_ever
             acks.append(time.perf_counter() - sent)
         for call in slow:
             call.cancel()  # as Ctrl-C does: the limit queries get the threads
+        await_queries(collector.metrics_url, 0, 0, timeout_s=10)
         limited = {sql: pool.submit(client.query, sql) for sql in LIMIT_QUERIES}
         for sql, (error, message) in LIMIT_QUERIES.items():
             with pytest.raises(error, match=re.escape(message)):
@@ -135,3 +139,24 @@ def test_reads_run_readonly_in_the_engine_within_the_databases_and_limits_given(
         assert (empty.num_rows, empty.column_names) == (0, ["a", "b"])
     finally:
         store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_clickhouse_servers_result_is_decoded_no_further_than_max_result_bytes() -> None:
+    """The server path, on clickhouse-connect's own stream reader over an Arrow stream (no server here)."""
+    from clickhouse_connect.driver.query import to_arrow_batches
+
+    from rankscope.collector.store.clickhouse import ServerStore
+
+    table = pa.table({"s": ["x" * 1000] * 4000})
+    sent = to_ipc(pa.Table.from_batches(table.to_batches(max_chunksize=1000)))
+
+    class Server:
+        def query_arrow_stream(self, sql: str, **_: object) -> object:
+            return to_arrow_batches(io.BytesIO(sent))
+
+    store = object.__new__(ServerStore)
+    store._client, store._where = Server(), "http://test"  # type: ignore[assignment]
+    assert store.query_arrow("SELECT s", settings={"max_result_bytes": 10**7}).equals(table)
+    with pytest.raises(QueryError, match=r"decodes to more than max_result_bytes=2000000 \(.* after 1000 rows\).*TOO_MANY_ROWS_OR_BYTES"):
+        store.query_arrow("SELECT s", settings={"max_result_bytes": 2 * 10**6})

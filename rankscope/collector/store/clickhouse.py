@@ -66,10 +66,13 @@ class ServerStore:
 
     def _read(self, sql: str, params: dict[str, object], settings: dict[str, object]) -> pa.Table:
         """The result streamed and decoded batch by batch (``capped_table``); leaving early closes the
-        response, which ends the query."""
+        response, which ends the query. A server error after the first block breaks the Arrow stream."""
         with self._client.query_arrow_stream(sql, parameters=params, settings=settings, use_strings=True) as stream:
             reader = stream.gen  # clickhouse-connect's pyarrow RecordBatchStreamReader
-            return capped_table(reader, reader.schema, settings)
+            try:
+                return capped_table(reader, reader.schema, settings)
+            except pa.ArrowException as e:
+                raise QueryError(f"the server's answer broke off: {e}") from None
 
     def close(self) -> None:
         self._client.close()
