@@ -96,6 +96,9 @@ def test_reads_pass_without_their_trailing_semicolon_or_comment(sql: str, expect
         ("SELECT filesystemCapacity()", "filesystemCapacity\\(\\) reveals"),
         ("SELECT dictGetString('system.d', 'x', 1)", "dictGetString\\(\\) reveals"),
         ("SELECT * FROM merge('system', 'processes')", "table function merge\\(\\)"),
+        ("SELECT `\\x66ile`('/etc/hostname')", "backslash in a quoted name"),
+        ('SELECT count() FROM "\\x73ystem".one', "backslash in a quoted name"),
+        ("SELECT count() FROM {db:Identifier}.one", "Identifier} placeholder is not accepted"),
     ],
 )
 def test_everything_else_is_refused_with_the_reason(sql: str, reason: str) -> None:

@@ -13,7 +13,8 @@ Two layers, because neither is enough alone:
    reaches outside the store; no other database than the store's (``system``,
    ``information_schema``: running queries, settings, the data path) and no function that reveals
    the engine's settings or its machine (``REVEALING_FUNCTIONS``: ``getSetting``,
-   ``getServerSetting``, ``filesystemCapacity``...).
+   ``getServerSetting``, ``filesystemCapacity``...); no ``{name:Identifier}`` placeholder (its
+   value, a name, would reach the engine unchecked).
 
 Table functions: an allow-list, not a deny-list. ClickHouse 26.9 has about 110 of them and every
 release adds more that reach outside (``filesystem``, ``arrowstream``, ``bigquery``, ``paimon*``,
@@ -28,8 +29,9 @@ would need ClickHouse's whole grammar (DESCRIBE, JOIN, comma joins, ``IN``, ``vi
 the only ordinary functions sharing a name with a table function are ``file`` (reads a server
 file: refused on purpose), ``format`` (allowed) and ``fuzzQuery`` (refused, no loss).
 
-The tokenizer follows ClickHouse's lexer (``'...'`` strings and ``"..."``/`` `...` ``
-identifiers with backslash and doubled-quote escapes, ``--`` and ``# `` comments to the end of
+The tokenizer follows ClickHouse's lexer (``'...'`` strings with backslash and doubled-quote
+escapes, ``"..."``/`` `...` `` identifiers with doubled-quote escapes only: the engine reads
+``\\x66`` in a name as ``f``, so a backslash there is refused, ``--`` and ``# `` comments to the end of
 the line, ``/* */`` comments). Where the two could disagree about what is code and what is
 text (a comment opened inside a comment, which ClickHouse nests; a ``$`` that may open a
 heredoc string), the statement is refused rather than guessed at: a divergence there could hide
@@ -162,6 +164,9 @@ def tokenize(sql: str) -> list[Token]:
             i = end + 2
         elif c in _QUOTES:
             text, end = _quoted(sql, i)
+            if _QUOTES[c] == "quoted" and "\\" in sql[i:end]:
+                # ClickHouse reads `\x66ile` as `file` and "\x73ystem" as "system": a name must be seen as the engine sees it
+                raise QueryRefused(f"a backslash in a quoted name (position {i}) is not accepted: write the name without escapes")
             tokens.append(Token(_QUOTES[c], text, i, end))
             i = end
         elif c == "$":
@@ -232,6 +237,10 @@ class ReadOnlyGuard:
                 )
             if tok.kind in ("word", "quoted") and called and _reveals(tok.text):
                 raise QueryRefused(f"function {tok.text}() reveals the collector's settings, machine or other tables and is not accepted")
+            if tok.kind == "word" and tok.text.lower() == "identifier" and k and tokens[k - 1].text == ":":
+                raise QueryRefused(
+                    "an {name:Identifier} placeholder is not accepted: write names in the statement, where this check reads them"
+                )
             if tok.kind in ("word", "quoted") and not called and tok.text.lower() in self.hidden_databases:
                 raise QueryRefused(
                     f"database {tok.text} is not readable here: only the store's own tables are (SHOW TABLES lists them)"
