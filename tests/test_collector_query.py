@@ -99,6 +99,7 @@ def test_reads_pass_without_their_trailing_semicolon_or_comment(sql: str, expect
         ("SELECT `\\x66ile`('/etc/hostname')", "backslash in a quoted name"),
         ('SELECT count() FROM "\\x73ystem".one', "backslash in a quoted name"),
         ("SELECT count() FROM {db:Identifier}.one", "Identifier} placeholder is not accepted"),
+        ("DESC FILESYSTEM CACHE 's3_cache'", "DESCRIBE FILESYSTEM CACHE is not accepted"),
     ],
 )
 def test_everything_else_is_refused_with_the_reason(sql: str, reason: str) -> None:

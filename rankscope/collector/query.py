@@ -227,6 +227,8 @@ class ReadOnlyGuard:
             raise QueryRefused(f"only read statements are accepted ({allowed}); this one starts with {first.text!r}")
         if first.text.upper() == "SHOW":
             _check_show(tokens)
+        if first.text.upper() in ("DESCRIBE", "DESC") and len(tokens) > 1 and tokens[1].text.upper() == "FILESYSTEM":
+            raise QueryRefused("DESCRIBE FILESYSTEM CACHE is not accepted: it shows the server's cache paths")
         for k, tok in enumerate(tokens):
             follows = tokens[k + 1] if k + 1 < len(tokens) else None
             called = follows is not None and follows.kind == "punct" and follows.text == "("
