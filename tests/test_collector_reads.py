@@ -25,6 +25,7 @@ from rankscope.collector.client import Client, QueryBusy, QueryRefused, ResultTo
 from rankscope.collector.query import Limits, engine_settings, guard_for, run_read_only, to_ipc
 from rankscope.collector.store.base import QueryError
 from rankscope.collector.store.chdb import EmbeddedStore
+from rankscope.harness.orchestration import CLI
 from rankscope.protos.v1 import ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
 from conftest import Running, start_collector
@@ -105,7 +106,9 @@ def test_batches_are_acknowledged_at_once_while_slow_and_limit_queries_fill_ever
 
 
 @pytest.mark.timeout(60)
-def test_a_caller_that_gives_up_stops_its_query_in_the_collector(collector: Running, channel: grpc.Channel) -> None:
+def test_a_caller_that_gives_up_stops_its_query_in_the_collector(
+    collector: Running, channel: grpc.Channel, module_runner: ProcRunner
+) -> None:
     assert collector.metrics_url
     stub = query_pb2_grpc.QueryStub(channel)
     await_queries(collector.metrics_url, 0, 0, timeout_s=10)
@@ -118,6 +121,12 @@ def test_a_caller_that_gives_up_stops_its_query_in_the_collector(collector: Runn
     call = stub.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=30)  # no deadline soon: Ctrl-C
     await_queries(collector.metrics_url, 1, 0, timeout_s=5)
     call.cancel()
+    assert await_queries(collector.metrics_url, 0, 0, timeout_s=3) < 2.0
+    # a `rankscope sql` that dies mid-query (Ctrl-C; SIGINT itself is ignored by children of a background shell)
+    sql = module_runner.start([*CLI, "sql", "--collector", collector.target, SLOW], name="rankscope-sql")
+    await_queries(collector.metrics_url, 1, 0, timeout_s=30)
+    sql.popen.kill()
+    sql.wait(10)
     assert await_queries(collector.metrics_url, 0, 0, timeout_s=3) < 2.0
 
 
