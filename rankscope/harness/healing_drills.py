@@ -30,6 +30,8 @@ from rankscope.harness.testbed_scenarios import STEP_SQL, staged
 
 HOSTS, RANKS_PER_HOST = 3, 2
 STEPS, CKPT_EVERY = 16, 2
+#: a throttled host's straggler incident opens some steps after the fault and is acted on 3 slow steps later
+THROTTLED_STEPS = 30
 ACTIONS_SQL = (
     "SELECT toUnixTimestamp64Nano(time) AS time_ns, attempt, action, hosts, incident_id, reason, evidence "
     "FROM actions WHERE run_id = {run:String} ORDER BY time"
@@ -54,6 +56,8 @@ class Drill:
     target: int = 1
     #: the job may not shrink and has no spare: its scheduler places it again (Slurm's drills)
     requeue: bool = False
+    #: the job's steps: a straggler is acted on only after it stayed slow for some, so a throttle needs more
+    steps: int = STEPS
 
 
 DRILLS: dict[str, Drill] = {
@@ -61,7 +65,7 @@ DRILLS: dict[str, Drill] = {
     for d in (
         Drill("kill-host", "every process of node0 killed (SIGKILL)", lambda bed, h: host_faults.kill_host(bed, h), target=0),
         Drill("freeze-host", "every process of node1 frozen (freezer cgroup)", lambda bed, h: host_faults.freeze_host(h)),
-        Drill("throttle-host", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: host_faults.throttle_cpu(bed, h, 0.2)),
+        Drill("throttle-host", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: host_faults.throttle_cpu(bed, h, 0.2), steps=THROTTLED_STEPS),
         Drill("kill-host-spare", "every process of node0 killed; node3 waits as a spare", lambda bed, h: host_faults.kill_host(bed, h),
               spares=1, target=0),  # fmt: skip
     )
@@ -121,10 +125,10 @@ def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None]
         return _play(drill, bed, address, workdir, log)
 
 
-def trainer_flags(workdir: Path) -> list[str]:
-    """The drills' job: the bundled trainer, TP2 inside a host, dp over the hosts, checkpoints in ``workdir``."""
+def trainer_flags(workdir: Path, steps: int = STEPS) -> list[str]:
+    """The drills' job: the bundled trainer, TP2 inside a host, dp over the hosts, ``steps`` steps, checkpoints in ``workdir``."""
     return ["--tp", "2", "--pp", "1", "--dp", "0", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "256",
-            "--micro-batch", "2", "--global-batch", "12", "--steps", str(STEPS), "--ckpt-dir", str(workdir / "ckpt"),
+            "--micro-batch", "2", "--global-batch", "12", "--steps", str(steps), "--ckpt-dir", str(workdir / "ckpt"),
             "--ckpt-every", str(CKPT_EVERY), "--resume", "--timeout", "120"]  # fmt: skip
 
 
@@ -168,7 +172,7 @@ def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Ca
     outcome = Outcome(drill, run_id, target=bed.hosts[drill.target].name)
     applied: list[host_faults.Applied] = []
     try:
-        outcome.exits, _ = healing_job.run(bed, trainer(*trainer_flags(workdir)), collector=address, run_id=run_id, workdir=workdir / "job",
+        outcome.exits, _ = healing_job.run(bed, trainer(*trainer_flags(workdir, drill.steps)), collector=address, run_id=run_id, workdir=workdir / "job",
                                            policy=Policy(min_hosts=2), log=log, spares=drill.spares,
                                            on_start=lambda job: fault_at_step(outcome, bed, address, applied, job.finished, log))  # fmt: skip
     finally:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from rankscope.harness.healing_drills import RANKS_PER_HOST, Drill, Outcome, fault_at_step, read_back, trainer_flags
+from rankscope.harness.healing_drills import RANKS_PER_HOST, THROTTLED_STEPS, Drill, Outcome, fault_at_step, read_back, trainer_flags
 from rankscope.harness.testbed_scenarios import staged
 from rankscope.healing.slurm_fleet import fields
 from rankscope.testbed import host_faults, hosts
@@ -41,7 +41,8 @@ DRILLS: dict[str, Drill] = {
         Drill("kill-node-spare", "every process of node1 killed, slurmd too; node3 waits as a spare", lambda bed, h: host_faults.kill_host(bed, h),
               spares=1),  # fmt: skip
         Drill("freeze-node", "every process of node1 frozen, slurmd too (freezer cgroup)", lambda bed, h: host_faults.freeze_host(h)),
-        Drill("throttle-node", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: host_faults.throttle_cpu(bed, h, 0.2)),
+        Drill("throttle-node", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: host_faults.throttle_cpu(bed, h, 0.2),
+              steps=THROTTLED_STEPS),  # fmt: skip
         Drill("kill-node-requeue", "every process of node1 killed; no spare, and the job may not shrink: requeued",
               lambda bed, h: host_faults.kill_host(bed, h), requeue=True),  # fmt: skip
     )
@@ -60,7 +61,7 @@ def script(drill: Drill, address: str, run_id: str, workdir: Path) -> str:
     """The drill's batch script: the job on 3 nodes (and the spares), or on 3 of 4 with no shrinking and requeue."""
     flags = ["--requeue", "--min-hosts", "3"] if drill.requeue else ["--spares", str(drill.spares), "--min-hosts", "2"]
     launch = [sys.executable, "-m", "rankscope.cli.main", "launch", "--slurm", *flags, "--ranks-per-node", str(RANKS_PER_HOST),
-              "--collector", address, "--run-id", run_id, "--workdir", str(workdir / "launch"), "--", *trainer(*trainer_flags(workdir))]  # fmt: skip
+              "--collector", address, "--run-id", run_id, "--workdir", str(workdir / "launch"), "--", *trainer(*trainer_flags(workdir, drill.steps))]  # fmt: skip
     return (
         f"#!/bin/bash\n#SBATCH --nodes={3 + drill.spares} --no-kill --requeue --open-mode=append --output={workdir / 'job-%j.out'}\n"
         f"exec {shlex.join(launch)}\n"
