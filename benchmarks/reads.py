@@ -6,7 +6,7 @@ and what the queries that once broke the limits cost the collector now.
 One ``rankscope collector`` (embedded chDB, no diagnosis). First a new run's batches are sent one
 at a time with nothing else running; then ``--slow`` queries that sleep in the engine are started
 (each as ``rankscope sql`` would: a 30 s deadline) and a second new run's batches are sent while
-they run. Printed: each phase's ack latency (median, slowest) and the batches that missed their
+they run; then the same with queries that keep the CPU busy. Printed: each phase's ack latency (median, slowest) and the batches that missed their
 30 s deadline; then the three queries of issue 30 (903 MB of one repeated string, 1 GB in one
 array, ``system.processes``), each with its answer and the collector's peak RSS after it.
 """
@@ -29,8 +29,11 @@ from rankscope.harness.simulate.payloads import register
 from rankscope.harness.simulate.topology import build
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
-#: sleeps half a second per block of numbers(): minutes, unless stopped
-SLOW = "SELECT sum(sleep(0.5)) AS s FROM numbers(100000000)"
+#: slow queries: one that sleeps half a second per block of numbers(), one that keeps the CPU busy; minutes, unless stopped
+SLOW = {
+    "sleeping": "SELECT sum(sleep(0.5)) AS s FROM numbers(100000000)",
+    "CPU-bound": "SELECT count() AS n FROM numbers(100000000000) WHERE intHash64(number) % 7 = 3",
+}
 LIMIT_QUERIES = (
     "SELECT repeat('x', 1000) FROM numbers(900000)",
     "SELECT max(length(arrayMap(x -> repeat('y', 100), range(10000000)))) AS n",
@@ -88,12 +91,13 @@ def main() -> None:
         with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
             ingest, query = ingest_pb2_grpc.IngestStub(channel), query_pb2_grpc.QueryStub(channel)
             rows = [("no queries", *acks(ingest, "reads-idle", args.batches))]
-            slow = [query.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=DEADLINE_S) for _ in range(args.slow)]
-            time.sleep(1.0)  # every slow query started
-            rows.append((f"{args.slow} slow queries running", *acks(ingest, "reads-loaded", args.batches)))
-            for call in slow:
-                call.cancel()
-            time.sleep(1.0)
+            for kind, sql in SLOW.items():
+                slow = [query.Query.future(query_pb2.QueryRequest(sql=sql), timeout=DEADLINE_S) for _ in range(args.slow)]
+                time.sleep(1.0)  # every slow query started
+                rows.append((f"{args.slow} {kind} queries", *acks(ingest, f"reads-{kind}", args.batches)))
+                for call in slow:
+                    call.cancel()
+                time.sleep(1.0)
             print(f"{'phase':<28} {'batches':>7} {'ack median ms':>14} {'ack max ms':>11} {'deadline missed':>16}")
             for phase, took, missed in rows:
                 print(f"{phase:<28} {len(took):>7} {statistics.median(took) * 1e3:>14.1f} {max(took) * 1e3:>11.1f} {missed:>16}")
