@@ -40,7 +40,7 @@ def collector(module_runner: ProcRunner, tmp_path_factory: pytest.TempPathFactor
     auth = (("authorization", f"Bearer {TOKEN}"),)
     with grpc.insecure_channel(running.target) as channel:
         stub = ingest_pb2_grpc.IngestStub(channel)
-        for batch in (register("sql", 0, 1), spans("sql", 0, 2, t0=T0), step_metrics("sql", 0)):
+        for batch in (register("sql", 0, 1, start_ns=T0), spans("sql", 0, 2, t0=T0), step_metrics("sql", 0)):
             stub.Send(batch, metadata=auth, timeout=30)
     return running
 
