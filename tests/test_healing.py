@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,9 @@ import pytest
 from rankscope.common.incidents import INCIDENTS_SQL
 from rankscope.healing import driver, node_life, verdict
 from rankscope.harness import healing_drills as scenarios
+from rankscope.harness import slurm_drills
 from rankscope.healing.policy import Policy, Verdict
-from rankscope.testbed import hosts
+from rankscope.testbed import hosts, slurm
 
 HOSTS = ["node0", "node1", "node2"]
 
@@ -180,6 +182,19 @@ def test_silence_while_the_driver_paused_the_workers_is_not_a_lost_host(monkeypa
     assert any(a[0] == "incident" and a[1] == ["node0"] and "paused the workers" in a[2] for a in cluster.actions)
 
 
+def test_a_straggler_raised_late_counts_the_slow_steps_its_diagnosis_saw() -> None:
+    """Under load the straggler incident may open many steps after the rank became slow: those steps count."""
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)], driver.CURRENT_STEP_SQL: [{"step": 24}]})
+    heal = _driver(cluster)
+    late = {"incident_id": "straggler:host=node1", "kind": "straggler", "hosts": ["node1"], "summary": "slower since step 8",
+            "evidence": json.dumps({"since_step": 8}), "first_seen_ns": time.time_ns()}  # fmt: skip
+    fresh = {**late, "incident_id": "straggler:host=node2", "hosts": ["node2"], "evidence": json.dumps({"since_step": 23})}
+    cluster.rows[INCIDENTS_SQL] = [late, fresh]
+    heal.poll()
+    verdicts = [(h, r.split(":")[0]) for a, h, r in cluster.actions if a == "incident"]
+    assert verdicts == [(["node1"], "check"), (["node2"], "wait")]
+
+
 def test_a_node_s_life_is_stored_suspect_checking_drained_and_back_after_it_passes_again(monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)]})
     heal = driver.Driver("run", cluster, cluster, Policy(min_hosts=2, recheck_s=0.01), cluster, log=lambda line: None,  # type: ignore[arg-type]
@@ -253,13 +268,7 @@ IN_TESTS = [d for d in scenarios.DRILLS.values() if d.name not in LEFT_OUT]
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("drill", IN_TESTS, ids=[d.name for d in IN_TESTS])
 def test_the_job_finishes_without_the_faulty_host(drill: scenarios.Drill, tmp_path: Path) -> None:
-    try:
-        outcome = scenarios.run(drill, workdir=tmp_path, log=lambda line: None)
-    except hosts.TestbedError as e:
-        pytest.skip(f"no test bed on this machine: {e}")
-    logs = "\n".join(f"--- {p} ---\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.rglob("*.log")))
-    story = "\n".join(f"{a['action']} {a['hosts']} {a['reason']}" for a in outcome.actions)
-    assert outcome.healed, f"{outcome.exits} final hosts {outcome.final_hosts} status {outcome.status}\n{story}\n{logs}"
+    outcome, story = _healed(scenarios.run, drill, tmp_path, "*.log")
     evict = outcome.first("evict")
     assert evict["hosts"] == [outcome.target] and evict["incident_id"], story  # the decision names its incident
     survivors = {h: code for h, code in outcome.exits.items() if h != outcome.target}
@@ -269,6 +278,42 @@ def test_the_job_finishes_without_the_faulty_host(drill: scenarios.Drill, tmp_pa
     if not drill.name.startswith("kill-host"):  # a host still there (frozen, throttled) was self-checked and failed
         check = json.loads(outcome.first("selfcheck")["evidence"])["passed"]
         assert check[outcome.target] is False and all(check[h] for h in check if h != outcome.target), story
+
+
+#: the Slurm drills in the suite: a node frozen, throttled, killed with the job requeued (the spare drill is
+#: docs/healing.md's, run as written by tests/test_docs.py)
+SLURM_IN_TESTS = [d for d in slurm_drills.DRILLS.values() if d.name != "kill-node-spare"]
+
+
+@pytest.mark.slow
+@pytest.mark.foreground  # the self-check compares the nodes' speeds, and a starved job would read as a hang
+@pytest.mark.timeout(540)
+@pytest.mark.parametrize("drill", SLURM_IN_TESTS, ids=[d.name for d in SLURM_IN_TESTS])
+def test_under_slurm_the_bad_node_is_drained_with_its_incident_and_the_job_finishes(drill: scenarios.Drill, tmp_path: Path) -> None:
+    if lacking := slurm.missing():
+        pytest.skip(f"no Slurm on this machine: {', '.join(lacking)} missing (make slurm installs them as root)")
+    outcome, story = _healed(slurm_drills.run, drill, tmp_path, "*.out")
+    evict = outcome.first("evict")
+    acted = next(a for a in outcome.actions if a["incident_id"] == evict["incident_id"] and a["action"] == "incident")
+    kind = json.loads(acted["evidence"])["kind"]
+    assert outcome.fenced_as.startswith(f"rankscope: {kind} {evict['incident_id']}: "), outcome.fenced_as  # sinfo -R names the incident
+    expected = ["launched", "incident", *(["selfcheck"] if kind != "lost_host" else []), "evict", *(["requeue"] if drill.requeue else []),
+                "restart", "resumed", "finished"]  # fmt: skip
+    told = [a["action"] for a in outcome.actions if a["action"] in expected]
+    assert sorted(set(told), key=told.index) == expected, story  # the story, in order, nobody else acting
+    assert outcome.node_states[outcome.target][0] == "suspect" and outcome.node_states[outcome.target][-1] == "drained", outcome.node_states
+
+
+def _healed(play: Callable[..., scenarios.Outcome], drill: scenarios.Drill, tmp_path: Path, logs: str) -> tuple[scenarios.Outcome, str]:
+    """``play(drill)``'s outcome, asserted healed (with the job's ``logs`` files when not), and its story."""
+    try:
+        outcome = play(drill, workdir=tmp_path, log=lambda line: None)
+    except hosts.TestbedError as e:
+        pytest.skip(f"no test bed on this machine: {e}")
+    story = "\n".join(f"{a['action']} {a['hosts']} {a['reason']}" for a in outcome.actions)
+    said = "\n".join(f"--- {p} ---\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.rglob(logs)))
+    assert outcome.healed, f"{outcome.exits} final hosts {outcome.final_hosts} status {outcome.status}\n{story}\n{said}"
+    return outcome, story
 
 
 def test_rankscope_launch_refuses_what_cannot_run_with_one_line(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ FINAL_HOSTS_SQL = (
     "AND attempt = (SELECT max(attempt) FROM ranks WHERE run_id = {run:String})"
 )
 STATUS_SQL = "SELECT argMax(status, updated) AS status FROM runs WHERE run_id = {run:String}"
+NODE_STATES_SQL = "SELECT host, state FROM node_states WHERE run_id = {run:String} ORDER BY time"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class Outcome:
     status: str = ""
     #: the reason the cluster keeps for the fenced host (a drained Slurm node's)
     fenced_as: str = ""
+    #: each host's states as the driver stored them, oldest first
+    node_states: dict[str, list[str]] = field(default_factory=dict)
 
     def first(self, action: str) -> dict[str, Any] | None:
         return next((a for a in self.actions if a["action"] == action), None)
@@ -165,6 +168,8 @@ def read_back(outcome: Outcome, address: str) -> None:
         outcome.actions = client.query(ACTIONS_SQL, {"run": outcome.run_id}).to_pylist()
         outcome.final_hosts = sorted(client.query(FINAL_HOSTS_SQL, {"run": outcome.run_id}).to_pylist()[0]["hosts"])
         outcome.status = client.query(STATUS_SQL, {"run": outcome.run_id}).to_pylist()[0]["status"]
+        for row in client.query(NODE_STATES_SQL, {"run": outcome.run_id}).to_pylist():
+            outcome.node_states.setdefault(row["host"], []).append(row["state"])
 
 
 def _play(drill: Drill, bed: hosts.Testbed, address: str, workdir: Path, log: Callable[[str], None]) -> Outcome:

@@ -188,7 +188,7 @@ class Driver:
         if self._paused_silence(incident) or self._stale(incident):
             return
         step = self._current_step()
-        opened = self._opened_at_step.setdefault(key, step)
+        opened = self._opened_at_step.setdefault(key, min(step, _slow_since(incident, step)))
         verdict, suspects, why = self.policy.verdict(incident["kind"], list(incident["hosts"]), step - opened, self.remaining,
                                                      len(self.spares) if self.join is not None else 0)  # fmt: skip
         first = self._decided.get(key, ("", verdict))[0] != incident["kind"]
@@ -432,6 +432,15 @@ def _steps_lost(steps: dict[int, dict[str, Any]], attempt: int) -> int:
     """The completed steps the attempts before ``attempt`` ran past the checkpoint it resumed from."""
     before = [s["last_step"] for a, s in steps.items() if a < attempt]
     return max(0, max(before, default=0) - (steps[attempt]["first_step"] - 1))
+
+
+def _slow_since(incident: dict[str, Any], default: int) -> int:
+    """The step a straggler has been slow since, as its diagnosis says (``since_step``): under load an
+    incident may open many slow steps late, and those steps count."""
+    try:
+        return int(json.loads(incident.get("evidence") or "{}").get("since_step", default))
+    except (ValueError, TypeError, AttributeError):
+        return default
 
 
 def _reason(incident: dict[str, Any]) -> str:

@@ -33,7 +33,8 @@ class Policy:
     act_on: tuple[str, ...] = KINDS
     #: kinds whose hosts are evicted without a self-check: nothing of them is left to ask
     evict_unchecked: tuple[str, ...] = ("lost_host",)
-    #: a straggler is acted on once it has stayed slow this many steps after its incident opened
+    #: a straggler is acted on once it has stayed slow this many steps (from the step its diagnosis says it
+    #: became slow, or its incident opened if that says nothing)
     straggler_steps: int = 3
     #: the fewest hosts the job may shrink to (torchrun's --nnodes MIN)
     min_hosts: int = 1
