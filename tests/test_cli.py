@@ -117,3 +117,12 @@ def test_only_a_missing_extra_s_package_is_explained(
     else:
         with pytest.raises(ModuleNotFoundError):
             main([command])
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(COMMANDS["sql"]), "run", interrupted)
+    assert main(["sql", "SELECT 1"]) == 130
+    assert capsys.readouterr().err == "rankscope sql: interrupted\n"

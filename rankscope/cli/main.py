@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(argv)
+    except KeyboardInterrupt:  # Ctrl-C: what the command started is its to stop; no traceback
+        print(f"{' '.join(['rankscope', *argv[:1]])}: interrupted", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as error:
         # parsing counts too: an argument type may import the command's code (--listen does)
         message = missing_extra(argv[0], error) if argv else None
