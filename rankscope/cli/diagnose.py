@@ -1,7 +1,11 @@
 """``rankscope diagnose``: run every detector over one stored run and print its incidents.
 
 The same detectors the collector runs live, read through the collector (default), a ClickHouse
-server or an embedded store. ``--format json`` prints exactly one JSON array on stdout.
+server or an embedded store, replayed over the run's steps (``postmortem.replay``: episodes that
+closed are listed with their span), then set beside the incidents the live diagnosis stored: any
+raised on one side only is printed as a disagreement. ``--format json`` prints exactly one JSON
+array on stdout: the offline incidents, then those raised live only, each with ``seen`` (``live and
+offline``, ``offline only``, ``live only``).
 Exit status: 0 (incidents or not), 1 when the data cannot be reached, 2 for an unknown run.
 Telemetry that ended processes left unsent in this host's spool (RANKSCOPE_SPOOL_DIR) is not in
 the store yet: a line on stderr says so, and how to send it.
@@ -15,8 +19,14 @@ import os
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from rankscope.cli import source
 from rankscope.cli.args import add_thresholds, thresholds
+from rankscope.common.incidents import Incident, headline
+
+if TYPE_CHECKING:
+    from rankscope.collector.diagnosis import postmortem
 
 HELP = "name the rank and host behind the stragglers, hangs, crashes, NaNs and slow links of a run"
 EXTRA = "collector"
@@ -34,9 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.collector.client import QueryFailed
-    from rankscope.collector.diagnosis.engine import diagnose
-    from rankscope.collector.diagnosis.ledger import Ledger
-    from rankscope.common.incidents import headline
+    from rankscope.collector.diagnosis import postmortem
 
     _warn_unsent()
     try:
@@ -52,28 +60,50 @@ def run(args: argparse.Namespace) -> int:
                       file=sys.stderr)  # fmt: skip
                 return 2
             settings = thresholds(args)
-            findings = diagnose(run_id, lambda sql, params: reader.query(sql, params), settings)
+            query = lambda sql, params: reader.query(sql, params)  # noqa: E731
+            over = status[0]["status"] in ("finished", "failed")
+            found = postmortem.compare(postmortem.replay(run_id, query, settings, over=over), postmortem.live(run_id, query, settings))
         finally:
             reader.close()
     except QueryFailed as e:
         print(f"rankscope diagnose: {e}", file=sys.stderr)
         return 1
-    over = status[0]["status"] in ("finished", "failed")
-    incidents, _ = Ledger(run_id).update(findings, final=over)
     if args.format == "json":
-        print(json.dumps([i.as_json() for i in incidents], default=str))
+        print(json.dumps([{**i.as_json(), "seen": seen} for i, seen in _seen(found)], default=str))
         return 0
+    incidents = found.offline
     if not incidents:
         print(f"run {run_id} ({status[0]['status']}): no incidents")
-        return 0
-    print(f"run {run_id} ({status[0]['status']}): {len(incidents)} incident{'s' if len(incidents) != 1 else ''}")
+    else:
+        print(f"run {run_id} ({status[0]['status']}): {len(incidents)} incident{'s' if len(incidents) != 1 else ''}")
     for i in incidents:
-        f = i.finding
-        print(f"\n[{f.severity}] {headline(f.kind, f.summary)}")
-        print(f"  ranks {', '.join(map(str, f.ranks))}; hosts {', '.join(f.hosts) or '?'}; "
-              f"first seen {i.as_json()['first_seen']}, last seen {i.as_json()['last_seen']}")  # fmt: skip
-        print(f"  evidence: rankscope sql {json.dumps(f.sql)}")
+        _print(i)
+    _print_comparison(found)
     return 0
+
+
+def _seen(found: postmortem.Comparison) -> list[tuple[Incident, str]]:
+    """Each incident with where it was raised: the offline ones, then those raised live only."""
+    alone = {id(i) for i in found.offline_only}
+    return [(i, "offline only" if id(i) in alone else "live and offline") for i in found.offline] + [(i, "live only") for i in found.live_only]
+
+
+def _print(incident: Incident) -> None:
+    f, shown = incident.finding, incident.as_json()
+    print(f"\n[{f.severity}, {incident.status}] {headline(f.kind, f.summary)}")
+    print(f"  ranks {', '.join(map(str, f.ranks))}; hosts {', '.join(f.hosts) or '?'}; first seen {shown['first_seen']}, last seen {shown['last_seen']}")
+    print(f"  evidence: rankscope sql {json.dumps(f.sql)}")
+
+
+def _print_comparison(found: postmortem.Comparison) -> None:
+    """Where the live diagnosis said otherwise: what it raised that this pass did not find, and the reverse."""
+    if found.agrees:
+        print("\nthe live diagnosis raised the same incidents (kind, ranks, hosts)")
+        return
+    print(f"\ndisagreement with the live diagnosis: {len(found.live_only)} raised live only, {len(found.offline_only)} found offline only")
+    for label, incidents in (("raised live only", found.live_only), ("found offline only", found.offline_only)):
+        for i in incidents:
+            print(f"  {label}: [{i.status}] {i.finding.kind} on ranks {list(i.finding.ranks)} hosts {list(i.finding.hosts)}: {i.finding.summary}")
 
 
 def _latest(reader: object) -> str | None:

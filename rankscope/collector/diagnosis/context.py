@@ -25,6 +25,9 @@ STEP_TIME_SQL = (
 )
 
 
+#: rows a window read asks for at most: a collector answers its readers up to a million (query.Limits)
+PAGE_ROWS = 500_000
+
 ATTEMPT_SQL = "SELECT max(attempt) AS attempt FROM ranks WHERE run_id = {run:String}"
 
 
@@ -52,6 +55,9 @@ class RunContext:
     ranks_of_host: dict[str, list[int]] = field(default_factory=dict)  # host -> its ranks, sorted
     groups: dict[str, list[int]] = field(default_factory=dict)
     seen: dict[str, Any] = field(default_factory=dict)
+    #: offline replay: the newest step a pass may see (``newest_step`` stops there), so that the
+    #: windowed detectors judge the run as it stood at that step; None: the whole run
+    until_step: int | None = None
 
     @classmethod
     def load(cls, run_id: str, query: Query, settings: Settings, seen: dict[tuple[str, int], dict[str, Any]] | None = None) -> RunContext:
@@ -93,9 +99,12 @@ class RunContext:
     def newest_step(self, sql: str) -> int:
         """The newest step ``sql`` finds (``max(step) AS newest``, over rows with ``step >= {since:UInt32}``),
         since the newest it found in an earlier pass: steps of an attempt only grow, and a filter on
-        the step skips the history (the tables are sorted or indexed by it). 0 when there is none."""
+        the step skips the history (the tables are sorted or indexed by it). 0 when there is none;
+        never past ``until_step``."""
         since = self.seen.get(sql, 0)
         step = int(self.query(sql, {"run": self.run_id, "since": since}).to_pylist()[0]["newest"] or 0)
+        if self.until_step is not None:
+            step = min(step, self.until_step)
         self.seen[sql] = max(step, since)
         return self.seen[sql]
 
@@ -108,6 +117,20 @@ class RunContext:
         """A copyable statement: ``{name:Type}`` placeholders written out as literals (for people; never run here)."""
         values = {"run": self.run_id, "attempt": self.attempt, **params}
         return _PLACEHOLDER.sub(lambda m: format_bind_value(values[m.group(1)], top_level=False), sql)
+
+
+def pages(rows: Mapping[Any, int], limit: int = PAGE_ROWS) -> list[list[Any]]:
+    """``rows``' keys (steps, cells) in order, in pages of at most ``limit`` rows (a key over it alone):
+    a window read in pieces stays under the result limit of a collector's reads at 100,000 ranks."""
+    out: list[list[Any]] = [[]]
+    total = 0
+    for key in sorted(rows):
+        if out[-1] and total + rows[key] > limit:
+            out.append([])
+            total = 0
+        out[-1].append(key)
+        total += rows[key]
+    return out if out[0] else []
 
 
 def died_at(silent_since_ns: int, exit_times_ns: Iterable[int], settings: Settings) -> bool:

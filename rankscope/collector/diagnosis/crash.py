@@ -49,7 +49,7 @@ TIMEOUT_WORDS = ("timed out", "timeout", "watchdog", "connection reset", "connec
 
 
 def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: Mapping[int, int] | None = None) -> list[Finding]:
-    """``now_ns``: the collector's clock (live) or the run's last data time (offline).
+    """``now_ns``: the collector's clock (live) or when the live passes last looked at the run (offline).
 
     ``hang``: the hang found in this pass, if any: ends after it are its consequences, and its
     roots that went silent are its own (frozen, not lost). ``heard``: rank -> when the collector

@@ -36,7 +36,7 @@ class Scan:
 
     @property
     def now_ns(self) -> int:
-        """The collector's clock (live) or the run's last data time (offline)."""
+        """The collector's clock (live) or when the live passes last looked at the run (offline: ``engine.offline_now``)."""
         return self.clock()
 
 

@@ -61,14 +61,14 @@ def diagnose(
     heard: Mapping[int, int] | None = None, on_detector: Callable[[str, float], None] | None = None, lane: Lane = EVERY,
 ) -> list[Finding]:  # fmt: skip
     """The findings of ``lane``'s detectors (every one by default) for ``run_id``; ``now_ns`` defaults
-    to the run's last data (offline), ``ctx`` to the run's topology read now; ``heard``: rank -> when
+    to when the live diagnosis last looked at the run (offline: ``offline_now``), ``ctx`` to the run's topology read now; ``heard``: rank -> when
     the collector last heard from it (live: its own clock, ahead of what it has stored when it lags);
     ``on_detector(name, seconds)`` hears how long each detector took."""
     ctx = ctx or RunContext.load(run_id, query, settings)
 
     @functools.cache
     def now() -> int:  # offline, a query made only when a detector asks
-        return now_ns if now_ns is not None else int(ctx.query(LAST_DATA_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
+        return now_ns if now_ns is not None else offline_now(ctx)
 
     timed = _Timed(on_detector)
     findings: list[Finding] = []
@@ -76,6 +76,20 @@ def diagnose(
         heeded = tuple(f for f in findings if f.kind in detector.heeds)
         findings += timed(detector, Scan(ctx, heard, heeded, now))
     return findings
+
+
+def listening_s(settings: Settings) -> float:
+    """How long the live diagnosis goes on passing a run after its newest heartbeat (``ACTIVE_RUNS_SQL``)."""
+    return max(60.0, 3 * settings.silent_after_s)
+
+
+def offline_now(ctx: RunContext) -> int:
+    """The pass's now offline: when the live diagnosis last looked at the run. While the run is heard from
+    that is the clock; after it, its last data plus ``listening_s``. Not the last data itself: a rank
+    killed without a last word is silent from its last heartbeat on, and its peers' last words come
+    seconds later, long before its silence counts; the live passes went on and saw it (0: no data)."""
+    last = int(ctx.query(LAST_DATA_SQL, {"run": ctx.run_id}).to_pylist()[0]["ns"] or 0)
+    return last and min(time.time_ns(), last + int(listening_s(ctx.settings) * 1e9))
 
 
 class _Timed:
@@ -187,7 +201,7 @@ class LiveDiagnosis:
     def pass_once(self, lane: Lane = EVERY) -> list[Incident]:
         """Diagnose every active run once with ``lane``'s detectors; returns the incidents written."""
         written: list[Incident] = []
-        recent_s = int(max(60, 3 * self.settings.silent_after_s))
+        recent_s = int(listening_s(self.settings))
         active = self.query(ACTIVE_RUNS_SQL, {"recent_s": recent_s}).to_pylist()
         # An ended run stays in the recent window for a minute: its final passes go on only while
         # rows written just before its end may still arrive (a run that starts again under its id

@@ -26,6 +26,7 @@ sometimes runs in a period with quota to spare, while the step as a whole waits 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from rankscope.collector.anatomy.path import by_rank
-from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.context import RunContext, pages
 
 #: the kinds of segment that measure a rank's own work
 KINDS = "('compute', 'data', 'optimizer')"
@@ -128,9 +129,14 @@ class SegmentWindow:
         stored = {(n, s): p for n, s, p in zip(held["name"], held["step"], held["pieces"])}
         self.cells = {key: cell for key, cell in self.cells.items() if key in stored}
         stale = {key for key, pieces in stored.items() if key not in self.cells or self.cells[key].pieces != pieces}
-        if not stale:
-            return
-        table = ctx.query(READ_SQL, {"run": ctx.run_id, "steps": sorted({s for _, s in stale})})
+        # a step's read is a row per (segment, rank): 500,000 at 100,096 ranks, so a page of steps at a time
+        cells = Counter(s for _, s in stored)
+        for steps in pages({s: cells[s] * max(len(ctx.stage), 1) for _, s in stale}):
+            self._read(ctx, steps, stale, stored)
+
+    def _read(self, ctx: RunContext, steps: list[int], stale: set[tuple[str, int]], stored: dict[tuple[str, int], int]) -> None:
+        """Read the ``stale`` cells of ``steps`` (``stored``: each cell's pieces in the store)."""
+        table = ctx.query(READ_SQL, {"run": ctx.run_id, "steps": steps})
         names = table.column("name").cast(pa.string()).combine_chunks().dictionary_encode()
         cols = {c: table.column(c).to_numpy() for c in ("step", "rank", "wall", "cpu", "has_cpu", "some_cpu")}
         code, step = names.indices.to_numpy(), cols["step"]

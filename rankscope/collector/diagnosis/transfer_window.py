@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis.context import RunContext, pages
 
 _RUN = "run_id = {run:String} AND attempt = {attempt:UInt16}"
 _STEPS = "step BETWEEN {first_step:UInt32} AND {last_step:UInt32}"
@@ -83,9 +83,9 @@ class TransferWindow:
         window = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step}
         counts = {int(r["step"]): int(r["n"]) for r in ctx.query(COUNTS_SQL, window).to_pylist()}
         stale = sorted(s for s, n in counts.items() if self.counts.get(s) != n)
-        if stale:
-            rows = ctx.query(TRANSFERS_SQL, {"run": ctx.run_id, "steps": stale}).to_pandas()
-            for step in stale:
+        for steps in pages({s: counts[s] for s in stale}):  # a row per transfer: a page of steps at a time at scale
+            rows = ctx.query(TRANSFERS_SQL, {"run": ctx.run_id, "steps": steps}).to_pandas()
+            for step in steps:
                 self.counts[step] = counts[step]
                 self.transfers[step] = rows[rows["step"] == step].drop(columns="step")
         for step in [s for s in self.transfers if not first_step <= s <= last_step]:

@@ -1,0 +1,83 @@
+"""A run diagnosed after the fact (``rankscope diagnose``), and set beside what was raised live.
+
+One pass at the end sees only the faults still visible in the newest steps: a straggler that
+recovered, a loss spike long past, a slow link that healed were episodes the live passes opened and
+closed. So the postmortem replays the run: the detectors that judge a window of steps pass once per
+step or few (``RunContext.until_step``), keeping their windows between passes as the live ones do,
+and a last pass of every detector judges the run as the live diagnosis last saw it
+(``engine.offline_now``). The incidents come out of a ``Ledger`` as the live ones do: episodes
+that ended closed, with their time span. ``compare`` then names the incidents only one side raised
+(matched on kind, ranks and hosts), so that a postmortem shows where it and the live diagnosis differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rankscope.collector.diagnosis.context import Query, RunContext
+from rankscope.collector.diagnosis.engine import diagnose
+from rankscope.collector.diagnosis.ledger import Ledger
+from rankscope.collector.diagnosis.registry import EVERY, THOROUGH
+from rankscope.common.incidents import INCIDENTS_SQL, Incident, from_rows
+from rankscope.common.settings import Settings
+
+#: the most replay passes of a run: beyond it a pass covers several steps (never more than half the
+#: straggler's window, so an episode that window can name is seen whole at one pass at least)
+MAX_PASSES = 200
+
+NEWEST_STEP_SQL = "SELECT max(max_step) AS newest FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
+# when the latest attempt began: the live incidents of earlier attempts are theirs, not this one's
+ATTEMPT_BEGAN_SQL = "SELECT toUnixTimestamp64Nano(min(registered)) AS ns FROM ranks WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
+
+
+def replay(run_id: str, query: Query, settings: Settings, *, over: bool) -> list[Incident]:
+    """The run's incidents as the live passes would have left them, episodes that closed included;
+    ``over``: the run ended, so every incident is closed (as the live diagnosis's final passes do)."""
+    ctx = RunContext.load(run_id, query, settings)
+    ledger = Ledger(run_id)
+    newest = int(ctx.query(NEWEST_STEP_SQL, {"run": run_id}).to_pylist()[0]["newest"] or 0)
+    stride = max(1, min(settings.straggler_window // 2, -(-newest // MAX_PASSES)))
+    for step in range(1, newest, stride):
+        ctx.until_step = step
+        ledger.update(diagnose(run_id, query, settings, ctx=ctx, lane=THOROUGH), owns=THOROUGH.owns)
+    ctx.until_step = None
+    ledger.update(diagnose(run_id, query, settings, ctx=ctx, lane=EVERY), final=over)
+    return [i for i in ledger.incidents.values() if i.status != "merged"]
+
+
+def live(run_id: str, query: Query, settings: Settings) -> list[Incident]:
+    """The incidents the live diagnosis stored for the run's latest attempt (open and closed)."""
+    ctx = RunContext.load(run_id, query, settings)
+    began = int(ctx.query(ATTEMPT_BEGAN_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
+    return [i for i in from_rows(query(INCIDENTS_SQL, {"run": run_id}).to_pylist()) if i.finding.last_seen_ns >= began]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The offline incidents, and the disagreements with the live ones."""
+
+    offline: list[Incident]
+    #: raised live, not found offline
+    live_only: list[Incident]
+    #: found offline, never raised live
+    offline_only: list[Incident]
+
+    @property
+    def agrees(self) -> bool:
+        return not self.live_only and not self.offline_only
+
+
+def compare(offline: list[Incident], raised: list[Incident]) -> Comparison:
+    """Match offline and live incidents on what they name: kind, ranks and hosts."""
+    offline_names = {_names(i) for i in offline}
+    live_names = {_names(i) for i in raised}
+    return Comparison(
+        offline=offline,
+        live_only=[i for i in raised if _names(i) not in offline_names],
+        offline_only=[i for i in offline if _names(i) not in live_names],
+    )
+
+
+def _names(incident: Incident) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+    f = incident.finding
+    return f.kind, tuple(sorted(f.ranks)), tuple(sorted(f.hosts))
