@@ -128,10 +128,13 @@ def test_a_plain_ddp_script_with_only_the_switch_on(
     reduces = [r for r in rows if r["op"] == "all_reduce"]  # DDP's C++ reducer: seen through the flight recorder
     assert {(r["rank"], r["step"]) for r in reduces} == {(rank, step) for rank in range(4) for step in range(1, 5)}
     assert {(r["g"], r["nbytes"], r["state"]) for r in reduces} == {("default_pg", (32 * 64 + 64 + 64 * 8 + 8) * 4, "completed")}
-    spans = query(client, "SELECT rank, name, kind, step FROM spans WHERE run_id = {run:String}", run)
-    expected = {(rank, name, step) for rank in range(4) for name in ("forward", "backward", "optimizer") for step in range(1, 5)}
-    assert {(s["rank"], s["name"], s["step"]) for s in spans} == expected
-    assert {s["kind"] for s in spans if s["name"] != "optimizer"} == {"compute"}
+    spans = query(client, "SELECT rank, name, kind, step, toUnixTimestamp64Nano(end_time) AS end FROM spans WHERE run_id = {run:String}", run)
+    names = ("forward", "backward", "grad_sync", "optimizer")
+    assert {(s["rank"], s["name"], s["step"]) for s in spans} == {(rank, name, step) for rank in range(4) for name in names for step in range(1, 5)}
+    assert {s["name"]: s["kind"] for s in spans} == {"forward": "compute", "backward": "compute", "grad_sync": "comm", "optimizer": "optimizer"}
+    # gloo's flight recorder has no times: each ends when DDP's end-of-backward wait for it did (its grad_sync span)
+    synced = {(s["rank"], s["step"]): s["end"] for s in spans if s["name"] == "grad_sync"}
+    assert all(r["issue"] <= r["end"] <= synced[(r["rank"], r["step"])] + 2_000_000 for r in reduces), reduces
     times = query(client, "SELECT rank, step FROM step_metrics WHERE run_id = {run:String} AND name = 'step_time_s'", run)
     assert {(t["rank"], t["step"]) for t in times} == {(rank, step) for rank in range(4) for step in range(1, 5)}
 
@@ -145,7 +148,7 @@ def test_a_script_without_an_optimizer_gets_a_step_per_forward_and_backward(
     assert len(exits(client, run, 2)) == 2
     spans = query(client, "SELECT rank, name, step FROM spans WHERE run_id = {run:String}", run)
     assert sorted((s["rank"], s["name"], s["step"]) for s in spans) == sorted(
-        (rank, name, step) for rank in range(2) for name in ("forward", "backward") for step in range(1, 5)
+        (rank, name, step) for rank in range(2) for name in ("forward", "backward", "grad_sync") for step in range(1, 5)
     )
     # DDP's reducer issues them in C++: found in the flight recorder, the last ones when the script
     # destroys its process group (about a second after the run began, long before a regular look)

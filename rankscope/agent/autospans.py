@@ -14,6 +14,9 @@
 - ``backward``: from the moment autograd computes the gradient of a root's output to the end of
   that backward pass (an engine callback queued then). It ends before DDP's own end-of-backward
   callback, which waits for the gradient all-reduces: that wait is not compute.
+- ``grad_sync`` (comm) of a DDP root: that wait, from the end of the backward pass to the end of
+  DDP's callback (a second engine callback, queued from the first, runs after it). Its ends also
+  tell the collective tracker when the reducer's all-reduces, issued in C++, began and ended.
 
 Precedence: the script's own API wins, per kind. The first explicit ``set_step`` turns automatic
 steps off for good; the first explicit ``compute`` span turns automatic forward/backward spans
@@ -31,15 +34,17 @@ from typing import Any, TypeVar
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import optimizer as optim
 
+from rankscope.agent.collective_tracker import Collectives
 from rankscope.agent.config import warn_once
 from rankscope.agent.recorder import Recorder, Span
 from rankscope.protos.v1 import telemetry_pb2 as pb
 
 DISCOVERY_CALLS = 100
 
-COMPUTE, OPTIMIZER = pb.SPAN_KIND_COMPUTE, pb.SPAN_KIND_OPTIMIZER
+COMPUTE, OPTIMIZER, COMM = pb.SPAN_KIND_COMPUTE, pb.SPAN_KIND_OPTIMIZER, pb.SPAN_KIND_COMM
 
 H = TypeVar("H", bound=Callable[..., None])
 
@@ -60,8 +65,11 @@ def _hook(fn: H) -> H:
 class AutoSpans:
     """The optimizer and module hooks of one recorder; ``close`` removes them all."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: Recorder, collectives: Collectives | None = None) -> None:
         self.rec = rec
+        self._collectives = collectives
+        self._ddp_output = False  # the root whose output the next backward starts from is a DDP module
+        self._synced_from: tuple[int, int] | None = None  # (token, step) where a DDP backward pass's compute ended
         self._tls = threading.local()
         self._handles: list[Any] = []
         self._discovery: list[Any] = []
@@ -191,6 +199,7 @@ class AutoSpans:
         opened[1].__exit__(None, None, None)
         tensor = _first_grad_tensor(output)
         if tensor is not None:
+            self._ddp_output = isinstance(module, DistributedDataParallel)
             tensor.register_hook(self._backward_start)
 
     @_hook
@@ -199,6 +208,8 @@ class AutoSpans:
             span = self.rec.span("backward", "compute", None, None, {}, auto=True)
             self._backward_open = span
             span.__enter__()
+            if self._ddp_output and self._collectives is not None:
+                self._collectives.backward_began(self.rec.clock.wall_ns())
             self._engine.queue_callback(self._backward_end)
 
     @_hook
@@ -207,6 +218,18 @@ class AutoSpans:
         if span is not None:
             span.__exit__(None, None, None)
             self._backward_done = True
+            if self._ddp_output:
+                self._synced_from = (self.rec.now(), span.step)
+                self._engine.queue_callback(self._synced)  # after DDP's callback, queued during the pass
+
+    @_hook
+    def _synced(self) -> None:
+        """DDP's end-of-backward callback returned: its gradient all-reduces are done."""
+        began, self._synced_from = self._synced_from, None
+        if began is not None:
+            self.rec.add_span(self.rec.strings.id("grad_sync"), COMM, began[1], -1, began[0], self.rec.now(), -1)
+        if self._collectives is not None:
+            self._collectives.backward_synced(self.rec.clock.wall_ns())
 
 
 def _an_optimizer_exists() -> bool:

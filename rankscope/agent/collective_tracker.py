@@ -2,7 +2,10 @@
 
 Two sources, merged on (process group, sequence number): the wrappers of ``collective_patches``,
 which queue raw tuples on the caller's thread, and torch's flight recorder (``flight_recorder``),
-read only for the sequence numbers no wrapper issued.
+read only for the sequence numbers no wrapper issued. gloo's recorder has no start or end times:
+such an operation began when it was issued, and one DDP's reducer issued in a backward pass ended
+when DDP's wait for it at the end of that pass returned (``backward_began``/``backward_synced``,
+called by ``autospans``); it is done then whatever the recorder says.
 
 Sequence numbers. For collectives the number is the flight recorder's ``collective_seq_id``:
 the count of collectives on the group, identical on every member because all members issue
@@ -29,6 +32,8 @@ The background thread reads no counter of a group a wrapper marked ``busy`` (``C
 
 from __future__ import annotations
 
+import bisect
+import math
 import threading
 import time
 from collections import deque
@@ -44,6 +49,9 @@ from rankscope.agent.recorder import COMPLETED, FAILED, PENDING, Recorder, Span,
 from rankscope.agent.state import InFlightOp
 
 FLIGHT_AFTER_S = 0.5  # an operation pending this long shows in the heartbeats' in-flight list
+#: a backward pass's start taken this much earlier: the flight recorder's clock and the agent's
+#: (perf_counter anchored to the wall clock, re-anchored past a millisecond of drift) may differ that much
+SYNC_SLACK_NS = 1_000_000
 
 _DTYPES: dict[torch.dtype, str] = {}  # torch dtype -> its name in the rows
 
@@ -142,6 +150,11 @@ class Collectives:
         self._gaps: dict[tuple[str, int], int] = {}  # (torch group name, seq) -> dumps it was looked for
         self._ids: dict[Any, int] = {}  # op names and torch dtypes -> string ids
         self._last_dump = 0.0
+        #: DDP's backward passes as (began, synced) wall ns: the reducer issues its all-reduces in C++
+        #: inside one and waits for all of them before the pass returns, so that is when they ended
+        #: (gloo's flight recorder has no end times); written by ``backward_began``/``backward_synced``
+        self.syncs: deque[tuple[int, int]] = deque(maxlen=256)
+        self.syncing_since: int | None = None  # a DDP backward pass in progress began then
         self._polling = threading.Lock()  # the background thread polls; a group's shutdown, on its own thread
 
     # --- hot path: what the wrappers call ------------------------------------------------------
@@ -208,6 +221,16 @@ class Collectives:
                 warn_once("collective-finish", f"recording a collective failed ({exc!r})")
 
         future.then(complete)
+
+    def backward_began(self, wall_ns: int) -> None:
+        """A DDP module's backward pass began (on the autograd thread): its reducer's all-reduces follow."""
+        self.syncing_since = wall_ns
+
+    def backward_synced(self, wall_ns: int) -> None:
+        """DDP waited for its reducer's all-reduces (its end-of-backward callback returned)."""
+        began, self.syncing_since = self.syncing_since, None
+        if began is not None:
+            self.syncs.append((began - SYNC_SLACK_NS, wall_ns))
 
     # --- background thread ----------------------------------------------------------------------
 
@@ -403,6 +426,7 @@ class Collectives:
         self._last_dump = time.monotonic()
         dump = self.fr.read()
         found = set()
+        syncs, syncing = list(self.syncs), self.syncing_since
         for e in dump.entries if dump else ():
             key = (e.group, e.seq)
             if key not in self._gaps or e.p2p:
@@ -410,17 +434,21 @@ class Collectives:
             info = self.groups.by_key(e.group)
             if info is None:
                 continue
-            done = dump.done(e)
+            synced = _synced_by(syncs, e.issue_ns)
+            # in a DDP backward still in progress: done once DDP has waited for it, which tells when
+            done = synced > 0 or (dump.done(e) and (syncing is None or e.issue_ns < syncing - SYNC_SLACK_NS))
             flight = InFlightOp(info.name, e.seq, e.op, -1, e.issue_ns, waiting=False)
             if not done and not final:
                 self.state.enter(flight)
                 found.add(key)
                 continue
+            start = e.start_ns or e.issue_ns  # gloo's recorder has neither start nor end: issued is when it began
+            end = e.end_ns or synced or (start if done else 0)  # no end known: none measured, not one in 1970
             self.rec.add_collective(
                 self.rec.strings.id(info.name), e.seq, self.rec.strings.id(e.op), e.nbytes, self.rec.strings.id(e.dtype), -1,
-                e.issue_ns, e.start_ns, e.end_ns, COMPLETED if done else PENDING, self.rec.step_at(e.issue_ns),
+                e.issue_ns, start, end, COMPLETED if done else PENDING, self.rec.step_at(e.issue_ns),
             )  # fmt: skip
-            self.state.leave(info.name, e.seq, e.op, -1, e.end_ns or self.rec.clock.wall_ns())
+            self.state.leave(info.name, e.seq, e.op, -1, end or self.rec.clock.wall_ns())
             del self._gaps[key]
         for key in [k for k in self._gaps if k not in found]:
             self._gaps[key] += 1
@@ -441,3 +469,8 @@ class Collectives:
             if self._gaps:
                 self._fill_gaps(final=True)
 
+
+def _synced_by(syncs: list[tuple[int, int]], issue_ns: int) -> int:
+    """When the DDP backward pass that ``issue_ns`` falls in had waited for its all-reduces; 0 when none does."""
+    i = bisect.bisect_right(syncs, (issue_ns, math.inf)) - 1
+    return syncs[i][1] if i >= 0 and issue_ns <= syncs[i][1] else 0

@@ -126,7 +126,7 @@ class Agent:
     def start(self) -> None:
         self.identity = _identify(self.config)  # now, while the default group surely exists
         install_collectives(self.collectives)
-        self.autospans = _guarded("starting automatic spans", lambda: AutoSpans(self.rec))
+        self.autospans = _guarded("starting automatic spans", lambda: AutoSpans(self.rec, self.collectives))
         self.stop_otel = _guarded("recording OpenTelemetry spans", lambda: otel.install(self.rec))
         self._hook_exit()
         os.register_at_fork(after_in_child=_after_fork_in_child)
