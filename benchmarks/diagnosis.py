@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rankscope.harness.local_scenarios import FAULT_START_SQL
-from rankscope.harness.orchestration import CLI, free_port, start, start_collector, stop
+from rankscope.harness.orchestration import CLI, free_port, postmortem, start, start_collector, stop
 
 STRAGGLER = (3000, 1.3, 4)  # rank, factor, from step
 HANG_RANK = 7777
@@ -170,7 +170,22 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
         rows += _pass_rows(address, run_id, silent_after, args.repeats)
     finally:
         stop(collector, 60)
+    collector, address = start_collector(store, work / "collector-3.log", "--no-diagnosis", "--nice", "0")  # its default read limits
+    try:
+        rows.append(_postmortem_row(address, run_id, silent_after))
+    finally:
+        stop(collector, 60)
     return rows
+
+
+def _postmortem_row(address: str, run_id: str, silent_after: float) -> str:
+    """`rankscope diagnose --format json` over the stored run through a collector with its default read
+    limits (a million rows a read): its time, and what it said beside the live incidents."""
+    started = time.perf_counter()
+    found = postmortem(address, run_id, "--hang-after", str(HANG_AFTER_S), "--silent-after", f"{silent_after:.0f}")
+    seconds = time.perf_counter() - started
+    said = "; ".join(f"{i['kind']} {i['ranks'][:4]} {i['status']} ({i['seen']})" for i in found.incidents) or found.error or "no incident"
+    return f"| rankscope diagnose --format json after the run, through a collector with its default read limits | {seconds:.0f} s: {said} |"
 
 
 def _live_passes(metrics_url: str) -> list[str]:

@@ -56,9 +56,9 @@ def test_an_external_fault_is_diagnosed(scenario: scenarios.Scenario, tmp_path: 
         pytest.skip(f"no test bed on this machine: {e}")
     assert score.passed, f"{score.line()}\nincidents: {score.incidents}\n{_logs(tmp_path)}"
     if scenario.name in POSTMORTEM_CHECKED:  # `rankscope diagnose` afterwards names what was raised live, and nothing else
-        offline = [(i["kind"], i["ranks"], i["hosts"], i["seen"]) for i in score.offline]
-        assert offline == [(scenario.kind, list(score.ranks), list(score.hosts), "live and offline")], (
-            f"{score.offline_error}\noffline: {score.offline}\nlive: {score.incidents}")
+        assert score.offline is not None
+        assert score.offline.names() == [(scenario.kind, list(score.ranks), list(score.hosts), "live and offline")], (
+            f"{score.offline.error}\noffline: {score.offline.incidents}\nlive: {score.incidents}")
 
 
 def _logs(workdir: Path) -> str:

@@ -20,11 +20,13 @@ from pathlib import Path
 from rankscope.common.incidents import INCIDENTS_SQL
 from rankscope.harness.orchestration import (
     CLI,
+    Postmortem,
     agent_env,
     await_diagnosis,
     collector_command,
     host_of,
     metrics_url,
+    postmortem,
     start,
     stop,
     wait_for_address,
@@ -101,6 +103,8 @@ class Score:
     seconds_to_detect: float | None = None
     steps_to_detect: int | None = None
     training_exit: int | None = None
+    #: `rankscope diagnose` after the run, live and offline compared
+    offline: Postmortem | None = None
 
     @property
     def expected(self) -> list[dict]:
@@ -154,6 +158,8 @@ def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str],
         training = start([*CLI, "train", *flags], workdir / "train.log", env)
         score = _watch(scenario, run_id, client, training, metrics, log)
         client.close()
+        stop(training)  # a hung run is stopped before its postmortem, as a user would
+        score.offline = postmortem(address, run_id, "--hang-after", str(HANG_AFTER_S))
         return score
     finally:
         for proc in (training, collector):

@@ -8,6 +8,7 @@ on a full pipe), and stopping one stops its whole tree (torchrun's workers inclu
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from rankscope.agent.config import render_host
@@ -44,6 +46,36 @@ def collector_command(store: Path, listen: str, hang_after_s: float, *, metrics:
         *CLI, "collector", "--store", str(store), "--listen", listen, "--hang-after", str(hang_after_s),
         "--diagnose-every", "1", "--flush-interval", "0.5", *(["--metrics-port", "0"] if metrics else []),
     ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Postmortem:
+    """What `rankscope diagnose --format json` said after a run: its incidents, each with ``seen``
+    (raised live and offline, or on one side only), or the error that stopped it."""
+
+    incidents: list[dict]
+    error: str = ""
+
+    @property
+    def disagreements(self) -> list[dict]:
+        """The incidents the live and offline diagnoses do not both name (kind, ranks, hosts)."""
+        return [i for i in self.incidents if i["seen"] != "live and offline"]
+
+    def names(self) -> list[tuple[str, list[int], list[str], str]]:
+        """(kind, ranks, hosts, seen) of each incident, in order."""
+        return [(i["kind"], sorted(i["ranks"]), sorted(i["hosts"]), i["seen"]) for i in self.incidents]
+
+
+def postmortem(address: str, run_id: str, *thresholds: str) -> Postmortem:
+    """`rankscope diagnose --format json` of the run through the collector at ``address`` (``thresholds``: its flags)."""
+    command = [*CLI, "diagnose", "--collector", address, "--run", run_id, "--format", "json", *thresholds]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            return Postmortem([], f"{' '.join(command)}: exit status {done.returncode}: {done.stderr[-2000:]}")
+        return Postmortem(json.loads(done.stdout))
+    except (subprocess.TimeoutExpired, ValueError) as e:
+        return Postmortem([], f"{' '.join(command)}: {e}")
 
 
 def agent_env(address: str, run_id: str, spool_dir: Path) -> dict[str, str]:

@@ -11,9 +11,7 @@ it), and nothing else. ``Score.seconds_to_detect`` is the time from the fault to
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
 import tempfile
 import time
 import uuid
@@ -26,8 +24,10 @@ from rankscope.common.incidents import INCIDENTS_SQL
 from rankscope.harness.local_scenarios import SMALL_MODEL, verdict
 from rankscope.harness.orchestration import (
     CLI,
+    Postmortem,
     await_diagnosis,
     metrics_url,
+    postmortem,
     start,
     stop,
     wait_for_address,
@@ -118,15 +118,8 @@ class Score:
     incidents: list[dict] = field(default_factory=list)
     seconds_to_detect: float | None = None
     fault: str = ""
-    #: `rankscope diagnose --format json` after the run (``postmortem``): the offline incidents, each
-    #: with ``seen`` (where it was raised), or the error that stopped it
-    offline: list[dict] = field(default_factory=list)
-    offline_error: str = ""
-
-    @property
-    def disagreements(self) -> list[dict]:
-        """The incidents the live and offline diagnoses do not both name (kind, ranks, hosts)."""
-        return [i for i in self.offline if i["seen"] != "live and offline"]
+    #: `rankscope diagnose` after the run, live and offline compared
+    offline: Postmortem | None = None
 
     @property
     def expected(self) -> list[dict]:
@@ -208,22 +201,8 @@ def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, l
             if applied is not None:
                 applied.undo()
             job.stop()
-    score.offline, score.offline_error = postmortem(address, run_id)
+    score.offline = postmortem(address, run_id, "--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S))
     return score
-
-
-def postmortem(address: str, run_id: str) -> tuple[list[dict], str]:
-    """`rankscope diagnose --format json` of the run through the collector at ``address``, with the
-    scenarios' thresholds: (its incidents, live and offline compared; "") or ([], why it failed)."""
-    command = [*CLI, "diagnose", "--collector", address, "--run", run_id, "--format", "json",
-               "--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S)]  # fmt: skip
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if done.returncode:
-            return [], f"{' '.join(command)}: exit status {done.returncode}: {done.stderr[-2000:]}"
-        return json.loads(done.stdout), ""
-    except (subprocess.TimeoutExpired, ValueError) as e:
-        return [], f"{' '.join(command)}: {e}"
 
 
 def _wait_for_step(client: object, run_id: str, step: int, job: Job, timeout_s: float = 240) -> None:
