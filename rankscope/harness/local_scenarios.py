@@ -121,9 +121,10 @@ class Score:
     def line(self) -> str:
         s = self.scenario
         verdict = "PASS" if self.passed else "FAIL"
+        offline = f"; {self.offline.verdict()}" if self.offline is not None else ""
         if s.kind is None:
             found = "none" if not self.incidents else "; ".join(i["summary"] for i in self.incidents)
-            return f"{verdict} {s.name}: expected no incident, found {found}"
+            return f"{verdict} {s.name}: expected no incident, found {found}{offline}"
         got = self.expected[0] if self.expected else None
         named = f"ranks {sorted(got['ranks'])} hosts {sorted(got['hosts'])}" if got else "nothing"
         timing = ""
@@ -134,7 +135,7 @@ class Score:
         extra = f"; extra: {'; '.join(i['summary'] for i in self.extra)}" if self.extra else ""
         return (
             f"{verdict} {s.name}: {'detected' if got else 'missed'} {s.kind}{timing}: named {named}, "
-            f"injected ranks {list(s.ranks)} hosts {list(s.hosts)}{extra}"
+            f"injected ranks {list(s.ranks)} hosts {list(s.hosts)}{extra}{offline}"
         )
 
 

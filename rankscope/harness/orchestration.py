@@ -61,6 +61,14 @@ class Postmortem:
         """The incidents the live and offline diagnoses do not both name (kind, ranks, hosts)."""
         return [i for i in self.incidents if i["seen"] != "live and offline"]
 
+    def verdict(self) -> str:
+        """One phrase for a score line: whether the postmortem agreed with the live diagnosis."""
+        if self.error:
+            return f"rankscope diagnose failed: {self.error}"
+        if not self.disagreements:
+            return "rankscope diagnose afterwards agrees"
+        return "rankscope diagnose afterwards disagrees: " + "; ".join(f"{i['seen']}: {i['kind']} {i['ranks']} {i['hosts']}" for i in self.disagreements)
+
     def names(self) -> list[tuple[str, list[int], list[str], str]]:
         """(kind, ranks, hosts, seen) of each incident, in order."""
         return [(i["kind"], sorted(i["ranks"]), sorted(i["hosts"]), i["seen"]) for i in self.incidents]

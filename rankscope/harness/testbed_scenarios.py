@@ -133,10 +133,11 @@ class Score:
         s = self.scenario
         verdict = "PASS" if self.passed else "FAIL"
         found = "; ".join(f"{i['kind']}: {i['summary']}" for i in self.incidents) or "no incident"
+        offline = f"; {self.offline.verdict()}" if self.offline is not None else ""
         if s.kind is None:
-            return f"{verdict} {s.name}: expected no incident, found {found}"
+            return f"{verdict} {s.name}: expected no incident, found {found}{offline}"
         timing = f" in {self.seconds_to_detect:.1f} s" if self.seconds_to_detect is not None else ""
-        return f"{verdict} {s.name}{timing}: expected {s.kind} on ranks {list(self.ranks)} hosts {list(self.hosts)}; found {found}"
+        return f"{verdict} {s.name}{timing}: expected {s.kind} on ranks {list(self.ranks)} hosts {list(self.hosts)}; found {found}{offline}"
 
 
 def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str], None] = print) -> Score:
