@@ -47,12 +47,12 @@ def test_an_episode_that_closed_during_the_run_is_replayed_and_compared_with_the
         assert [f for f in diagnose(RUN, query, settings) if f.kind == "episode"] == []  # one pass at the end: gone
         found = [i for i in postmortem.replay(RUN, query, settings, over=False) if i.finding.kind == "episode"]
         assert [(i.status, i.finding.ranks, i.finding.hosts, i.finding.last_seen_ns) for i in found] == [("closed", (2,), ("node-00",), T0 + 6 * 10**9)]
-        raised = postmortem.live(RUN, query, settings)
+        raised = postmortem.live(RUN, query)
         assert raised == []
         alone = postmortem.compare(found, raised)
         assert not alone.agrees and alone.offline_only == found and alone.live_only == []
         write_to(run_of_ten_steps.insert_arrow)([replace(found[0], finding=replace(found[0].finding, summary="rank 2 slow, live"))])
-        agreed = postmortem.compare(found, postmortem.live(RUN, query, settings))
+        agreed = postmortem.compare(found, postmortem.live(RUN, query))
         assert agreed.agrees, agreed
 
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             settings = thresholds(args)
             query = lambda sql, params: reader.query(sql, params)  # noqa: E731
             over = status[0]["status"] in ("finished", "failed")
-            found = postmortem.compare(postmortem.replay(run_id, query, settings, over=over), postmortem.live(run_id, query, settings))
+            found = postmortem.compare(postmortem.replay(run_id, query, settings, over=over), postmortem.live(run_id, query))
         finally:
             reader.close()
     except QueryFailed as e:

@@ -27,7 +27,10 @@ MAX_PASSES = 200
 
 NEWEST_STEP_SQL = "SELECT max(max_step) AS newest FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
 # when the latest attempt began: the live incidents of earlier attempts are theirs, not this one's
-ATTEMPT_BEGAN_SQL = "SELECT toUnixTimestamp64Nano(min(registered)) AS ns FROM ranks WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
+ATTEMPT_BEGAN_SQL = (
+    "SELECT toUnixTimestamp64Nano(min(registered)) AS ns FROM ranks WHERE run_id = {run:String} "
+    "AND attempt = (SELECT max(attempt) FROM ranks WHERE run_id = {run:String})"
+)
 
 
 def replay(run_id: str, query: Query, settings: Settings, *, over: bool) -> list[Incident]:
@@ -45,10 +48,9 @@ def replay(run_id: str, query: Query, settings: Settings, *, over: bool) -> list
     return [i for i in ledger.incidents.values() if i.status != "merged"]
 
 
-def live(run_id: str, query: Query, settings: Settings) -> list[Incident]:
+def live(run_id: str, query: Query) -> list[Incident]:
     """The incidents the live diagnosis stored for the run's latest attempt (open and closed)."""
-    ctx = RunContext.load(run_id, query, settings)
-    began = int(ctx.query(ATTEMPT_BEGAN_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
+    began = int(query(ATTEMPT_BEGAN_SQL, {"run": run_id}).to_pylist()[0]["ns"] or 0)
     return [i for i in from_rows(query(INCIDENTS_SQL, {"run": run_id}).to_pylist()) if i.finding.last_seen_ns >= began]
 
 
