@@ -1,6 +1,6 @@
-"""Faults in a plain DDP script that knows nothing about rankscope (tests/scripts/ddp_plain.py), not
-the bundled trainer: only ``RANKSCOPE_ENABLE=1`` is set, and the live diagnosis still names the
-rank and the host.
+"""Faults in a plain DDP script that knows nothing about rankscope (tests/scripts/ddp_plain.py and
+rankscope/harness/ddp_job.py), not the bundled trainer: only ``RANKSCOPE_ENABLE=1`` is set, and the
+live diagnosis and ``rankscope diagnose`` still name the rank and the host.
 
 The script's gradient all-reduces come from DDP's C++ reducer, which waits for them in C++: the
 agent sees them only in torch's flight recorder, in flight, never as a wait of the thread.
@@ -8,17 +8,30 @@ agent sees them only in torch's flight recorder, in flight, never as a wait of t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import Proc, ProcRunner, incidents, start_collector
+from conftest import CLI, Proc, ProcRunner, Running, incidents, start_collector
+from rankscope.common.processes import process_tree, training_rank
+from rankscope.harness import ddp_job
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_plain.py"
 FAST = {"RANKSCOPE_FLUSH_S": "0.5", "RANKSCOPE_HEARTBEAT_S": "1"}
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+#: the starved rank's share of a CPU (cgroup quota): its peers, 3 ranks on 2 cores, have about 0.67 each
+STARVED_CPU = 0.25
+STARVED_RANK = 2
+#: forward and backward inside optimizer.step(closure), as Lightning runs them: a step is one
+#: optimizer span, DDP's wait included, so only the arrivals at the all-reduces tell who is late
+JOB = [ddp_job.__file__, "--closure", "--width", "768", "--batch", "256"]
 
 
 def test_a_rank_stuck_outside_ddps_all_reduce_is_the_hangs_root(
@@ -34,3 +47,109 @@ def test_a_rank_stuck_outside_ddps_all_reduce_is_the_hangs_root(
     assert (hangs[0]["ranks"], hangs[0]["hosts"]) == ([2], ["node-1"]), hangs
     assert "default_pg" in hangs[0]["summary"]  # where the others wait: DDP's gradient all-reduce
     assert proc.wait(90) == 0, proc.output()  # the stalled rank went on: the job ends normally
+
+
+@pytest.fixture(scope="module")
+def collector(module_runner: ProcRunner, tmp_path_factory: pytest.TempPathFactory) -> Running:
+    """One collector for the module's runs, diagnosing every second."""
+    store = tmp_path_factory.mktemp("plain-store") / "data"
+    return start_collector(module_runner, store, "--hang-after", "30", "--diagnose-every", "1", "--flush-interval", "0.5")
+
+
+def _env(collector: Running, run: str, spool: Path) -> dict[str, str]:
+    return {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(spool),
+            "RANKSCOPE_RUN_ID": run, "RANKSCOPE_HOST": "node-{rank//2}", **FAST}  # fmt: skip
+
+
+def _rank_pid(proc: Proc, rank: int, timeout_s: float = 60) -> int:
+    """The pid of torchrun's worker of ``rank`` (not a process it started)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in process_tree(proc.pid):
+            if (training_rank(pid) or (-1,))[0] == rank:
+                return pid
+        assert proc.returncode is None, proc.output()
+        time.sleep(0.2)
+    raise AssertionError(f"no worker of rank {rank} within {timeout_s} s")
+
+
+def _stored_step(collector: Running, run: str) -> int:
+    from rankscope.collector.client import Client
+
+    with Client(collector.target) as client:
+        rows = client.query("SELECT max(step) AS step FROM spans WHERE run_id = {run:String}", {"run": run}).to_pylist()
+    return int(rows[0]["step"] or 0)
+
+
+@pytest.fixture
+def starve() -> Iterator[Callable[[int], None]]:
+    """``starve(pid)``: the process's CPU cut to ``STARVED_CPU`` of a core, from outside (a cpu cgroup
+    nested in its own, whose quota a sibling of it on the host would not feel); undone at teardown."""
+    made: list[Path] = []
+
+    def cut(pid: int) -> None:
+        own = next((line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                    if "cpu" in line.split(":", 2)[1].split(",")), None)  # fmt: skip
+        if own is None or not os.access(CPU_CGROUPS, os.W_OK):
+            pytest.skip("no writable cpu cgroup (v1) here")
+        group = CPU_CGROUPS / own.lstrip("/") / f"starved-{pid}"
+        group.mkdir()
+        made.append(group)
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(STARVED_CPU * 100000)))
+        (group / "cgroup.procs").write_text(str(pid))
+
+    yield cut
+    for group in made:
+        for pid in (group / "cgroup.procs").read_text().split():
+            try:
+                (group.parent / "cgroup.procs").write_text(pid)
+            except ProcessLookupError:
+                pass
+        group.rmdir()
+
+
+def _offline(collector: Running, run: str) -> list[dict]:
+    done = subprocess.run([*CLI, "diagnose", "--run", run, "--collector", collector.target, "--format", "json"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.foreground
+def test_a_rank_starved_of_cpu_from_outside_is_named_by_its_late_arrivals(
+    collector: Running, torchrun: Callable[..., Proc], starve: Callable[[int], None], tmp_path: Path
+) -> None:
+    """A rank of a 4-rank DDP job put in a cpu cgroup of a quarter of a core arrives last at DDP's
+    gradient all-reduces: named live and by ``rankscope diagnose``, with its host, and nobody else."""
+    run = "starved"
+    proc = torchrun([*JOB, "--steps", "120"], 4, env=_env(collector, run, tmp_path / "spool"))
+    pid = _rank_pid(proc, STARVED_RANK)
+    deadline = time.monotonic() + 90
+    while _stored_step(collector, run) < 3:  # training, past its first steps
+        assert time.monotonic() < deadline and proc.returncode is None, proc.output()
+        time.sleep(0.5)
+    starve(pid)
+
+    def named(found: list[dict], _: object) -> bool:
+        return any(i["kind"] == "straggler" and STARVED_RANK in i["ranks"] for i in found)
+
+    live = incidents(collector.target, run, named, timeout_s=120)
+    assert proc.wait(240) == 0, proc.output()
+    stragglers = [(i["ranks"], i["hosts"]) for i in live if i["kind"] == "straggler"]
+    assert stragglers, live
+    assert all((ranks, hosts) == ([STARVED_RANK], ["node-1"]) for ranks, hosts in stragglers), live
+    assert {i["kind"] for i in live} == {"straggler"}, live
+    offline = _offline(collector, run)
+    assert offline and {(i["kind"], tuple(i["ranks"]), tuple(i["hosts"])) for i in offline} == {("straggler", (STARVED_RANK,), ("node-1",))}, offline
+    assert any("arrives last at default_pg's collectives" in i["summary"] for i in offline), offline
+
+
+@pytest.mark.foreground
+def test_a_clean_ddp_job_names_nobody(collector: Running, torchrun: Callable[..., Proc], tmp_path: Path) -> None:
+    run = "clean"
+    proc = torchrun([*JOB, "--steps", "60"], 4, env=_env(collector, run, tmp_path / "spool"))
+    assert proc.wait(240) == 0, proc.output()
+    time.sleep(5)  # the last rows stored and passed over
+    assert incidents(collector.target, run, lambda found, _: True, timeout_s=1) == []
+    assert _offline(collector, run) == []

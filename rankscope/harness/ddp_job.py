@@ -1,7 +1,9 @@
 """A plain DDP training script that knows nothing about rankscope: the test bed's "user job".
 
 The faults of the test bed are applied from outside, so nothing in here cooperates with them. An MLP
-wide enough that a step is mostly compute (a throttled host shows in it).
+wide enough that a step is mostly compute (a throttled host shows in it). ``--closure`` runs forward
+and backward inside ``optimizer.step(closure)``, as PyTorch Lightning does: a step is then one
+optimizer call, DDP's wait for its gradient all-reduces included.
 """
 
 import argparse
@@ -16,6 +18,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--closure", action="store_true", help="forward and backward inside optimizer.step(closure)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -25,9 +28,18 @@ def main() -> None:
     generator = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(args.steps):
         x, y = torch.randn(args.batch, args.width, generator=generator), torch.randn(args.batch, 8, generator=generator)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        if args.closure:
+            optimizer.step(closure)
+        else:
+            closure()
+            optimizer.step()
     dist.destroy_process_group()
 
 

@@ -27,7 +27,7 @@ sometimes runs in a period with quota to spare, while the step as a whole waits 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -228,6 +228,19 @@ class SegmentWindow:
         for (r, _, s), t in list(started.items()):  # a step's compute began with its first segment
             started[(r, STEP_COMPUTE, s)] = min(t, started.get((r, STEP_COMPUTE, s), t))
         return started
+
+
+def episode(points: list[tuple], slow: Callable[[tuple], bool]) -> list[tuple]:
+    """The newest run of ``slow`` points (by step), allowing single points that are not inside it (noise)."""
+    start = len(points) - 1
+    i = start - 1
+    while i >= 0:
+        if slow(points[i]):
+            start = i
+        elif i == 0 or not slow(points[i - 1]):
+            break  # two fast steps in a row (or the first step): the episode began after them
+        i -= 1
+    return points[start:]
 
 
 def _padded(values: np.ndarray, size: int) -> np.ndarray:

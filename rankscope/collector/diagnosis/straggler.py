@@ -25,6 +25,8 @@ import numpy as np
 
 from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
 from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.diagnosis import arrivals as late_arrivals
+from rankscope.collector.diagnosis import segment_window
 from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.collector.diagnosis.segment_window import STEP_COMPUTE, SegmentWindow, Series
 from rankscope.common.incidents import Finding
@@ -68,31 +70,31 @@ def detect(ctx: RunContext) -> list[Finding]:
         return []
     window = SegmentWindow.of(ctx)
     window.refresh(ctx, first_step, last_step)
-    series = _slow_series(ctx, window, first_step, last_step, wall=False)
+    step_s = ctx.median_step_s(first_step, last_step)
+    series = _slow_series(ctx, window, s, step_s, wall=False)
     if window.cpu_measured:
-        series += _slow_series(ctx, window, first_step, last_step, wall=True)
-    if not series:
-        return []
-    started = window.started(ctx, first_step, last_step, {x.rank for x, _ in series})
+        series += _slow_series(ctx, window, s, step_s, wall=True)
     slow: dict[int, dict] = {}
+    started = window.started(ctx, first_step, last_step, {x.rank for x, _ in series}) if series else {}
     for x, wall in series:
         info = _slow_episode(x, wall, started, s)
         if info is not None and (x.rank not in slow or info["ratio"] > slow[x.rank]["ratio"]):
             slow[x.rank] = {**info, "segments": window.names if x.segment == STEP_COMPUTE else [x.segment]}
+    for rank, info in late_arrivals.late_ranks(ctx, first_step, last_step, step_s).items():
+        slow.setdefault(rank, info)  # a slow segment, where one shows, says more
     if not slow:
         return []
     arrivals = _arrivals(ctx, first_step, sorted(slow))
     return _findings(ctx, slow, arrivals)
 
 
-def _slow_series(ctx: RunContext, window: SegmentWindow, first_step: int, last_step: int, *, wall: bool) -> list[tuple[Series, bool]]:
+def _slow_series(ctx: RunContext, window: SegmentWindow, s: Settings, step_s: float, *, wall: bool) -> list[tuple[Series, bool]]:
     """The series slow often enough to be looked at, each with ``wall``: compare the step's compute in
     wall time even where CPU time was measured, with the higher bar ``straggler_wall_excess`` met at
-    all steps of the window but one (its noise comes in runs of steps)."""
-    s = ctx.settings
+    all steps of the window but one (its noise comes in runs of steps); ``step_s``: the median step."""
     found = window.slow_series(
         ctx.stage, wall=wall, window=s.straggler_window, min_steps=_min_steps(s, wall),
-        min_excess_ns=max(s.straggler_min_excess_s, s.straggler_step_share * ctx.median_step_s(first_step, last_step)) * 1e9,
+        min_excess_ns=max(s.straggler_min_excess_s, s.straggler_step_share * step_s) * 1e9,
         excess=max(s.straggler_excess, s.straggler_wall_excess) if wall else s.straggler_excess,
     )  # fmt: skip
     return [(x, wall) for x in found]
@@ -113,7 +115,7 @@ def _slow_episode(x: Series, wall: bool, started: dict[tuple[int, str, int], int
     slow = [p for p in recent if p[1] >= p[4]]
     if len(slow) < min_steps or not any(p[1] >= p[4] for p in recent[-2:]):
         return None  # not slow often enough, or no longer: two fast steps in a row (one is noise, as in an episode)
-    episode = _episode(x.points)
+    episode = segment_window.episode(x.points, _slow_point)
     if sum(p[1] >= p[4] for p in episode) < min_steps:
         return None  # slow steps scattered among fast ones: the scheduler's noise, not a slow rank
     return {
@@ -129,17 +131,9 @@ def _slow_episode(x: Series, wall: bool, started: dict[tuple[int, str, int], int
     }
 
 
-def _episode(points: list[tuple]) -> list[tuple]:
-    """The newest run of slow steps, allowing single steps below the bar inside it (noise)."""
-    start = len(points) - 1
-    i = start - 1
-    while i >= 0:
-        if points[i][1] >= points[i][4]:
-            start = i
-        elif i == 0 or points[i - 1][1] < points[i - 1][4]:
-            break  # two fast steps in a row (or the first step): the episode began after them
-        i -= 1
-    return points[start:]
+def _slow_point(point: tuple) -> bool:
+    """A series' point (step, ratio, ns, median ns, bar) at or above its bar."""
+    return point[1] >= point[4]
 
 
 def _arrivals(ctx: RunContext, first_step: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
@@ -156,12 +150,13 @@ def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[
         worst = max(ranks, key=lambda r: slow[r]["ratio"])
         info = slow[worst]
         summary = (f"host {host}: ranks {', '.join(map(str, ranks))} are all slower than their stage peers; "
-                   f"{ctx.who(worst)} {info['segment']} {_pct(info['ratio'])} slower since step {info['since_step']}")  # fmt: skip
+                   f"{ctx.who(worst)} {info.get('text') or _pct(info['ratio']) + ' slower'} since step {info['since_step']}")  # fmt: skip
         found = _finding(ctx, f"straggler:host={host}", ranks, info, arrivals, summary)
         findings.append(replace(found, absorbs=tuple(f"straggler:rank={r}" for r in sorted(ranks, key=lambda r: slow[r]["since_step"]))))
     for rank in sorted(r for r in slow if ctx.host.get(r) not in slow_hosts):
         info = slow[rank]
-        summary = f"{ctx.who(rank)}: {info['segment']} {_pct(info['ratio'])} slower than its stage peers since step {info['since_step']}"
+        what = info.get("text") or f"{info['segment']} {_pct(info['ratio'])} slower than its stage peers"
+        summary = f"{ctx.who(rank)}: {what} since step {info['since_step']}"
         found = _finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary)
         # a rank of a host named before, alone now (its host-mate's slowness dipped): the same fault
         host = ctx.host.get(rank)
@@ -183,6 +178,11 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
         "stage_ranks": stage_ranks,
         "arrived_last": {str(r): {"collectives": arrivals[r][0], "last": arrivals[r][1]} for r in ranks if r in arrivals},
     }
+    if segments == [late_arrivals.SEGMENT]:
+        evidence["groups"] = info["groups"]
+        sql = ctx.literal_sql(late_arrivals.EVIDENCE_SQL, first_step=info["since_step"], last_step=info["steps"][-1]["step"])
+    else:
+        sql = ctx.literal_sql(EVIDENCE_SQL, segments=segments, ranks=stage_ranks)
     # what its links on the critical paths of the latest steps cost them (rankscope/collector/anatomy)
     cost = incident_cost(ctx.query, ctx.run_id, [p["step"] for p in info["steps"][-INCIDENT_STEPS:]], ranks, attempt=ctx.attempt, groups=ctx.group_index)
     if cost is not None:
@@ -198,7 +198,7 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
         last_seen_ns=info["last_ns"],
         summary=summary,
         evidence=evidence,
-        sql=ctx.literal_sql(EVIDENCE_SQL, segments=segments, ranks=stage_ranks),
+        sql=sql,
     )
 
 
