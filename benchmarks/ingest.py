@@ -62,7 +62,15 @@ def collectives(rank: int, n: int, t0: int, step: int):
     )  # fmt: skip
 
 
-def sender(address: str, run_id: str, rank: int, seconds: float, batch: int, spool: str, out: mp.Queue) -> None:
+def registration(rank: int, world: int):
+    """A data-parallel rank's registration: the collector takes rows of registered runs only."""
+    from rankscope.protos.v1 import telemetry_pb2
+
+    return telemetry_pb2.Register(world_size=world, host=f"bench-{rank}", pid=os.getpid(), tp=1, pp=1, dp=world, tp_rank=0,
+                                  pp_rank=0, dp_rank=rank, start_time_ns=time.time_ns())  # fmt: skip
+
+
+def sender(address: str, run_id: str, rank: int, world: int, seconds: float, batch: int, spool: str, out: mp.Queue) -> None:
     """One agent-like process: keep the Transport's queue fed for ``seconds``, then close it."""
     from rankscope.agent.config import load_config
     from rankscope.agent.transport import Transport
@@ -71,6 +79,7 @@ def sender(address: str, run_id: str, rank: int, seconds: float, batch: int, spo
     config = load_config(agent_environment(address, spool_dir=spool))
     transport = Transport(config, run_id, rank, name=f"bench{rank}")
     transport.start()
+    transport.submit(registration(rank, world))
     t0 = time.time_ns()
     began = time.time()
     # A few distinct payloads, built once: the benchmark measures transport and ingest, not numpy.
@@ -107,9 +116,11 @@ def raw_insert_rate(store: Path, rows_per_table: int) -> float:
 
     now = time.time_ns()
     tables = {}
+    registry = RunRegistry()
+    decode(ingest_pb2.Batch(schema_version=1, run_id="raw", rank=0, batch_id=os.urandom(16), register=registration(0, 1)), registry, now)
     for kind, make in (("spans", spans), ("collectives", collectives)):
         batch = ingest_pb2.Batch(schema_version=1, run_id="raw", rank=0, batch_id=os.urandom(16), **{kind: make(0, rows_per_table, now, 1)})
-        tables[kind] = decode(batch, RunRegistry(), now).parts[kind]
+        tables[kind] = decode(batch, registry, now).parts[kind]
     st = open_store(store_dir=store)
     try:
         started = time.perf_counter()
@@ -137,7 +148,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     try:
-        procs = [ctx.Process(target=sender, args=(address, run_id, r, args.seconds, args.batch, str(workdir / "spool"), out))
+        procs = [ctx.Process(target=sender, args=(address, run_id, r, args.senders, args.seconds, args.batch, str(workdir / "spool"), out))
                  for r in range(args.senders)]  # fmt: skip
         for p in procs:
             p.start()

@@ -99,6 +99,18 @@ def run_name() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
 
 
+def registered(collector: Collector, tmp_path: Path) -> str:
+    """A new run whose rank 0 registered with ``collector`` straight away (before an outage, or around
+    a proxy): the collector takes the rows of registered runs only."""
+    run_id = run_name()
+    t = Transport(agent_config(collector.address, tmp_path / "registrar-spool"), run_id, 0, name="registrar")
+    t.start()
+    t.submit(register())
+    t.close(timeout_s=30)
+    assert t.stats().acked == 1, t.stats()
+    return run_id
+
+
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -372,7 +384,7 @@ def test_diagnose_says_when_telemetry_waits_in_this_hosts_spool(collector: Colle
     assert f"`rankscope spool replay {spool}` sends it" in done.stderr and f"no run {run_id!r}" in done.stderr, done.output()
 
 def test_spool_drops_oldest_first_when_full(collector: Collector, tmp_path: Path) -> None:
-    run_id = run_name()
+    run_id = registered(collector, tmp_path)  # before the outage: the spool's own copy is the oldest, dropped first
     spool = tmp_path / "spool"
     t = Transport(agent_config(f"127.0.0.1:{free_port()}", spool, RANKSCOPE_SPOOL_MAX_MB="1"), run_id, 0)
     t.start()
@@ -476,9 +488,10 @@ def losing_proxy(collector: Collector, request: pytest.FixtureRequest) -> Iterat
     proxy.channel.close()
 
 
-def _send_one(address: str, tmp_path: Path) -> tuple[Transport, str]:
-    """One batch of a new run sent through ``address`` until acknowledged; the transport closed."""
-    run_id = run_name()
+def _send_one(collector: Collector, address: str, tmp_path: Path) -> tuple[Transport, str]:
+    """One batch of a new run (registered with ``collector``) sent through ``address`` until acknowledged;
+    the transport closed."""
+    run_id = registered(collector, tmp_path)
     t = Transport(agent_config(address, tmp_path / "spool"), run_id, 0)
     t.start()
     t.submit(span_batch(1))
@@ -493,14 +506,14 @@ def test_a_call_the_overloaded_collector_cancelled_is_sent_again_however_often(
 ) -> None:
     """A gRPC server short of CPU cancels calls it cannot serve: never the batch's fault, so never dropped
     (other failures are given up after MAX_ATTEMPTS)."""
-    t, run_id = _send_one(losing_proxy[1], tmp_path)
+    t, run_id = _send_one(collector, losing_proxy[1], tmp_path)
     assert t.stats().dropped == 0 and t.stats().errors == {"CANCELLED": MAX_ATTEMPTS + 2}
     assert collector.count("spans", run_id) == EVENTS
 
 
 def test_lost_acknowledgement_resent_and_written_once(collector: Collector, losing_proxy: tuple[_LosingProxy, str], tmp_path: Path) -> None:
     proxy, address = losing_proxy
-    t, run_id = _send_one(address, tmp_path)
+    t, run_id = _send_one(collector, address, tmp_path)
     # The batch went twice under one id; the collector wrote it once and said so the second time.
     assert proxy.seen[0] == proxy.seen[1] and len(proxy.seen) == 2
     assert [a.duplicate for a in proxy.acks] == [False, True]
@@ -595,6 +608,30 @@ def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tm
     # the two urgent calls are in flight together: the server may take either first
     assert gate.kinds[0] == "spans" and sorted(gate.kinds[1:3]) == ["end", "heartbeats"], gate.kinds
     assert gate.kinds[3:] == ["spans"] * 3, gate.kinds
+
+
+def test_a_registration_goes_ahead_of_the_timelines_submitted_before_it(tmp_path: Path) -> None:
+    """The collector takes a run's rows only once one of its ranks registered: a registration is
+    urgent, sent before the timelines queued ahead of it (with the heartbeat submitted after it)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    gate = _Gate()
+    ingest_pb2_grpc.add_IngestServicer_to_server(gate, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    t = Transport(agent_config(f"127.0.0.1:{port}", tmp_path / "spool"), run_name(), 0, window=1)
+    try:
+        t.submit(span_batch(1))
+        t.submit(register())
+        t.submit(telemetry_pb2.HeartbeatBatch(heartbeats=[telemetry_pb2.Heartbeat(step=1, phase="forward")]))
+        t.start()
+        wait_until(lambda: len(gate.kinds) == 2, 30, "the registration and the heartbeat in flight")
+        gate.open.set()
+        wait_until(lambda: t.stats().acked == 3, 30, "every batch acknowledged")
+    finally:
+        gate.open.set()
+        t.close(timeout_s=5)
+        server.stop(0)
+    assert sorted(gate.kinds[:2]) == ["heartbeats", "register"] and gate.kinds[2:] == ["spans"], gate.kinds
 
 
 # --- forked children ----------------------------------------------------------------------------

@@ -187,6 +187,7 @@ class Agent:
         self.transport.start()
         if final:
             return
+        self._register()  # before the first heartbeat: the collector takes a run's rows once it is registered
         self.heartbeat = Heartbeat(self.state, self.transport, interval_s=self.config.heartbeat_s, stall_s=self.config.stall_s)
         self.heartbeat.start()
         self.metrics = _guarded("starting metrics", self._start_metrics)

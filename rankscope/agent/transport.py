@@ -6,10 +6,11 @@ background thread per Transport does everything else:
 
 - wraps each payload in a ``Batch`` (run, rank, a 16-byte id: 8 random bytes per Transport and
   a counter) and sends it with the unary ``Ingest/Send``, several calls in flight at once;
-  heartbeats, stack dumps and the rank's end (``URGENT``: where a rank is blocked, what a hang is
-  named from, its last word) go ahead of the timelines queued before them, in calls of their own
-  beyond the window (``URGENT_SLOTS``), so a collector that lags behind the bulk still hears them
-  first, and a rank that ends is not called lost because its end waited behind its timelines;
+  registrations, heartbeats, stack dumps and the rank's end (``URGENT``: who a rank is, where it
+  is blocked, what a hang is named from, its last word) go ahead of the timelines queued before
+  them, in calls of their own beyond the window (``URGENT_SLOTS``), so a collector that lags
+  behind the bulk still hears them first, and a rank that ends is not called lost because its end
+  waited behind its timelines;
 - estimates the clock offset from each acknowledgement (``clock.py``) and stamps it, with the
   send time, on every batch;
 - when the collector is unreachable (UNAVAILABLE, deadline, rejected token), writes batches to
@@ -71,10 +72,11 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 #: payload message type -> its field in Batch.payload
 _FIELDS = {f.message_type.full_name: f.name for f in ingest_pb2.Batch.DESCRIPTOR.oneofs_by_name["payload"].fields}
 _COLUMNAR = ("spans", "collectives", "metrics", "step_metrics")
-#: payload kinds sent ahead of the queued timelines
-URGENT = frozenset({"heartbeats", "stack", "end", "ends"})
 #: payload kinds that register ranks (one, or a sender's several), sent again after an outage
 REGISTRATIONS = frozenset({"register", "registers"})
+#: payload kinds sent ahead of the queued timelines, in the order submitted: registrations among them,
+#: since the collector takes a run's rows only once one of its ranks has registered
+URGENT = frozenset({"heartbeats", "stack", "end", "ends", *REGISTRATIONS})
 #: calls beyond the window that only URGENT batches may take: a window full of timelines that a
 #: lagging collector acknowledges slowly does not hold them
 URGENT_SLOTS = 4

@@ -111,8 +111,8 @@ class BatchContext:
             return
         raise IngestError(
             f"{what}: times {_iso(lo)} .. {_iso(hi)} (collector clock, after adding clock_offset_ns="
-            f"{self.offset}) lie outside the accepted window {_iso(self.lo)} .. {_iso(self.hi)} around the"
-            f" collector's clock {_iso(self.now_ns)}, and not before the run's start: fix the rank's clock or"
+            f"{self.offset}) lie outside the accepted window {_iso(self.lo)} .. {_iso(self.hi)} (around the"
+            f" collector's clock {_iso(self.now_ns)}, not before the run's start): fix the rank's clock or"
             " clock offset, or widen the collector's --time-window",
             "time",
         )

@@ -273,6 +273,9 @@ def _node_state(ctx: BatchContext, msg: telemetry_pb2.NodeState, registry: RunRe
         raise IngestError("node_state.host is empty: a node's state names the node")
     if msg.state not in NODE_STATES:
         raise IngestError(f"node_state.state is {msg.state!r}: one of {', '.join(NODE_STATES)}")
+    for what, text, limit in (("host", msg.host, MAX_ID_CHARS), ("incident_id", msg.incident_id, MAX_ID_CHARS),
+                              ("actor", msg.actor, MAX_ID_CHARS), ("reason", msg.reason, MAX_TEXT_CHARS)):
+        check_text(f"node_state.{what}", text, limit)
     return {
         "node_states": arrow_table(
             "node_states",

@@ -26,10 +26,12 @@ if _version_not_supported:
 
 
 class IngestStub:
-    """Errors are gRPC status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (malformed batch,
-    column lengths, times outside the accepted window), FAILED_PRECONDITION (unknown
-    schema_version), RESOURCE_EXHAUSTED (too large, or buffers full: retry after the
-    "retry-after-ms" trailing metadata).
+    """Errors are gRPC status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (a malformed or untrue
+    batch: counts its bytes do not hold, ids or texts too long, values out of range, ranks outside
+    the run's world, times outside the accepted window, ends before starts; the details name the
+    field), FAILED_PRECONDITION (unknown schema_version, or rows of a run no rank has registered),
+    RESOURCE_EXHAUSTED (too large, or buffers full: retry after the "retry-after-ms" trailing
+    metadata).
     """
 
     def __init__(self, channel):
@@ -46,10 +48,12 @@ class IngestStub:
 
 
 class IngestServicer:
-    """Errors are gRPC status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (malformed batch,
-    column lengths, times outside the accepted window), FAILED_PRECONDITION (unknown
-    schema_version), RESOURCE_EXHAUSTED (too large, or buffers full: retry after the
-    "retry-after-ms" trailing metadata).
+    """Errors are gRPC status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (a malformed or untrue
+    batch: counts its bytes do not hold, ids or texts too long, values out of range, ranks outside
+    the run's world, times outside the accepted window, ends before starts; the details name the
+    field), FAILED_PRECONDITION (unknown schema_version, or rows of a run no rank has registered),
+    RESOURCE_EXHAUSTED (too large, or buffers full: retry after the "retry-after-ms" trailing
+    metadata).
     """
 
     def Send(self, request, context):
@@ -75,10 +79,12 @@ def add_IngestServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Ingest:
-    """Errors are gRPC status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (malformed batch,
-    column lengths, times outside the accepted window), FAILED_PRECONDITION (unknown
-    schema_version), RESOURCE_EXHAUSTED (too large, or buffers full: retry after the
-    "retry-after-ms" trailing metadata).
+    """Errors are gRPC status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (a malformed or untrue
+    batch: counts its bytes do not hold, ids or texts too long, values out of range, ranks outside
+    the run's world, times outside the accepted window, ends before starts; the details name the
+    field), FAILED_PRECONDITION (unknown schema_version, or rows of a run no rank has registered),
+    RESOURCE_EXHAUSTED (too large, or buffers full: retry after the "retry-after-ms" trailing
+    metadata).
     """
 
     @staticmethod
