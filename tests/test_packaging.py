@@ -207,7 +207,7 @@ def test_the_agent_s_install_alone_records_a_ddp_run(agent_only: Path, proc_runn
         assert {r: e["reason"] for r, e in exits(client, run, 2).items()} == {0: "normal", 1: "normal"}
         spans = query(client, "SELECT rank, name, step FROM spans WHERE run_id = {run:String}", run)
         assert {(s["rank"], s["name"], s["step"]) for s in spans} == {
-            (rank, name, step) for rank in range(2) for name in ("forward", "backward", "optimizer") for step in range(1, steps + 1)
+            (rank, name, step) for rank in range(2) for name in ("forward", "backward", "grad_sync", "optimizer") for step in range(1, steps + 1)
         }
         reduces = {(r["rank"], r["step"]) for r in collectives(client, run) if r["op"] == "all_reduce"}
         assert reduces == {(rank, step) for rank in range(2) for step in range(1, steps + 1)}
