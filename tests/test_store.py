@@ -168,7 +168,7 @@ def test_ddl_creates_every_table_with_its_columns_engine_and_keys(migrated: Stor
     ).to_pylist()
     for table in TABLES:
         mine = [(c["name"], c["type"], c["default_kind"]) for c in columns if c["table"] == table.name]
-        assert mine == [(c.name, c.type, "MATERIALIZED" if c.materialized else "") for c in table.columns]
+        assert mine == [(c.name, c.type, "MATERIALIZED" if c.materialized else "DEFAULT" if c.default else "") for c in table.columns]
 
 
 def family(table: Table) -> str:

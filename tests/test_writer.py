@@ -86,7 +86,7 @@ def test_a_small_table_is_flushed_when_its_oldest_row_is_flush_interval_old(migr
 def test_when_one_buffer_is_due_every_buffer_with_rows_shares_its_write_cycle(migrated: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     inserted: list[str] = []
     insert = migrated.insert_arrow
-    monkeypatch.setattr(migrated, "insert_arrow", lambda table, rows: (inserted.append(table.split(".")[-1]), insert(table, rows))[1])
+    monkeypatch.setattr(migrated, "insert_arrow", lambda table, rows, cycle=0: (inserted.append(table.split(".")[-1]), insert(table, rows, cycle=cycle))[1])
 
     async def scenario() -> Writer:
         writer = Writer(migrated, migrated.database, flush_rows=10**9, flush_interval_s=0.5)
@@ -289,3 +289,70 @@ def test_close_writes_what_is_buffered_and_refuses_later_writes(migrated: Store)
 def test_batch_ids_are_16_bytes() -> None:
     with pytest.raises(ValueError, match="16 bytes"):
         BatchKey("run", 0, b"short", "spans")
+
+
+def _rolled_up(store: Store) -> list[dict[str, object]]:
+    sql = (f"SELECT run_id, step, rank, sum(pieces) AS pieces FROM {store.database}.step_segments GROUP BY run_id, step, rank "
+           "ORDER BY run_id, step, rank")
+    return store.query_arrow(sql).to_pylist()
+
+
+def test_rows_of_a_cycle_never_committed_are_rolled_back_with_their_rollups_at_start(migrated: Store) -> None:
+    """A collector killed between a cycle's rows and its batch ids: the next writer removes those rows,
+    from the tables, the projection and the rollups, and keeps every committed row; the batches sent
+    again are then stored once."""
+    async def first() -> int:
+        writer = Writer(migrated, migrated.database, flush_interval_s=0.05)
+        await writer.start()
+        await writer.write({"spans": sample_rows("spans", 5, run_id="a"), "collectives": sample_rows("collectives", 5, run_id="a")}, key(1))
+        await writer.close()
+        return writer._cycle
+
+    committed = run(first())
+    before = _rolled_up(migrated)
+    # the killed cycle: its rows went in, its ids did not (steps 1-3 again, so that the rollups would count them twice)
+    for name in ("spans", "collectives", "heartbeats"):
+        migrated.insert_arrow(f"{migrated.database}.{name}", sample_rows(name, 3, run_id="a"), cycle=committed + 1)
+    migrated.insert_arrow(f"{migrated.database}.spans", sample_rows("spans", 4, run_id="b"), cycle=committed + 1)
+    assert counts(migrated, "spans") == {"a": 8, "b": 4}
+
+    async def second() -> bool:
+        writer = Writer(migrated, migrated.database, flush_interval_s=0.05)
+        await writer.start()
+        again = await writer.write({"spans": sample_rows("spans", 4, run_id="b")}, key(2, run_id="b"))
+        await writer.close()
+        return again
+
+    assert run(second()) is True
+    assert counts(migrated, "spans") == {"a": 5, "b": 4} and counts(migrated, "collectives") == {"a": 5} and counts(migrated, "heartbeats") == {}
+    by_seq = f"SELECT count() AS n FROM {migrated.database}.collectives WHERE run_id = 'a' AND group_name = 'tp[0]' AND seq <= 3"
+    assert migrated.query_arrow(by_seq).to_pylist() == [{"n": 3}]  # the projection's answer (ordered by group, seq)
+    entered = f"SELECT max(seq) AS seq, count() AS n FROM {migrated.database}.entered WHERE run_id = 'a'"
+    assert migrated.query_arrow(entered).to_pylist()[0]["seq"] == 5
+    assert _rolled_up(migrated) == before + [{"run_id": "b", "step": k + 1, "rank": k, "pieces": 1} for k in range(4)]
+    assert migrated.query_arrow(f"SELECT count() AS n FROM {migrated.database}.rank_state").to_pylist() == [{"n": 0}]
+
+
+def test_a_commit_that_fails_rolls_its_rows_back_and_fails_its_batches(migrated: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    insert = migrated.insert_arrow
+    failures = [1]
+
+    def flaky(table: str, rows: pa.Table, cycle: int = 0) -> None:
+        if table.endswith(".batches") and failures:
+            failures.pop()
+            raise StoreError("the store went away")
+        insert(table, rows, cycle=cycle)
+
+    monkeypatch.setattr(migrated, "insert_arrow", flaky)
+
+    async def scenario() -> tuple[object, bool]:
+        writer = Writer(migrated, migrated.database, flush_interval_s=0.05)
+        await writer.start()
+        lost = await asyncio.gather(writer.write(spans(6, "a"), key(1)), return_exceptions=True)
+        again = await writer.write(spans(6, "a"), key(1))  # the agent sends it again
+        await writer.close()
+        return lost[0], again
+
+    lost, again = run(scenario())
+    assert isinstance(lost, StoreError) and again is True
+    assert counts(migrated, "spans") == {"a": 6} and len(recorded(migrated)) == 1

@@ -3,20 +3,22 @@
 ClickHouse wants about one insert per table per second of thousands to 100k rows, while agents
 send a batch of a few thousand rows per rank every so often. The writer keeps one buffer per
 table and inserts it as one Arrow table when it holds ``flush_rows`` rows or its oldest row is
-``flush_interval_s`` old (then together with every other buffer that holds rows). A batch is
-acknowledged (``write`` returns) only once all its rows are stored; its id then goes into the
-``batches`` table, after the data and in the same flush cycle, so a batch that an agent sends
-again (after a lost acknowledgement, or to a restarted collector) is recognised and not stored
-twice.
+``flush_interval_s`` old, together with every other buffer that holds rows: a batch's rows all go
+in one flush cycle. A batch is acknowledged (``write`` returns) only once all its rows are stored;
+its id then goes into the ``batches`` table, after the data and in the same flush cycle, so a batch
+that an agent sends again (after a lost acknowledgement, or to a restarted collector) is recognised
+and not stored twice.
+
+Exactly once, also across a kill at any moment: every row carries its flush cycle, and the cycle's
+batch ids are its commit (``store/cycles.py``). A starting writer first rolls back the rows of
+cycles never committed; a commit that fails rolls its cycle back at once, and its batches fail
+(the agents send them again). A batch the engine refuses fails alone: a refused combined insert is
+retried one batch at a time, and when the refused batch's other tables' rows were stored, the
+cycle is rolled back and written again without it.
 
 Within a cycle the tables that say who is alive and where it waits (heartbeats, ends,
 registrations) go in before the bulk timelines (``BULK``: spans, collectives, metrics), so that a
 cycle that carries a full-detail step does not hold back the reports a hang is named from.
-
-A batch the engine refuses fails alone: a refused combined insert is retried one batch at a
-time. A batch over several tables (a registration: runs, ranks, groups) can be left partly
-written when one of its tables fails; those tables replace rows by key, so the agent's retry is
-harmless.
 
 Store calls block, so they run in one worker thread and never on the event loop; buffers and
 futures are only touched on the event loop, and the worker only sees what it was handed.
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from rankscope.collector.decode import REGISTRATIONS
+from rankscope.collector.store import cycles
 from rankscope.collector.store.base import QueryError, Store, StoreError, arrow_schema, conform, table_spec
 from rankscope.collector.store.schema import BY_NAME
 
@@ -71,8 +74,8 @@ class _Pending:
     future: asyncio.Future[None]
     rows: int
     received_ns: int
-    remaining: int  # parts (tables) not yet through an insert attempt
     error: StoreError | None = None
+    stored: int = 0  # parts (tables) inserted in the cycle being written
 
 
 @dataclass
@@ -120,6 +123,9 @@ class Writer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankscope-writer")
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._cycle = 0  # the last flush cycle begun (worker thread)
+        self._committed = 0  # the last committed, as the store said when last rolled back
+        self._roll_back_due = False  # a commit failed and its rollback too: roll back before the next cycle
 
     @property
     def buffered_rows(self) -> int:
@@ -135,10 +141,13 @@ class Writer:
         return {table: [samples.popleft() for _ in range(len(samples))] for table, samples in self._latencies.items() if samples}
 
     async def start(self) -> None:
-        """Load the ids written within the dedup window (dedup survives restarts); start flushing."""
+        """Roll back what a killed collector left uncommitted, load the ids written within the dedup
+        window (dedup survives restarts); start flushing."""
         if self._task is not None or self._closed:
             raise StoreError("a writer starts once")
         loop = asyncio.get_running_loop()
+        self._committed, _ = await loop.run_in_executor(self._executor, cycles.roll_back, self.store, self.database)
+        self._cycle = self._committed
         since_ns = time.time_ns() - int(self.dedup_window_s * 1e9)
         rows = await loop.run_in_executor(self._executor, self._load_written, since_ns)
         for row in rows.to_pylist():
@@ -170,7 +179,6 @@ class Writer:
             future=asyncio.get_running_loop().create_future(),
             rows=sum(rows.num_rows for rows in nonempty.values()),
             received_ns=time.time_ns(),
-            remaining=len(nonempty),
         )
         self._inflight[ident] = pending
         self._buffered_rows += pending.rows
@@ -228,17 +236,16 @@ class Writer:
         return max(0.0, min(starts) + self.flush_interval_s - time.monotonic())
 
     def _take_due(self, force: bool) -> tuple[dict[str, list[tuple[_Pending, pa.Table]]], list[_Pending]]:
-        """The buffers to insert now: a full one alone; when one is old enough, every buffer with
-        rows goes with it, so the tables share one write cycle (and one ``batches`` insert) per
-        interval instead of each starting its own: an insert's cost hardly depends on its size."""
+        """The buffers to insert now: when one is full or old enough, every buffer with rows, so the
+        tables share one write cycle (and one ``batches`` insert) per interval instead of each
+        starting its own (an insert's cost hardly depends on its size), and a batch's rows are
+        committed by one cycle."""
         now = time.monotonic()
         filled = {name: buffer for name, buffer in self._buffers.items() if buffer.parts}
-        every = force or any(now - buffer.since >= self.flush_interval_s for buffer in filled.values())
         due = {}
-        for name, buffer in filled.items():
-            if every or buffer.rows >= self.flush_rows:
-                due[name] = buffer.parts
-                self._buffers[name] = _Buffer()
+        if force or any(now - b.since >= self.flush_interval_s or b.rows >= self.flush_rows for b in filled.values()):
+            due = {name: buffer.parts for name, buffer in filled.items()}
+            self._buffers = {}
         ready, self._ready = self._ready, []
         return due, ready
 
@@ -272,25 +279,65 @@ class Writer:
         )
 
     def _write_cycle(self, due: dict[str, list[tuple[_Pending, pa.Table]]], ready: list[_Pending]) -> list[_Pending]:
-        """Insert the due tables, then the ids of the batches now complete; returns those batches."""
-        completed = list(ready)
-        for name, parts in sorted(due.items(), key=lambda item: item[0] in BULK):
-            for pending, error in self._insert_parts(name, parts):
-                pending.error = pending.error or error
-                pending.remaining -= 1
-                if pending.remaining == 0:
-                    completed.append(pending)
-        stored = [p for p in completed if p.error is None]
-        if stored:
-            try:
-                self._insert("batches", self._records(stored))
-            except StoreError as e:
-                # The rows are stored: acknowledge them. Only a restart loses these ids (an
-                # agent does not resend an acknowledged batch).
-                log.warning("could not record %d batch ids: %s", len(stored), e)
-        return completed
+        """Write the due tables and the ready batches in a new cycle, committed by their ids; returns
+        every batch of it. When a refused batch's other rows are in, the cycle is rolled back and
+        written again without it (once: a second such failure fails them all)."""
+        batches = list(dict.fromkeys([*ready, *(pending for parts in due.values() for pending, _ in parts)]))
+        if self._roll_back_due and not self._roll_back(batches):
+            return batches
+        for again in (False, True):
+            writing = [p for p in batches if p.error is None]
+            refused = self._try_cycle({name: [(p, rows) for p, rows in parts if p.error is None] for name, parts in due.items()}, writing)
+            if not refused or not self._roll_back(writing):
+                break
+            if again:
+                for pending in writing:
+                    pending.error = pending.error or refused[0].error
+        return batches
 
-    def _insert_parts(self, name: str, parts: list[tuple[_Pending, pa.Table]]) -> list[tuple[_Pending, StoreError | None]]:
+    def _try_cycle(self, due: dict[str, list[tuple[_Pending, pa.Table]]], writing: list[_Pending]) -> list[_Pending]:
+        """Insert ``due`` as a new cycle, then commit the ids of ``writing`` that all went in; returns
+        the refused batches whose other rows were stored (the cycle is then left uncommitted)."""
+        self._cycle += 1
+        cycle = self._cycle
+        for pending in writing:
+            pending.stored = 0
+        for name, parts in sorted(due.items(), key=lambda item: item[0] in BULK):
+            for pending, error in self._insert_parts(name, parts, cycle):
+                if error is None:
+                    pending.stored += 1
+                else:
+                    pending.error = pending.error or error
+        refused = [p for p in writing if p.error is not None and p.stored]
+        stored = [p for p in writing if p.error is None]
+        if refused or not stored:
+            return refused
+        try:
+            self._insert("batches", self._records(stored), cycle)
+        except StoreError as e:
+            log.warning("could not record %d batch ids, rolling their rows back: %s", len(stored), e)
+            for pending in stored:
+                pending.error = e
+            if self._roll_back(stored) and self._committed >= cycle:  # the commit went in after all
+                for pending in stored:
+                    pending.error = None
+        return []
+
+    def _roll_back(self, batches: list[_Pending]) -> bool:
+        """Roll back every uncommitted cycle; False (and ``batches`` failed) when the store cannot,
+        which is tried again before the next cycle."""
+        try:
+            self._committed, _ = cycles.roll_back(self.store, self.database)
+        except StoreError as e:
+            log.warning("could not roll back uncommitted rows (tried again before the next write): %s", e)
+            self._roll_back_due = True
+            for pending in batches:
+                pending.error = pending.error or e
+            return False
+        self._roll_back_due = False
+        return True
+
+    def _insert_parts(self, name: str, parts: list[tuple[_Pending, pa.Table]], cycle: int) -> list[tuple[_Pending, StoreError | None]]:
         """One insert for all parts; if the engine refuses it, one per part, so only bad ones fail."""
         spec = table_spec(name)
         results: list[tuple[_Pending, StoreError | None]] = []
@@ -303,7 +350,7 @@ class Writer:
         if not good:
             return results
         try:
-            self._insert(name, pa.concat_tables([rows for _, rows in good]))
+            self._insert(name, pa.concat_tables([rows for _, rows in good]), cycle)
             return results + [(pending, None) for pending, _ in good]
         except QueryError as e:
             refused = e
@@ -313,15 +360,15 @@ class Writer:
             return results + [(good[0][0], refused)]
         for pending, rows in good:
             try:
-                self._insert(name, rows)
+                self._insert(name, rows, cycle)
                 results.append((pending, None))
             except StoreError as e:
                 results.append((pending, e))
         return results
 
-    def _insert(self, name: str, rows: pa.Table) -> None:
+    def _insert(self, name: str, rows: pa.Table, cycle: int) -> None:
         started = time.perf_counter()
-        self.store.insert_arrow(f"{self.database}.{name}", rows)
+        self.store.insert_arrow(f"{self.database}.{name}", rows, cycle=cycle)
         self._latencies[name].append(time.perf_counter() - started)
         self.rows_written[name] += rows.num_rows
 

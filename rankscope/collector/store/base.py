@@ -17,7 +17,7 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from rankscope.collector.store.schema import BY_NAME, Table
+from rankscope.collector.store.schema import BY_NAME, CYCLE, Table
 
 
 class StoreError(Exception):
@@ -54,8 +54,9 @@ class Store(Protocol):
         """Run a statement that returns nothing (DDL, ALTER, INSERT ... SELECT)."""
         ...
 
-    def insert_arrow(self, table: str, data: pa.Table) -> None:
-        """Insert rows; ``table`` is "db.name" or "name", ``data`` has the table's insert columns."""
+    def insert_arrow(self, table: str, data: pa.Table, *, cycle: int = 0) -> None:
+        """Insert rows; ``table`` is "db.name" or "name", ``data`` has the table's insert columns;
+        ``cycle``: the writer's flush cycle, stored in every row's ``cycle`` (see ``stamped``)."""
         ...
 
     def query_arrow(
@@ -158,6 +159,17 @@ def arrow_schema(table: Table) -> pa.Schema:
     """The exact schema of an insert into ``table``: build batches with it and no cast is needed.
     Kept per table: the writer conforms every part to it, a registration's one-row parts too."""
     return pa.schema([pa.field(c.name, arrow_type(c.type)) for c in table.insert_columns])
+
+
+def stamped(table: Table, data: pa.Table, cycle: int) -> pa.Table:
+    """``data`` conformed, with the flush ``cycle`` that writes it as a last column when not 0: a row is
+    committed with its cycle's batch ids, and removed at the next start without them (``cycles.py``)."""
+    rows = conform(table, data)
+    if not cycle:
+        return rows
+    if CYCLE not in table.columns:
+        raise QueryError(f"{table.name} has no {CYCLE.name} column: the collector's writer does not fill it")
+    return rows.append_column(pa.field(CYCLE.name, pa.uint64()), pa.array([cycle] * rows.num_rows, pa.uint64()))
 
 
 def conform(table: Table, data: pa.Table) -> pa.Table:

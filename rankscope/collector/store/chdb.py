@@ -32,7 +32,7 @@ import chdb
 import pyarrow as pa
 from clickhouse_connect.driver.binding import format_bind_value
 
-from rankscope.collector.store.base import QueryError, StoreBusyError, StoreError, capped_table, conform, split_table_name
+from rankscope.collector.store.base import QueryError, StoreBusyError, StoreError, capped_table, split_table_name, stamped
 
 _SETTING_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _SETTING_VALUE = re.compile(r"[\w.\-]*")
@@ -63,14 +63,14 @@ class EmbeddedStore:
         with self._connection() as conn:
             _run(conn, sql)
 
-    def insert_arrow(self, table: str, data: pa.Table) -> None:
+    def insert_arrow(self, table: str, data: pa.Table, *, cycle: int = 0) -> None:
         database, spec = split_table_name(table, self.database)
         # chDB's Python() finds this object by its name in the caller's frames: the name must
         # not be one that a frame nearer to the engine (chdb's own query method) also uses.
-        rankscope_insert_rows = conform(spec, data)
+        rankscope_insert_rows = stamped(spec, data, cycle)
         if rankscope_insert_rows.num_rows == 0:
             return
-        columns = ", ".join(c.name for c in spec.insert_columns)
+        columns = ", ".join(rankscope_insert_rows.column_names)
         sql = f"INSERT INTO {database}.{spec.name} ({columns}) SELECT {columns} FROM Python(rankscope_insert_rows)"
         with self._connection() as conn:
             _run(conn, sql)

@@ -16,7 +16,7 @@ import clickhouse_connect
 import pyarrow as pa
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
-from rankscope.collector.store.base import QueryError, StoreError, StoreUnreachableError, capped_table, conform, split_table_name
+from rankscope.collector.store.base import QueryError, StoreError, StoreUnreachableError, capped_table, split_table_name, stamped
 
 T = TypeVar("T")
 
@@ -49,9 +49,9 @@ class ServerStore:
         # Without the default database: the statements that create it run through here.
         self._call(self._client.command, sql, use_database=False)
 
-    def insert_arrow(self, table: str, data: pa.Table) -> None:
+    def insert_arrow(self, table: str, data: pa.Table, *, cycle: int = 0) -> None:
         database, spec = split_table_name(table, self.database)
-        rows = conform(spec, data)
+        rows = stamped(spec, data, cycle)
         if rows.num_rows:
             self._call(self._client.insert_arrow, spec.name, rows, database=database)
 

@@ -114,11 +114,12 @@ def drop_rollup_statements(table: Table, database: str, cluster: str | None) -> 
     return [f"DROP TABLE IF EXISTS {database}.{name}{on_cluster}" for name in names]
 
 
-def backfill_rollup_statement(table: Table, database: str) -> str:
+def backfill_rollup_statement(table: Table, database: str, source: str = "") -> str:
     """Fill the rollup ``table`` from every row its source holds now (through the Distributed tables
-    on a cluster, which shard the rollup's rows as the view would)."""
+    on a cluster, which shard the rollup's rows as the view would), or from ``source``: a subquery
+    of some of them."""
     columns = ", ".join(c.name for c in table.columns)
-    return f"INSERT INTO {database}.{table.name} ({columns}) {table.view.format(source=f'{database}.{table.source}')}"
+    return f"INSERT INTO {database}.{table.name} ({columns}) {table.view.format(source=source or f'{database}.{table.source}')}"
 
 
 def _create_view(table: Table, database: str, cluster: str | None) -> str:
@@ -151,6 +152,8 @@ def _column(column: Column) -> str:
     parts = [column.name, column.type]
     if column.materialized:
         parts.append(f"MATERIALIZED {column.materialized}")
+    if column.default:
+        parts.append(f"DEFAULT {column.default}")
     if column.comment:
         parts.append(f"COMMENT {_quote(column.comment)}")
     if column.codec:

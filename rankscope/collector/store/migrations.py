@@ -31,7 +31,7 @@ from rankscope.collector.store.ddl import (
     storage_table,
     ttl_clause,
 )
-from rankscope.collector.store.schema import ATTEMPT, BY_NAME, SCHEMA_VERSION, TABLES, WORLD
+from rankscope.collector.store.schema import ATTEMPT, BY_NAME, CYCLE, SCHEMA_VERSION, TABLES, WORLD
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,19 @@ def _node_states(database: str, retention_days: int | None, cluster: str | None)
     return create_statements(database, retention_days=retention_days, cluster=cluster, tables=[BY_NAME["node_states"]])[1:]
 
 
+def _cycles(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
+    """Version 5: every row the collector's writer stores says which flush cycle wrote it (``cycle``, 0
+    for the rows already there, all committed), so that rows whose batch ids never reached ``batches``
+    are rolled back (``cycles.py``)."""
+    return [sql for table in TABLES if CYCLE in table.columns for sql in add_column_statements(table, CYCLE, database, cluster)]
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create the tables", lambda db, days, cluster: create_statements(db, retention_days=days, cluster=cluster)),
     Migration(2, "attempts of a run, self-healing actions and self-checks", _attempts),
     Migration(3, "a bounded state for the live diagnosis: rollups and step-range indexes", _bounded_diagnosis),
     Migration(4, "nodes' states as healing sees them", _node_states),
+    Migration(5, "each row's flush cycle: a batch's rows and its id stored together or not at all", _cycles),
 )
 
 

@@ -11,9 +11,9 @@ Bump ``SCHEMA_VERSION`` and add a migration in ``migrations.py`` when a table ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 TIME = "DateTime64(9)"
 TIME_CODEC = "CODEC(Delta, ZSTD(1))"
@@ -27,6 +27,8 @@ class Column:
     codec: str = ""
     #: computed by the server from other columns (not inserted)
     materialized: str = ""
+    #: the value of a row inserted without it (the column is then not among ``insert_columns``)
+    default: str = ""
     comment: str = ""
 
 
@@ -72,8 +74,9 @@ class Table:
 
     @property
     def insert_columns(self) -> tuple[Column, ...]:
-        """The columns a writer provides, in order (materialized columns are computed by the server)."""
-        return tuple(c for c in self.columns if not c.materialized)
+        """The columns a writer provides, in order (materialized columns are computed by the server,
+        ``CYCLE`` is added by the collector's writer alone)."""
+        return tuple(c for c in self.columns if not c.materialized and not c.default)
 
     def column(self, name: str) -> Column:
         return next(c for c in self.columns if c.name == name)
@@ -89,9 +92,14 @@ ATTEMPT = Column("attempt", "UInt16", comment="restart of the run that wrote the
 #: the torchrun round a rank's process belongs to, as its agent reported it; the collector numbers a
 #: run's worlds in the order they first registered: that number is the attempt
 WORLD = Column("world", "String", comment="the round's store address and size, '' when unknown")
+#: the collector's flush cycle that wrote the row: committed once that cycle's batch ids are in ``batches``
+#: (the same value there); a starting collector removes the rows of cycles never committed (store/cycles.py)
+CYCLE = Column(
+    "cycle", "UInt64", "CODEC(Delta, ZSTD(1))", default="0", comment="the collector's flush cycle that wrote it; 0 when written by another"
+)
 
 
-TABLES: tuple[Table, ...] = (
+_TABLES: tuple[Table, ...] = (
     Table(
         "schema_version",
         "Which schema version wrote this store (one row per migration applied).",
@@ -496,4 +504,13 @@ TABLES: tuple[Table, ...] = (
     ),
 )
 
+
+def _cycled(table: Table) -> Table:
+    """``table`` with ``CYCLE`` last, when the collector's writer may fill it (not a rollup, not the schema's history)."""
+    if table.source or table.name == "schema_version":
+        return table
+    return replace(table, columns=(*table.columns, CYCLE))
+
+
+TABLES: tuple[Table, ...] = tuple(_cycled(t) for t in _TABLES)
 BY_NAME: dict[str, Table] = {t.name: t for t in TABLES}
