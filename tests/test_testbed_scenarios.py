@@ -34,9 +34,11 @@ RUN_ELSEWHERE = {
     "testbed-slow-link": "testbed-delay-link is a slow link on the test bed; tbf itself is tests/test_testbed.py's limited link",
 }
 
-#: scenarios whose `rankscope diagnose` afterwards must agree with the live diagnosis (issue 29: offline
-#: named nothing where a rank killed without a last word was silent only seconds before its peers' ends)
-POSTMORTEM_CHECKED = {"testbed-kill-rank"}
+#: scenarios whose `rankscope diagnose` afterwards need not name what the live diagnosis raised, and why;
+#: every other must (issue 29: offline named nothing where a rank killed without a last word was silent
+#: only seconds before its peers' ends)
+_RESUMED = "the frozen rank is resumed before the job stops: its hang resolved, and hangs are judged at the run's end only (docs/diagnosis.md)"
+POSTMORTEM_DIFFERS = {"testbed-freeze-rank": _RESUMED, "testbed-ddp-freeze-rank": _RESUMED}
 
 
 def _case(scenario: scenarios.Scenario) -> object:
@@ -55,9 +57,9 @@ def test_an_external_fault_is_diagnosed(scenario: scenarios.Scenario, tmp_path: 
     except hosts.TestbedError as e:
         pytest.skip(f"no test bed on this machine: {e}")
     assert score.passed, f"{score.line()}\nincidents: {score.incidents}\n{_logs(tmp_path)}"
-    if scenario.name in POSTMORTEM_CHECKED:  # `rankscope diagnose` afterwards names what was raised live, and nothing else
+    if scenario.name not in POSTMORTEM_DIFFERS:  # `rankscope diagnose` afterwards names what was raised live, and nothing else
         assert score.offline is not None
-        assert score.offline.names() == [(scenario.kind, list(score.ranks), list(score.hosts), "live and offline")], (
+        assert score.offline.names() == [(i["kind"], sorted(i["ranks"]), sorted(i["hosts"]), "live and offline") for i in score.incidents], (
             f"{score.offline.error}\noffline: {score.offline.incidents}\nlive: {score.incidents}")
 
 
