@@ -171,10 +171,22 @@ def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_sto
         fresh = beats.slice(rank, 1).set_column(beats.schema.get_field_index("time"), "time", pa.array([now - 10**9], pa.timestamp("ns")))
         heard.note(Decoded("heartbeats", {"heartbeats": fresh}), now)
     assert _lost(migrated, heard) == []
-    replayed = LastHeard(stale_ns=5 * 10**9)  # a spool replayed now, its heartbeats a minute old: no news
+    # a spool replayed now, its heartbeats a minute old, to a collector listening for two minutes: no news
+    replayed = LastHeard(stale_ns=5 * 10**9, started_ns=now - 120 * 10**9)
     for rank in range(2):
         replayed.note(Decoded("heartbeats", {"heartbeats": beats.slice(rank, 1)}), now)
     assert _lost(migrated, replayed) == ["lost_host"]
+
+
+def test_the_time_before_the_collector_started_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
+    """A collector killed and restarted: the ranks it finds registered, and those whose spool replays
+    heartbeats of before its start, are heard at its start, not lost for its downtime."""
+    now = time.time_ns()
+    beats = _two_ranks_stored_until(migrated, now - 60 * 10**9)
+    restarted = LastHeard(stale_ns=5 * 10**9, started_ns=now - 10**9)
+    restarted.carried_over(beats["run_id"][0].as_py(), {0: 0})
+    restarted.note(Decoded("heartbeats", {"heartbeats": beats.slice(1, 1)}), now)
+    assert _lost(migrated, restarted) == []
 
 
 def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
@@ -185,7 +197,7 @@ def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) ->
     beats = _two_ranks_stored_until(migrated, heard_ns)
 
     def heard_then(last_tick_ns: int) -> LastHeard:
-        heard = LastHeard(stale_ns=5 * 10**9)
+        heard = LastHeard(stale_ns=5 * 10**9, started_ns=heard_ns - 10**9)  # listening since before it heard them
         heard.listening(last_tick_ns)
         heard.note(Decoded("heartbeats", {"heartbeats": beats}), heard_ns)
         return heard

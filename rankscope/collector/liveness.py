@@ -9,6 +9,7 @@ listen.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -30,15 +31,19 @@ class LastHeard:
     process stopped, or starved of CPU) the ranks' calls wait unread in its sockets, so a stall is
     added to every rank's last-heard time: ``listening()``, called by the loop every ``tick_s``,
     counts a tick that came more than a tick late as a stall, and ``of`` counts the stall in
-    progress too (a diagnosis pass can run before the loop catches up).
+    progress too (a diagnosis pass can run before the loop catches up). Nor does the time before
+    this collector started count (it was down, or killed and restarted): no rank is heard earlier
+    than the start, neither by a stale heartbeat nor by the ranks it finds registered in the store
+    (``carried_over``), so a rank silent since is named lost ``silent_after`` after the start.
     """
 
-    def __init__(self, stale_ns: int, tick_s: float = 1.0) -> None:
+    def __init__(self, stale_ns: int, tick_s: float = 1.0, started_ns: int | None = None) -> None:
         self.stale_ns = stale_ns
         self._heard: dict[tuple[str, int], dict[int, int]] = {}
         self._tick_ns = int(tick_s * 1e9)
         self._ticked_ns: int | None = None  # monotonic: the loop's last tick
         self._deaf_ns = 0  # the stalls so far; heard times are kept less the stalls before them
+        self._started_ns = time.time_ns() if started_ns is None else started_ns  # when the collector began to listen
 
     def listening(self, now_ns: int | None = None) -> None:
         """The event loop's tick (``now_ns``: monotonic): the time since the last one beyond a tick's
@@ -60,7 +65,7 @@ class LastHeard:
             return
         run_id = beats["run_id"][0].as_py()
         newest = beats["time"].cast(pa.int64()).to_numpy()
-        heard = np.where(received_ns - newest <= self.stale_ns, received_ns, newest) - self._deaf_ns
+        heard = np.maximum(np.where(received_ns - newest <= self.stale_ns, received_ns, newest), self._started_ns) - self._deaf_ns
         attempts = beats["attempt"].to_numpy()
         for attempt in np.unique(attempts).tolist():
             mine = attempts == attempt
@@ -68,6 +73,13 @@ class LastHeard:
             for rank, at in zip(beats["rank"].to_numpy()[mine].tolist(), heard[mine].tolist()):
                 if at > ranks.get(rank, 0):
                     ranks[rank] = at
+
+    def carried_over(self, run_id: str, attempts: Mapping[int, int]) -> None:
+        """Ranks (rank -> attempt) registered before this collector started and not ended: heard at
+        its start, since it could not hear them before."""
+        for rank, attempt in attempts.items():
+            ranks = self._heard.setdefault((run_id, attempt), {})
+            ranks[rank] = max(ranks.get(rank, 0), self._started_ns - self._deaf_ns)
 
     def of(self, run_id: str, attempt: int, now_ns: int | None = None) -> dict[int, int]:
         """rank -> when it was last heard (ns, collector clock), for one attempt of a run, moved later
