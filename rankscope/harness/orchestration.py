@@ -80,7 +80,7 @@ def postmortem(address: str, run_id: str, *thresholds: str) -> Postmortem:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if done.returncode:
-            return Postmortem([], f"{' '.join(command)}: exit status {done.returncode}: {done.stderr[-2000:]}")
+            return Postmortem([], f"{' '.join(command)}: exit status {done.returncode}: {done.stderr[-2000:].strip()}")
         return Postmortem(json.loads(done.stdout))
     except (subprocess.TimeoutExpired, ValueError) as e:
         return Postmortem([], f"{' '.join(command)}: {e}")
