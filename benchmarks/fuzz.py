@@ -70,6 +70,7 @@ def main() -> None:
     for code, n in sorted(outcome.codes.items(), key=lambda item: -item[1]):
         print(f"| answered {code} | {n:,} |")
     print(f"| answered UNKNOWN (an exception let out) | {outcome.codes['UNKNOWN']:,} |")
+    print(f"| the longest refusal's message | {outcome.longest_details:,} characters |")
     for what, n in found.items():
         print(f"| stored rows that break the checks: {what} | {n:,} |")
     print(f"| stored rows that break the checks | {sum(found.values()):,} |")

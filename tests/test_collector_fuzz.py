@@ -35,5 +35,6 @@ def test_fuzzed_batches_are_answered_with_a_status_and_store_nothing_untrue(tmp_
     assert set(outcome.codes) <= {"OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}, outcome.codes
     assert outcome.codes["OK"] > REQUESTS // 10 and outcome.codes["INVALID_ARGUMENT"] > REQUESTS // 4, outcome.codes
     assert found == {}
+    assert outcome.longest_details < 16_384  # a refusal's message fits the metadata a gRPC client takes
     assert stored > 0
     assert outcome.rss_peak - outcome.rss_idle < RSS_GROWTH, (outcome.rss_idle, outcome.rss_peak)

@@ -76,7 +76,7 @@ def _array(table: str, values: object, target: pa.Field) -> pa.Array:
     try:
         return pa.array(values, type=target.type)
     except (pa.ArrowInvalid, OverflowError) as e:
-        raise IngestError(f"{table}.{target.name}: a value the column ({target.type}) cannot hold: {e}", "range") from None
+        raise IngestError(f"{table}.{target.name}: a value the column ({target.type}) cannot hold: {str(e)[:200]}", "range") from None
 
 
 class BatchContext:

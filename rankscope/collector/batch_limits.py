@@ -48,10 +48,16 @@ class UnregisteredRun(IngestError):
 
     def __init__(self, run_id: str) -> None:
         super().__init__(
-            f"run {run_id!r} is not registered: its ranks send a Register before their rows (healing's"
+            f"run {shown(run_id)} is not registered: its ranks send a Register before their rows (healing's"
             " actions and self-checks need none)",
             "unregistered",
         )
+
+
+def shown(text: str, limit: int = 64) -> str:
+    """``text`` quoted for a refusal's message, cut at ``limit`` characters: the message travels back
+    as gRPC metadata, which a client refuses beyond 16 KiB (it would see RESOURCE_EXHAUSTED)."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def check_count(where: str, count: int, row_bytes: int, payload_bytes: int) -> None:

@@ -21,7 +21,7 @@ from rankscope.collector.batch_columns import (
     SCHEMAS, BatchContext, Columns, IngestError, Layout, TimeWindow, arrow_table, check_ranks, enum_names, row_ranks, timestamps,
 )
 from rankscope.collector.batch_limits import (
-    MAX_ID_CHARS, MAX_IN_FLIGHT, MAX_STACK_CHARS, MAX_TEXT_CHARS, MAX_UINT16, UnregisteredRun, check_count, check_range, check_repeated, check_text,
+    MAX_ID_CHARS, MAX_IN_FLIGHT, MAX_STACK_CHARS, MAX_TEXT_CHARS, MAX_UINT16, UnregisteredRun, check_count, check_range, check_repeated, check_text, shown,
 )
 from rankscope.collector.run_lifecycle import decode_end, decode_ends, decode_register, decode_registers
 from rankscope.collector.run_registry import RunInfo, RunRegistry
@@ -272,7 +272,7 @@ def _node_state(ctx: BatchContext, msg: telemetry_pb2.NodeState, registry: RunRe
     if not msg.host:
         raise IngestError("node_state.host is empty: a node's state names the node")
     if msg.state not in NODE_STATES:
-        raise IngestError(f"node_state.state is {msg.state!r}: one of {', '.join(NODE_STATES)}")
+        raise IngestError(f"node_state.state is {shown(msg.state)}: one of {', '.join(NODE_STATES)}")
     for what, text, limit in (("host", msg.host, MAX_ID_CHARS), ("incident_id", msg.incident_id, MAX_ID_CHARS),
                               ("actor", msg.actor, MAX_ID_CHARS), ("reason", msg.reason, MAX_TEXT_CHARS)):
         check_text(f"node_state.{what}", text, limit)

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from rankscope.collector.batch_columns import TIMESTAMP, BatchContext, IngestError, arrow_table, enum_names, row_ranks
-from rankscope.collector.batch_limits import MAX_TEXT_CHARS, MAX_UINT16, MAX_WORLD, check_range, check_repeated, check_text
+from rankscope.collector.batch_limits import MAX_TEXT_CHARS, MAX_UINT16, MAX_WORLD, check_range, check_repeated, check_text, shown
 from rankscope.collector.run_registry import RunInfo, RunRegistry, group_key
 from rankscope.protos.v1 import telemetry_pb2
 
@@ -39,7 +39,7 @@ def decode_registers(ctx: BatchContext, msg: telemetry_pb2.RegisterBatch, regist
         raise IngestError(f"registers: {len(msg.ranks)} ranks for {len(msg.registers)} registrations: give each registration its rank")
     worlds = sorted({reg.world for reg in msg.registers})
     if len(worlds) > 1:
-        raise IngestError(f"registers: registrations of {len(worlds)} worlds ({', '.join(map(repr, worlds[:3]))}) in one batch: send each world's in a batch of its own")
+        raise IngestError(f"registers: registrations of {len(worlds)} worlds ({', '.join(map(shown, worlds[:3]))}) in one batch: send each world's in a batch of its own")
     ctx.ranks = tuple(sorted(set(msg.ranks)))
     return _registrations(ctx, list(zip(msg.ranks, msg.registers)), registry, lambda i: f"registers.registers[{i}]")
 
@@ -64,7 +64,7 @@ def _registrations(
         for g, key in zip(reg.groups, keys[-1]):
             if (key, reg.world_size) in checked:
                 continue
-            _check_group(g, reg.world_size, f"{where(i)}.groups[{g.name[:64]!r}]")
+            _check_group(g, reg.world_size, f"{where(i)}.groups[{shown(g.name)}]")
             checked.add((key, reg.world_size))
         start = ctx.time(f"{where(i)}.start_time_ns", reg.start_time_ns)
         times.append((start, ctx.time(f"{where(i)}.time_ns", reg.time_ns) if reg.time_ns else ctx.now_ns))

@@ -246,6 +246,8 @@ class Outcome:
     rss_idle: int = 0
     rss_peak: int = 0
     seconds: float = 0.0
+    #: characters of the longest refusal's message (gRPC clients refuse metadata beyond 16 KiB)
+    longest_details: int = 0
 
 
 async def fuzz(
@@ -278,6 +280,7 @@ async def fuzz(
         sent += len(batches)
         for batch, (code, details) in zip(batches, await asyncio.gather(*map(send, batches))):
             out.codes[code] += 1
+            out.longest_details = max(out.longest_details, len(details))
             if code == "UNKNOWN":
                 out.unknown.append((details[:300], str(batch.WhichOneof("payload"))))
         out.rss_peak = max(out.rss_peak, rss())
