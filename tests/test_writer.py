@@ -356,3 +356,28 @@ def test_a_commit_that_fails_rolls_its_rows_back_and_fails_its_batches(migrated:
     lost, again = run(scenario())
     assert isinstance(lost, StoreError) and again is True
     assert counts(migrated, "spans") == {"a": 6} and len(recorded(migrated)) == 1
+
+
+def test_a_refused_batch_whose_other_table_went_in_leaves_no_row(migrated: Store) -> None:
+    """Its spans were stored before its collectives were refused: the cycle is rolled back (the spans'
+    rollup too) and written again without it, so the agent's retry cannot store its spans twice."""
+    broken = sample_rows("collectives", 101, run_id="broken-clock")
+    days = pa.array(T0 - np.arange(101) * NS_PER_DAY, pa.timestamp("ns", tz="UTC"))
+    broken = broken.set_column(broken.schema.get_field_index("issue_time"), "issue_time", days)
+
+    async def scenario() -> list[object]:
+        writer = Writer(migrated, migrated.database, flush_rows=10**9, flush_interval_s=0.2)
+        await writer.start()
+        done = await asyncio.gather(
+            writer.write(spans(5, "good"), key(1)),
+            writer.write({"spans": sample_rows("spans", 7, run_id="broken-clock"), "collectives": broken}, key(2)),
+            return_exceptions=True,
+        )
+        await writer.close()
+        return done
+
+    done = run(scenario())
+    assert done[0] is True and isinstance(done[1], QueryError)
+    assert counts(migrated, "spans") == {"good": 5} and counts(migrated, "collectives") == {}
+    assert [r["run_id"] for r in _rolled_up(migrated)] == ["good"] * 5
+    assert [r[1] for r in recorded(migrated)] == [key(1).batch_id]
