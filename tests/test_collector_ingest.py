@@ -338,7 +338,7 @@ def test_one_batch_speaks_for_several_ranks_when_its_rows_name_them() -> None:
     decoded = _decode(envelope("r", 0, heartbeats=telemetry_pb2.HeartbeatBatch(heartbeats=beats, ranks=[2, 0, 3])), registry)
     table = decoded.parts["heartbeats"].to_pydict()
     assert table["rank"] == [2, 0, 3] and table["host"] == ["node-1", "node-0", "node-9"] and table["attempt"] == [0, 0, 1]
-    heard = LastHeard(stale_ns=10**9)
+    heard = LastHeard(stale_ns=10**9, started_ns=0)  # a collector listening since before these heartbeats
     heard.note(decoded, now + 5)
     assert heard.of("r", 0) == {2: now + 5, 0: now + 5} and heard.of("r", 1) == {3: now + 5}
     outside = spans("r", 0, 2)
