@@ -168,7 +168,8 @@ class Columns:
         self.msg = message
         self.count: int = message.count  # type: ignore[attr-defined]
         self.layout = layout
-        check_count(ctx.kind, self.count, layout.row_bytes, message.ByteSize())  # type: ignore[attr-defined]
+        size: int = message.ByteSize()  # type: ignore[attr-defined]
+        check_count(ctx.kind, self.count, layout.row_bytes, size)
         for column, dtype in layout.required.items():
             self._check_length(column, dtype)
         for column, dtype in layout.optional.items():
@@ -180,7 +181,7 @@ class Columns:
         #: each string's bytes, and one more 0 for the -1 of "none"
         self._lengths = np.append(pc.binary_length(self.strings).to_numpy(zero_copy_only=False), 0).astype(np.int64)
         #: bytes the string columns may hold once every row has its own copy (``strings_at``)
-        self._string_budget = STRING_EXPANSION * message.ByteSize()  # type: ignore[attr-defined]
+        self._string_budget = STRING_EXPANSION * size
 
     def where(self, column: str) -> str:
         return f"{self.ctx.kind}.{column}"
