@@ -1,0 +1,78 @@
+"""The straggler's arrival signal judged on collectives written by hand into a real store.
+
+Four ranks, steps 1..20, one collective a step in each group; the ranks arrive a few ms apart in an
+order that changes every step (a busy machine's scheduler), unless a rank is made late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from rankscope.collector.diagnosis import arrivals
+from rankscope.collector.diagnosis.context import RunContext
+from rankscope.collector.store.chdb import EmbeddedStore
+from rankscope.collector.store.migrations import migrate
+from rankscope.common.settings import Settings
+from test_diagnosis_state import rows
+
+MS = 1_000_000
+STEP_NS = 100 * MS
+STEPS = range(1, 21)
+T0 = 1_800_000_000_000_000_000
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
+    store = EmbeddedStore(tmp_path_factory.mktemp("arrivals") / "store")
+    migrate(store, store.database, None)
+    yield store
+    store.close()
+
+
+def write(store: EmbeddedStore, run: str, groups: dict[str, list[int]], late: dict[int, tuple[int, int]]) -> RunContext:
+    """Each group's collective of each step; ``late``: rank -> (from step, ms) it arrives later by,
+    and the ranks waiting for it in one of their groups carry that wait into their others."""
+    cols: dict[str, list[int | str]] = {"rank": [], "group_name": [], "seq": [], "step": [], "issue_time": []}
+    for step in STEPS:
+        for g, (name, members) in enumerate(sorted(groups.items())):
+            for i, rank in enumerate(members):
+                jitter = ((rank * 7 + step * 3 + g) % 4) * MS  # who comes last changes from step to step
+                delay = sum(ms for r, (since, ms) in late.items() if step >= since and (r == rank or (g > 0 and r in groups_of(groups, rank, g))))
+                for key, value in (("rank", rank), ("group_name", name), ("seq", step), ("step", step),
+                                   ("issue_time", T0 + step * STEP_NS + jitter + delay * MS)):  # fmt: skip
+                    cols[key].append(value)
+    store.insert_arrow("collectives", rows("collectives", len(cols["rank"]), run_id=run, peer=-1, op="all_reduce", **cols))
+    ranks = sorted({r for members in groups.values() for r in members})
+    return RunContext(run, lambda sql, params: store.query_arrow(sql, {"attempt": 0, **params}), Settings(),
+                      host={r: f"node-{r // 2}" for r in ranks}, stage={r: 0 for r in ranks}, groups=groups)  # fmt: skip
+
+
+def groups_of(groups: dict[str, list[int]], rank: int, g: int) -> set[int]:
+    """The ranks ``rank`` waited for in the groups sorted before the ``g``-th (a rank's first group comes first)."""
+    return {r for name, members in sorted(groups.items())[:g] if rank in members for r in members}
+
+
+def test_a_rank_the_others_wait_for_is_named_from_when_it_began(store: EmbeddedStore) -> None:
+    ctx = write(store, "one-late", {"default_pg": [0, 1, 2, 3]}, {2: (8, 40)})
+    found = arrivals.late_ranks(ctx, 3, 19, STEP_NS / 1e9)
+    assert list(found) == [2]
+    assert (found[2]["since_step"], found[2]["groups"]) == (8, ["default_pg"])
+    assert found[2]["text"].startswith("arrives last at default_pg's collectives, ")
+    assert all(37 <= p["late_ms"] <= 40 for p in found[2]["steps"])  # 40 ms, less the others' jitter
+
+
+def test_a_clean_run_and_a_late_rank_below_the_bar_name_nobody(store: EmbeddedStore) -> None:
+    assert arrivals.late_ranks(write(store, "clean", {"default_pg": [0, 1, 2, 3]}, {}), 3, 19, STEP_NS / 1e9) == {}
+    # 5 ms late is 5% of the step: what it costs is below straggler_excess
+    assert arrivals.late_ranks(write(store, "slightly", {"default_pg": [0, 1, 2, 3]}, {1: (3, 5)}), 3, 19, STEP_NS / 1e9) == {}
+
+
+def test_a_rank_that_waited_in_one_group_is_not_named_for_arriving_late_in_another(store: EmbeddedStore) -> None:
+    """tp groups {0, 1} and {2, 3}, dp groups {0, 2} and {1, 3}: rank 1 is slow, so rank 0 waits for it
+    in tp[0] and reaches dp[0] as late as rank 1 reaches dp[1]; rank 0 was never last in tp[0]."""
+    groups = {"a_tp[0]": [0, 1], "a_tp[1]": [2, 3], "b_dp[0]": [0, 2], "b_dp[1]": [1, 3]}  # the tp all-reduce first
+    found = arrivals.late_ranks(write(store, "tp-dp", groups, {1: (5, 40)}), 3, 19, STEP_NS / 1e9)
+    assert list(found) == [1]
+    assert found[1]["groups"] == ["a_tp[0]", "b_dp[1]"]
