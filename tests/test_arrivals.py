@@ -60,7 +60,7 @@ def test_a_rank_the_others_wait_for_is_named_from_when_it_began(store: EmbeddedS
     assert list(found) == [2]
     assert (found[2]["since_step"], found[2]["groups"]) == (8, ["default_pg"])
     assert found[2]["text"].startswith("arrives last at default_pg's collectives, ")
-    assert all(37 <= p["late_ms"] <= 40 for p in found[2]["steps"])  # 40 ms, less the others' jitter
+    assert all(37 <= p["late_ms"] <= 43 for p in found[2]["steps"])  # 40 ms, give or take the jitter (up to 3 ms)
 
 
 def test_a_clean_run_and_a_late_rank_below_the_bar_name_nobody(store: EmbeddedStore) -> None:
