@@ -179,14 +179,14 @@ def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_sto
 
 
 def test_the_time_before_the_collector_started_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
-    """A collector killed and restarted: the ranks it finds registered, and those whose spool replays
+    """A collector killed and restarted: its ranks, not heard yet or heard by a spool replaying
     heartbeats of before its start, are heard at its start, not lost for its downtime."""
     now = time.time_ns()
     beats = _two_ranks_stored_until(migrated, now - 60 * 10**9)
     restarted = LastHeard(stale_ns=5 * 10**9, started_ns=now - 10**9)
-    restarted.carried_over(beats["run_id"][0].as_py(), {0: 0})
     restarted.note(Decoded("heartbeats", {"heartbeats": beats.slice(1, 1)}), now)
     assert _lost(migrated, restarted) == []
+    assert _lost(migrated, LastHeard(stale_ns=5 * 10**9, started_ns=now - 10 * 10**9)) == ["lost_host"]  # silent 10 s of its life
 
 
 def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811

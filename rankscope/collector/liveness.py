@@ -9,7 +9,7 @@ listen.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -32,9 +32,9 @@ class LastHeard:
     added to every rank's last-heard time: ``listening()``, called by the loop every ``tick_s``,
     counts a tick that came more than a tick late as a stall, and ``of`` counts the stall in
     progress too (a diagnosis pass can run before the loop catches up). Nor does the time before
-    this collector started count (it was down, or killed and restarted): no rank is heard earlier
-    than the start, neither by a stale heartbeat nor by the ranks it finds registered in the store
-    (``carried_over``), so a rank silent since is named lost ``silent_after`` after the start.
+    this collector started count (it was down, or killed and restarted): ``of`` hears no rank of
+    the run earlier than the start, whatever the store's heartbeats or a replayed spool say, so a
+    rank silent since is named lost ``silent_after`` after the start.
     """
 
     def __init__(self, stale_ns: int, tick_s: float = 1.0, started_ns: int | None = None) -> None:
@@ -65,7 +65,7 @@ class LastHeard:
             return
         run_id = beats["run_id"][0].as_py()
         newest = beats["time"].cast(pa.int64()).to_numpy()
-        heard = np.maximum(np.where(received_ns - newest <= self.stale_ns, received_ns, newest), self._started_ns) - self._deaf_ns
+        heard = np.where(received_ns - newest <= self.stale_ns, received_ns, newest) - self._deaf_ns
         attempts = beats["attempt"].to_numpy()
         for attempt in np.unique(attempts).tolist():
             mine = attempts == attempt
@@ -74,18 +74,13 @@ class LastHeard:
                 if at > ranks.get(rank, 0):
                     ranks[rank] = at
 
-    def carried_over(self, run_id: str, attempts: Mapping[int, int]) -> None:
-        """Ranks (rank -> attempt) registered before this collector started and not ended: heard at
-        its start, since it could not hear them before."""
-        for rank, attempt in attempts.items():
-            ranks = self._heard.setdefault((run_id, attempt), {})
-            ranks[rank] = max(ranks.get(rank, 0), self._started_ns - self._deaf_ns)
-
-    def of(self, run_id: str, attempt: int, now_ns: int | None = None) -> dict[int, int]:
-        """rank -> when it was last heard (ns, collector clock), for one attempt of a run, moved later
-        by the stalls since (``now_ns``: monotonic, for the stall in progress)."""
+    def of(self, run_id: str, attempt: int, ranks: Iterable[int] = (), now_ns: int | None = None) -> dict[int, int]:
+        """rank -> when it was last heard (ns, collector clock), for one attempt of a run and at least
+        ``ranks`` (its registered ranks), none before the collector started, moved later by the stalls
+        since (``now_ns``: monotonic, for the stall in progress)."""
         deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns)
-        return {rank: heard + deaf for rank, heard in self._heard.get((run_id, attempt), {}).items()}
+        heard = {**dict.fromkeys(ranks, 0), **self._heard.get((run_id, attempt), {})}
+        return {rank: max(at, self._started_ns) + deaf for rank, at in heard.items()}
 
     def forget(self, run_id: str) -> None:
         """Drop every rank of ``run_id``: the diagnosis has let the run go."""

@@ -139,7 +139,6 @@ class Collector:
             began = time.monotonic()
             stored = await asyncio.to_thread(read_run, self.store.query_arrow, run_id)
             self.runs.merge_loaded(run_id, stored, began)
-            self.heard.carried_over(run_id, {rank: held.attempt for rank, held in stored.registered.items() if rank not in stored.exits})
         finally:
             del self._loading[run_id]
 

@@ -260,7 +260,7 @@ class LiveDiagnosis:
 
     def _run(self, lane: Lane, run_id: str, final: bool, now: float) -> list[Incident]:
         ctx = self._context(run_id, now)
-        heard = self.heard.of(run_id, ctx.attempt) if self.heard is not None else None
+        heard = self.heard.of(run_id, ctx.attempt, ctx.host) if self.heard is not None else None
         findings = diagnose(run_id, self.query, self.settings, now_ns=time.time_ns(), ctx=ctx, heard=heard, on_detector=self.on_detector, lane=lane)
         why = {kind: d.stack_dumps for d in lane.detectors if d.stack_dumps for kind in d.kinds}
         named = {(run_id, rank): why[f.kind] for f in findings if f.kind in why for rank in f.ranks}
