@@ -381,6 +381,27 @@ def test_a_script_without_the_api_gets_steps_and_compute_spans(auto: tuple[Recor
     assert rec.state.step == 4  # the fourth iteration has begun
 
 
+def test_forward_and_backward_inside_the_optimizers_closure_are_spans_of_their_own(auto: tuple[Recorder, AutoSpans]) -> None:
+    """Lightning runs them inside ``optimizer.step(closure)``: the model is found there, and the
+    optimizer span's pieces leave the closure out."""
+    rec, _ = auto
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 2))
+            loss.backward()
+            return loss
+
+        optimizer.step(closure=closure)
+    rows = sorted(span_rows(rec), key=lambda r: r["start"])
+    assert [(r["name"], r["step"]) for r in rows] == [(n, s) for s in (1, 2, 3) for n in ("optimizer", "forward", "backward", "optimizer")]
+    assert all(a["end"] <= b["start"] for a, b in zip(rows, rows[1:]))  # nothing counted twice
+    assert rec.state.step == 4
+
+
 def test_step_times_are_recorded_per_automatic_step(auto: tuple[Recorder, AutoSpans]) -> None:
     rec, _ = auto
     model = torch.nn.Linear(8, 2)

@@ -30,8 +30,7 @@ CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 #: each, less on a busy machine (at a quarter of a core, the others' noise once hid it)
 STARVED_CPU = 0.1
 STARVED_RANK = 2
-#: forward and backward inside optimizer.step(closure), as Lightning runs them: a step is one
-#: optimizer span, DDP's wait included, so only the arrivals at the all-reduces tell who is late
+#: forward and backward inside optimizer.step(closure), as Lightning runs them (the agent finds the model there)
 JOB = [ddp_job.__file__, "--closure", "--width", "768", "--batch", "256"]
 
 

@@ -3,14 +3,16 @@
 - Steps: torch's global optimizer hooks. An iteration ends when an optimizer's ``step()``
   returns; with several optimizers the step is one more than the most steps any of them has
   taken, so a GAN's two optimizers do not count every iteration twice. Each step also records
-  the scalar ``step_time_s``. The ``step()`` call itself is an ``optimizer`` span. A script that
+  the scalar ``step_time_s``. The ``step()`` call itself is an ``optimizer`` span, less the
+  closure it is given (Lightning runs forward and backward in it: they get their own spans). A script that
   updates its weights by hand (no torch optimizer exists when its second forward after a
   backward begins) gets a step per forward-backward cycle of its outermost module instead; the
   choice is made once, so steps never go backwards and every rank of the job counts alike.
 - ``forward``: the outermost modules that hold parameters (the DDP or FSDP wrapper, the model
   a plain script calls). They are found by global module hooks that run only until the first
   optimizer step (or ``DISCOVERY_CALLS`` outermost calls without one), because global hooks put
-  every submodule call on torch's slow path; afterwards only the roots carry hooks.
+  every submodule call on torch's slow path; afterwards only the roots carry hooks. A step given a
+  closure, which may run the forward (Lightning's do), ends them only once a root is found.
 - ``backward``: from the moment autograd computes the gradient of a root's output to the end of
   that backward pass (an engine callback queued then). It ends before DDP's own end-of-backward
   callback, which waits for the gradient all-reduces: that wait is not compute.
@@ -50,14 +52,16 @@ H = TypeVar("H", bound=Callable[..., None])
 
 
 def _hook(fn: H) -> H:
-    """A hook torch calls inside the script's forward, backward or step: it never raises there."""
+    """A hook torch calls inside the script's forward, backward or step: it never raises there (and
+    returns what ``fn`` does: an optimizer pre-hook may hand torch new arguments)."""
 
     @functools.wraps(fn)
-    def safe(*args: Any) -> None:
+    def safe(*args: Any) -> Any:
         try:
-            fn(*args)
+            return fn(*args)
         except Exception as exc:  # noqa: BLE001
             warn_once(f"autospans:{fn.__name__}", f"an automatic span hook failed ({exc!r})")
+            return None
 
     return safe  # type: ignore[return-value]
 
@@ -96,16 +100,23 @@ class AutoSpans:
     # --- steps and the optimizer span ------------------------------------------------------------
 
     @_hook
-    def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._end_discovery()
+    def _before_step(self, opt: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        closure = kwargs.get("closure") if kwargs.get("closure") is not None else args[0] if args and callable(args[0]) else None
+        if closure is None or self._roots:  # a closure runs the forward: the roots may be found inside it
+            self._end_discovery()
         self._first_step()
         stale = self._optimizer_spans.pop(id(opt), None)
         if stale is not None:  # its last step() raised, so the post-hook never ended it
             stale.discard()
-        if OPTIMIZER not in self.rec.explicit_kinds:
-            span = self.rec.span("optimizer", "optimizer", None, None, {}, auto=True)
-            self._optimizer_spans[id(opt)] = span
-            span.__enter__()
+        if OPTIMIZER in self.rec.explicit_kinds:
+            return None
+        span = self.rec.span("optimizer", "optimizer", None, None, {}, auto=True)
+        self._optimizer_spans[id(opt)] = span
+        span.__enter__()
+        if closure is None:
+            return None
+        wrapped = _outside(span, closure)
+        return (args, {**kwargs, "closure": wrapped}) if "closure" in kwargs else ((wrapped, *args[1:]), kwargs)
 
     @_hook
     def _after_step(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -230,6 +241,25 @@ class AutoSpans:
             self.rec.add_span(self.rec.strings.id("grad_sync"), COMM, began[1], -1, began[0], self.rec.now(), -1)
         if self._collectives is not None:
             self._collectives.backward_synced(self.rec.clock.wall_ns())
+
+
+def _outside(span: Span, closure: Callable[..., Any]) -> Callable[..., Any]:
+    """``closure``, run outside the optimizer's ``span``: a framework (Lightning) runs forward and
+    backward inside ``optimizer.step(closure)``, and they are their own spans, not the optimizer's.
+    The span's piece before the closure ends when it begins, the next one starts when it returns."""
+
+    @functools.wraps(closure)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if span._part < 0:
+            span._part = 0
+        span.__exit__(None, None, None)
+        span._part += 1
+        try:
+            return closure(*args, **kwargs)
+        finally:
+            span.__enter__()
+
+    return run
 
 
 def _an_optimizer_exists() -> bool:

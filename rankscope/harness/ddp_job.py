@@ -2,8 +2,7 @@
 
 The faults of the test bed are applied from outside, so nothing in here cooperates with them. An MLP
 wide enough that a step is mostly compute (a throttled host shows in it). ``--closure`` runs forward
-and backward inside ``optimizer.step(closure)``, as PyTorch Lightning does: a step is then one
-optimizer call, DDP's wait for its gradient all-reduces included.
+and backward inside ``optimizer.step(closure)``, as PyTorch Lightning does.
 """
 
 import argparse
