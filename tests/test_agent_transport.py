@@ -9,6 +9,7 @@ that stalls (refuses a call, then holds the next ones without answering).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import textwrap
@@ -579,10 +580,9 @@ class _Gate(ingest_pb2_grpc.IngestServicer):
         return ingest_pb2.Ack(batch_id=request.batch_id, received_ns=time.time_ns(), replied_ns=time.time_ns())
 
 
-def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tmp_path: Path) -> None:
-    """A lagging collector holds the window full of timelines: the rank's heartbeat (where it is
-    blocked: what a hang is named from) and its end (without it, a rank that ended is called lost)
-    are sent at once, beside the window, not after the timelines."""
+@contextlib.contextmanager
+def _gated(tmp_path: Path) -> Iterator[tuple[_Gate, Transport]]:
+    """A transport of one call's window to a ``_Gate`` collector; the gate opened and both stopped at the end."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     gate = _Gate()
     ingest_pb2_grpc.add_IngestServicer_to_server(gate, server)
@@ -590,6 +590,18 @@ def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tm
     server.start()
     t = Transport(agent_config(f"127.0.0.1:{port}", tmp_path / "spool"), run_name(), 0, window=1)
     try:
+        yield gate, t
+    finally:
+        gate.open.set()
+        t.close(timeout_s=5)
+        server.stop(0)
+
+
+def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tmp_path: Path) -> None:
+    """A lagging collector holds the window full of timelines: the rank's heartbeat (where it is
+    blocked: what a hang is named from) and its end (without it, a rank that ended is called lost)
+    are sent at once, beside the window, not after the timelines."""
+    with _gated(tmp_path) as (gate, t):
         t.start()
         t.submit(span_batch(1))
         wait_until(lambda: len(gate.kinds) == 1, 30, "the first batch in flight")
@@ -601,10 +613,6 @@ def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tm
         wait_until(lambda: len(gate.kinds) == 3, 30, "the heartbeat and the end sent while the window is full")
         gate.open.set()
         wait_until(lambda: t.stats().acked == 6, 30, "every batch acknowledged")
-    finally:
-        gate.open.set()
-        t.close(timeout_s=5)
-        server.stop(0)
     # the two urgent calls are in flight together: the server may take either first
     assert gate.kinds[0] == "spans" and sorted(gate.kinds[1:3]) == ["end", "heartbeats"], gate.kinds
     assert gate.kinds[3:] == ["spans"] * 3, gate.kinds
@@ -613,13 +621,7 @@ def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tm
 def test_a_registration_goes_ahead_of_the_timelines_submitted_before_it(tmp_path: Path) -> None:
     """The collector takes a run's rows only once one of its ranks registered: a registration is
     urgent, sent before the timelines queued ahead of it (with the heartbeat submitted after it)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    gate = _Gate()
-    ingest_pb2_grpc.add_IngestServicer_to_server(gate, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    t = Transport(agent_config(f"127.0.0.1:{port}", tmp_path / "spool"), run_name(), 0, window=1)
-    try:
+    with _gated(tmp_path) as (gate, t):
         t.submit(span_batch(1))
         t.submit(register())
         t.submit(telemetry_pb2.HeartbeatBatch(heartbeats=[telemetry_pb2.Heartbeat(step=1, phase="forward")]))
@@ -627,10 +629,6 @@ def test_a_registration_goes_ahead_of_the_timelines_submitted_before_it(tmp_path
         wait_until(lambda: len(gate.kinds) == 2, 30, "the registration and the heartbeat in flight")
         gate.open.set()
         wait_until(lambda: t.stats().acked == 3, 30, "every batch acknowledged")
-    finally:
-        gate.open.set()
-        t.close(timeout_s=5)
-        server.stop(0)
     assert sorted(gate.kinds[:2]) == ["heartbeats", "register"] and gate.kinds[2:] == ["spans"], gate.kinds
 
 

@@ -7,12 +7,11 @@ uses its own run id, so the tests do not see each other's rows.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,11 +21,8 @@ from test_collector_ingest import collectives, end, envelope, heartbeats, metric
 
 from rankscope.collector import server
 from rankscope.collector.client import Client, QueryRefused, ResultTooLarge, Unauthenticated
-from rankscope.collector.query import guard_for
 from rankscope.collector.run_registry import RunRegistry
-from rankscope.collector.store.base import open_store
-from rankscope.collector.store.migrations import migrate
-from rankscope.collector.writer import Writer
+from rankscope.harness.ingest_fuzz import in_process
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
 from conftest import Running, start_collector
@@ -273,20 +269,6 @@ def test_a_stack_request_reaches_only_that_rank_and_only_once(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@contextlib.asynccontextmanager
-async def _in_process(tmp_path: Path) -> AsyncIterator[server.Collector]:
-    """The collector's shared state over a real embedded store, in this process (no gRPC, no diagnosis)."""
-    store = open_store(store_dir=tmp_path / "store", database="rankscope")
-    migrate(store, store.database, None)
-    writer = Writer(store, store.database, flush_interval_s=0.2)
-    await writer.start()
-    try:
-        yield server.Collector(store, writer, guard_for(store), server.ServerOptions(diagnosis=None))
-    finally:
-        await writer.close()
-        store.close()
-
-
 def test_a_heartbeat_is_decoded_before_the_timelines_that_arrived_ahead_of_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls start in arrival order; the timelines wait in their lane, so the heartbeat behind forty
     of them is decoded first (before the lane, it was decoded forty-first)."""
@@ -295,7 +277,7 @@ def test_a_heartbeat_is_decoded_before_the_timelines_that_arrived_ahead_of_it(tm
     monkeypatch.setattr(server, "decode", lambda batch, *args: (decoded.append(batch.WhichOneof("payload")), real(batch, *args))[1])
 
     async def scenario() -> list[tuple[bool, tuple[int, ...]]]:
-        async with _in_process(tmp_path) as collector:
+        async with in_process(tmp_path / "store", flush_interval_s=0.2) as collector:
             ingest = server.IngestService(collector)
             try:
                 await ingest._store(register("lane", 0, 1), time.time_ns())
@@ -316,7 +298,7 @@ def test_the_first_batches_of_a_run_wait_for_one_load_of_it(tmp_path: Path, monk
     monkeypatch.setattr(server, "read_run", lambda query, run_id: (loads.append(run_id), real(query, run_id))[1])
 
     async def scenario() -> None:
-        async with _in_process(tmp_path) as collector:
+        async with in_process(tmp_path / "store", flush_interval_s=0.2) as collector:
             ingest = server.IngestService(collector)
             await ingest._store(register("restarted", 0, 51), time.time_ns())  # stored before the restart
             collector.runs = RunRegistry()
