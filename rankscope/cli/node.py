@@ -126,12 +126,11 @@ def _resume(client: Client, nodes: Nodes, args: argparse.Namespace) -> int:
         try:
             result = node_life.recheck(host, runner, peers, ranks=args.ranks, timeout_s=args.timeout)
         except Exception as e:  # the check could not run at all: the node stays out
-            result = None
-            why = f"the self-check could not run: {e}"
-        if result is not None:
+            result, why = None, f"the self-check could not run: {e}"
+        else:
             client.send(result.batch(row["run_id"]))
+            why = f"failed its self-check again: {result.summary}"
         if result is None or not result.passed:
-            why = why if result is None else f"failed its self-check again: {result.summary}"
             nodes.drain(host, f"rankscope: {why}")
             store(node_life.DRAINED, f"rankscope: {why}")
             print(f"{host} stays drained: {why}")

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rankscope.healing.slurm_fleet import SlurmError, SlurmNodes
 from rankscope.testbed.hosts import CONTROL_ADDRESS, NETNS_ETC, Host, Testbed, TestbedError, enter_cgroups
 
 __all__ = ["PARTITION", "Slurm", "missing", "start"]
@@ -73,8 +74,10 @@ class Slurm:
 
     def nodes(self) -> dict[str, tuple[str, str]]:
         """Each node's state as Slurm says it (``idle``, ``allocated``, ``drained``, ``down*``, ...) and the reason given."""
-        out = self.run(["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"]).stdout
-        return {name: (state, "" if reason == "none" else reason) for name, state, reason in (line.split("|", 2) for line in out.splitlines())}
+        try:
+            return SlurmNodes(self.command).states()
+        except SlurmError as e:
+            raise TestbedError(str(e)) from None
 
     def wait_idle(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every node has registered and is idle (a node's slurmd may take a moment to register)."""
