@@ -590,3 +590,75 @@ def test_a_string_named_by_every_row_counts_against_the_batchs_size() -> None:
         _decode(batch, _registered())
     assert refused.value.reason == "length"
     assert _decode(spans("r", 0, 20_000), _registered()).parts["spans"].num_rows == 20_000
+
+
+def test_rows_dated_after_their_runs_end_are_refused_and_late_true_ones_are_stored() -> None:
+    """Once every rank of a run has ended, rows that say they happened after its end (beyond the clock
+    skew allowed) were not recorded by it: refused naming the field, the run unchanged. Rows of the
+    run delivered late (a rank's last flush, a spool replayed after the run) keep their times and are
+    stored, as is a new attempt's once it registers."""
+    registry, t0 = RunRegistry(), time.time_ns()
+    for rank in range(2):
+        _decode(register("r", rank, 2, start_ns=t0 - 10**9), registry)
+    late = [spans("r", 1, 4, t0=t0), heartbeats("r", 0), step_metrics("r", 1)]  # recorded while it ran
+    for rank in range(2):
+        _decode(end("r", rank), registry)
+    ended = registry.run("r").end_ns
+    assert ended >= t0
+    for batch in late:
+        assert sum(t.num_rows for t in _decode(batch, registry).parts.values()) > 0
+    after = ended + 120 * 10**9  # inside the collector's future window, two minutes past the end
+    before = (dict(registry.run("r").exits), registry.run("r").end_ns)
+    for batch, field in ((spans("r", 0, 2, t0=after), "spans.start_ns"), (heartbeats("r", 1), "heartbeats.time_ns"),
+                         (end("r", 0), "end.time_ns")):  # fmt: skip
+        if field == "heartbeats.time_ns":
+            batch.heartbeats.heartbeats[0].time_ns = after
+        elif field == "end.time_ns":
+            batch.end.time_ns = after
+        with pytest.raises(IngestError, match=re.escape(f"{field}: times up to") + ".* after the end of run 'r'") as refused:
+            _decode(batch, registry)
+        assert refused.value.reason == "ended"
+    assert (dict(registry.run("r").exits), registry.run("r").end_ns) == before
+    assert _decode(spans("r", 0, 2, t0=ended + 10**9), registry).parts["spans"].num_rows == 2  # within the skew
+    _decode(register("r", 0, 2, start_ns=after, world="second"), registry)  # a new attempt: the run runs again
+    assert registry.run("r").end_ns == 0 and _decode(spans("r", 0, 2, t0=after), registry).parts["spans"].num_rows == 2
+
+
+@pytest.mark.timeout(30)
+def test_heartbeats_in_columns_are_stored_as_the_same_heartbeats_in_rows_and_bad_columns_are_refused() -> None:
+    """A relay's (and the simulator's) heartbeats travel in columns (agent.heartbeat_columns): they
+    become exactly the rows the same heartbeats as messages become; a column that disagrees with
+    another (operations in flight, flags, peers) refuses the batch, naming it."""
+    from rankscope.agent.heartbeat_columns import to_columns
+
+    registry = RunRegistry()
+    for rank in range(4):
+        _decode(register("r", rank, 4, host=f"node-{rank // 2}", world="10.0.0.1:5000/4"), registry)
+    now = time.time_ns()
+    flight = [telemetry_pb2.InFlight(group="tp[0]", seq=7, op="all_reduce", peer=-1, issue_ns=now - 9, waiting=True),
+              telemetry_pb2.InFlight(group="pp[1]", seq=3, op="send", peer=2, issue_ns=now - 5)]  # fmt: skip
+    beats = [telemetry_pb2.Heartbeat(time_ns=now - k, step=k + 1, phase=("forward", "idle", "backward")[k], status="running",
+                                     last_progress_ns=(now - 100, 0, now - 7)[k], in_flight=flight[: 2 - k], events_dropped=k)
+             for k in range(3)]  # fmt: skip
+    ranks = [2, 0, 3]
+    rows = _decode(envelope("r", 1, heartbeats=telemetry_pb2.HeartbeatBatch(heartbeats=beats, ranks=ranks)), registry)
+    cols = _decode(envelope("r", 1, heartbeats=to_columns(beats, ranks)), registry)
+    assert cols.parts["heartbeats"].to_pydict() == rows.parts["heartbeats"].to_pydict()
+    assert cols.ranks == rows.ranks == (0, 2, 3)
+    assert cols.parts["heartbeats"]["inflight_peer"].to_pylist() == [[-1, 2], [-1], []]
+
+    def bad(mend: object, message: str) -> None:
+        batch = envelope("r", 1, heartbeats=to_columns(beats, ranks))
+        mend(batch.heartbeats.columns)  # type: ignore[operator]
+        with pytest.raises(IngestError, match=re.escape(message)):
+            _decode(batch, registry)
+
+    bad(lambda c: setattr(c, "in_flight", np.array([2, 1, 1], "<i4").tobytes()), "name 4 operations in flight, ops holds 3")
+    bad(lambda c: setattr(c.ops, "waiting", np.array([2, 0, 0], "u1").tobytes()), "heartbeats.ops.waiting: value 2")
+    bad(lambda c: setattr(c.ops, "peer", np.array([-1, 9, -1], "<i4").tobytes()), "heartbeats.ops.peer: rank 9 outside 0 .. 3")
+    bad(lambda c: setattr(c, "phase", np.array([0, 5, 0], "<i4").tobytes()), "heartbeats.phase: string index 5")
+    bad(lambda c: c.MergeFrom(telemetry_pb2.HeartbeatColumns(count=1 << 26)), "heartbeats: count=67108864 rows need at least")
+    both = envelope("r", 1, heartbeats=to_columns(beats, ranks))
+    both.heartbeats.heartbeats.append(beats[0])
+    with pytest.raises(IngestError, match="both rows and columns"):
+        _decode(both, registry)

@@ -100,6 +100,8 @@ class TransportStats:
     rejected: int = 0
     rejected_events: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # failed calls by status code
+    #: events taken for sending, by payload kind: each is stored once, or counted in dropped_events
+    events: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -237,7 +239,8 @@ class Transport:
         s = self._stats
         rejected, rejected_events = self._rejected
         return TransportStats(
-            s.sent, s.acked, s.duplicates, s.spooled, s.replayed, s.dropped, s.dropped_events, rejected, rejected_events, dict(s.errors)
+            s.sent, s.acked, s.duplicates, s.spooled, s.replayed, s.dropped, s.dropped_events, rejected, rejected_events, dict(s.errors),
+            dict(s.events),
         )
 
     # --- the sender thread -------------------------------------------------------------------
@@ -325,6 +328,7 @@ class Transport:
 
     def _accept(self, payload: Message, size: int, rank: int) -> None:
         out = self._wrap(payload, size, rank)
+        self._stats.events[out.kind] = self._stats.events.get(out.kind, 0) + out.events
         if out.kind in REGISTRATIONS:
             self._registers[rank] = payload
         (self._urgent if out.kind in URGENT else self._pending).append(out)
@@ -555,11 +559,13 @@ class Transport:
 
 
 def _events(payload: Message) -> int:
-    """How many events a payload carries: columnar batches say it, heartbeats are a list."""
+    """How many events a payload carries: columnar batches say it, heartbeats are a list or columns."""
     kind = _FIELDS[payload.DESCRIPTOR.full_name]
     if kind in _COLUMNAR:
         return payload.count  # type: ignore[attr-defined, no-any-return]
-    return len(payload.heartbeats) if kind == "heartbeats" else 1  # type: ignore[attr-defined]
+    if kind == "heartbeats":
+        return len(payload.heartbeats) + payload.columns.count  # type: ignore[attr-defined]
+    return 1
 
 
 def _order(out: _Out) -> tuple[int, int]:

@@ -115,7 +115,19 @@ def _collectives(ctx: BatchContext, msg: telemetry_pb2.CollectiveBatch, registry
 _HEARTBEAT_BYTES = 10
 
 
+#: heartbeats in columns (HeartbeatColumns) and their operations in flight (InFlightColumns)
+HEARTBEAT_LAYOUT = Layout(
+    {"time_ns": "<i8", "step": "<i4", "phase": "<i4", "status": "<i4", "last_progress_ns": "<i8", "events_dropped": "<i8", "in_flight": "<i4"},
+    _ROW_RANK,
+)
+IN_FLIGHT_LAYOUT = Layout({"group": "<i4", "seq": "<i8", "op": "<i4", "peer": "<i4", "issue_ns": "<i8", "waiting": "u1"})
+
+
 def _heartbeats(ctx: BatchContext, msg: telemetry_pb2.HeartbeatBatch, registry: RunRegistry) -> dict[str, pa.Table]:
+    if msg.HasField("columns"):
+        if msg.heartbeats or msg.ranks:
+            raise IngestError("heartbeats: both rows and columns: a batch carries its heartbeats one way", "count")
+        return _heartbeat_columns(ctx, msg.columns)
     # One pass over the messages, each field read once, the checks on whole columns: at 100,000
     # ranks 10,000 heartbeats a second arrive, and this runs on the collector's event loop.
     beats = msg.heartbeats
@@ -165,14 +177,49 @@ def _heartbeats(ctx: BatchContext, msg: telemetry_pb2.HeartbeatBatch, registry: 
     }
 
 
+def _heartbeat_columns(ctx: BatchContext, msg: telemetry_pb2.HeartbeatColumns) -> dict[str, pa.Table]:
+    """The same rows as ``_heartbeats``, from columns: no Python object per heartbeat."""
+    c = Columns(ctx, msg, HEARTBEAT_LAYOUT)
+    who = c.run_rank()
+    counts = c.at_least("in_flight", 0)
+    if counts.size and counts.max() > MAX_IN_FLIGHT:
+        raise IngestError(f"{c.where('in_flight')}: {counts.max()} operations in flight, more than the {MAX_IN_FLIGHT} allowed", "count")
+    ops = Columns(ctx, msg.ops, IN_FLIGHT_LAYOUT)
+    if int(counts.sum()) != ops.count:
+        raise IngestError(f"{c.where('in_flight')}: the heartbeats name {int(counts.sum())} operations in flight, ops holds {ops.count}", "count")
+    peers = ops.at_least("peer", -1)
+    check_ranks(ctx.run, peers[peers != -1], ops.where("ops.peer"))
+    waiting = ops.array("waiting")
+    if waiting.size and waiting.max() > 1:
+        raise IngestError(f"{ops.where('ops.waiting')}: value {waiting.max()} where only 0 and 1 are valid", "range")
+    offsets = pa.array(np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32))
+    in_flight = (ops.strings_at("group"), ops.array("seq"), ops.strings_at("op"), peers, timestamps(ops.times("issue_ns")), waiting)
+    hosts = ctx.run.hosts
+    return {
+        "heartbeats": arrow_table(
+            "heartbeats",
+            {
+                **who, "host": [hosts.get(r, "") for r in who["rank"].tolist()],  # type: ignore[attr-defined]
+                "time": timestamps(c.times("time_ns")), "step": c.unsigned("step"),
+                "phase": c.strings_at("phase"), "status": c.strings_at("status"),
+                "last_progress": timestamps(c.times("last_progress_ns", zero_is_unknown=True)),
+                "events_dropped": c.unsigned("events_dropped"),
+                **{name: _lists(name, offsets, values) for name, values in zip(_IN_FLIGHT_COLUMNS, in_flight)},
+            },
+            ctx.attempts,
+        )
+    }
+
+
 #: a heartbeat's operations in flight, a list column each (the order of the tuples ``_heartbeats`` builds)
 _IN_FLIGHT_COLUMNS = ("inflight_group", "inflight_seq", "inflight_op", "inflight_peer", "inflight_issue", "inflight_waiting")
 
 
-def _lists(column: str, offsets: pa.Array, values: Sequence[object]) -> pa.ListArray:
+def _lists(column: str, offsets: pa.Array, values: Sequence[object] | np.ndarray | pa.Array) -> pa.ListArray:
     """Heartbeats' list column ``column`` from all their values in a row and where each heartbeat's begin."""
     type_ = SCHEMAS["heartbeats"].field(column).type
-    return pa.ListArray.from_arrays(offsets, pa.array(values, type=type_.value_type), type=type_)
+    flat = values.cast(type_.value_type) if isinstance(values, pa.Array) else pa.array(values, type=type_.value_type)
+    return pa.ListArray.from_arrays(offsets, flat, type=type_)
 
 
 def _metrics(ctx: BatchContext, msg: telemetry_pb2.MetricBatch, registry: RunRegistry) -> dict[str, pa.Table]:
@@ -349,6 +396,7 @@ def decode(batch: ingest_pb2.Batch, registry: RunRegistry, now_ns: int, window: 
         ctx.run = run
         ctx.attempt = run.attempt_of(batch)
         ctx.after_start(run.start_ns, window)
+        ctx.before_end(run.end_ns, window)
     parts = _PAYLOADS[kind](ctx, getattr(batch, kind), registry)
     if kind in REGISTRATIONS:  # accepted: its world keeps the number it was given
         registry.run(batch.run_id).note_world(batch, ctx.attempt)

@@ -23,6 +23,7 @@ import numpy as np
 
 from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import load_config
+from rankscope.agent.heartbeat_columns import to_columns
 from rankscope.agent.transport import Transport
 from rankscope.common.agent_env import agent_environment
 from rankscope.harness.simulate import payloads
@@ -200,12 +201,12 @@ class Worker:
         return rank, beat
 
     def _send_beats(self, beats: list[tuple[int, pb.Heartbeat] | None]) -> None:
-        """Heartbeats of several ranks, ``ranks_per_batch`` to a batch."""
+        """Heartbeats of several ranks, ``ranks_per_batch`` to a batch, in columns (as a relay sends them)."""
         due = [b for b in beats if b is not None]
         per = self.plan.cadence.ranks_per_batch
         for k in range(0, len(due), per):
             ranks, part = zip(*due[k : k + per])
-            self._send(pb.HeartbeatBatch(heartbeats=part, ranks=ranks), ranks[0], "heartbeats", len(part))
+            self._send(to_columns(part, ranks), ranks[0], "heartbeats", len(part))
 
     def _phase(self, rank: int, now: int) -> str:
         """The segment ``rank`` is in at ``now`` during the current step."""

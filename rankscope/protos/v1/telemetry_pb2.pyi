@@ -180,12 +180,60 @@ class Heartbeat(_message.Message):
     def __init__(self, time_ns: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., status: _Optional[str] = ..., last_progress_ns: _Optional[int] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., events_dropped: _Optional[int] = ...) -> None: ...
 
 class HeartbeatBatch(_message.Message):
-    __slots__ = ("heartbeats", "ranks")
+    __slots__ = ("heartbeats", "ranks", "columns")
     HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     heartbeats: _containers.RepeatedCompositeFieldContainer[Heartbeat]
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, heartbeats: _Optional[_Iterable[_Union[Heartbeat, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    columns: HeartbeatColumns
+    def __init__(self, heartbeats: _Optional[_Iterable[_Union[Heartbeat, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., columns: _Optional[_Union[HeartbeatColumns, _Mapping]] = ...) -> None: ...
+
+class HeartbeatColumns(_message.Message):
+    __slots__ = ("count", "strings", "time_ns", "step", "phase", "status", "last_progress_ns", "events_dropped", "in_flight", "rank", "ops")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PROGRESS_NS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    time_ns: bytes
+    step: bytes
+    phase: bytes
+    status: bytes
+    last_progress_ns: bytes
+    events_dropped: bytes
+    in_flight: bytes
+    rank: bytes
+    ops: InFlightColumns
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., time_ns: _Optional[bytes] = ..., step: _Optional[bytes] = ..., phase: _Optional[bytes] = ..., status: _Optional[bytes] = ..., last_progress_ns: _Optional[bytes] = ..., events_dropped: _Optional[bytes] = ..., in_flight: _Optional[bytes] = ..., rank: _Optional[bytes] = ..., ops: _Optional[_Union[InFlightColumns, _Mapping]] = ...) -> None: ...
+
+class InFlightColumns(_message.Message):
+    __slots__ = ("count", "strings", "group", "seq", "op", "peer", "issue_ns", "waiting")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    ISSUE_NS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    group: bytes
+    seq: bytes
+    op: bytes
+    peer: bytes
+    issue_ns: bytes
+    waiting: bytes
+    def __init__(self, count: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., group: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., op: _Optional[bytes] = ..., peer: _Optional[bytes] = ..., issue_ns: _Optional[bytes] = ..., waiting: _Optional[bytes] = ...) -> None: ...
 
 class MetricBatch(_message.Message):
     __slots__ = ("count", "strings", "time_ns", "name", "device", "value")
