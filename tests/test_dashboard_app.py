@@ -20,7 +20,7 @@ import pytest
 import streamlit as st
 
 from conftest import free_port
-from dashboard_pages import APP, PAGES, array, open_page, read_from, said
+from dashboard_pages import APP, PAGES, array, open_page, page_text, read_from, said
 from streamlit.testing.v1 import AppTest
 
 from rankscope.common.incidents import from_rows
@@ -275,6 +275,41 @@ def test_a_restarted_run_shows_where_it_restarted_and_what_the_driver_did(store)
     assert listed.loc["node-a", "node state"].startswith("healthy since ") and listed.loc["node-c", "node state"] == "never suspected"
     graph = open_page("graph", run="healed")  # just before attempt 1 ended: its two ranks, not attempt 0's stopped four
     assert "2 computing" in said(graph) and "crashed" not in said(graph)
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_ddp_job_is_data_parallel_without_stages(store):
+    """A job that declared no 3D layout (plain DDP: registered 1 x 1 x 1, its ranks at tp, pp and dp -1)
+    is data parallel over its world: the runs page says 1 x 1 x 4, the heat map's rows are ranks on
+    hosts (no "stage -1"), the graph puts each rank in a replica of its own (issue 29)."""
+    start = NOW - 300 * S
+    _insert(store, "runs", {
+        "run_id": ["ddp"], "name": ["ddp"], "start_time": [start], "end_time": [start + 60 * S], "world_size": [4], "tp": [1], "pp": [1],
+        "dp": [1], "config": ["{}"], "status": ["finished"], "updated": [NOW],
+    })  # fmt: skip
+    _insert(store, "ranks", {
+        "run_id": ["ddp"] * 4, "rank": list(range(4)), "host": ["node-a", "node-a", "node-b", "node-b"], "pid": [200, 201, 202, 203],
+        "local_rank": [0, 1, 0, 1], "device": ["cpu"] * 4, "tp_rank": [-1] * 4, "pp_rank": [-1] * 4, "dp_rank": [-1] * 4,
+        "clock_offset_ns": [0] * 4, "agent_version": ["test"] * 4, "registered": [start] * 4,
+    })  # fmt: skip
+    cells = [(r, step) for step in range(1, 7) for r in range(4)]
+    _insert(store, "spans", {
+        "run_id": ["ddp"] * len(cells), "rank": [c[0] for c in cells], "step": [c[1] for c in cells], "name": ["forward"] * len(cells),
+        "kind": ["compute"] * len(cells), "start_time": [start + c[1] * S for c in cells],
+        "end_time": [start + c[1] * S + (300 if c[0] == 1 else 100) * MS for c in cells], "microbatch": [0] * len(cells),
+        "attributes": [""] * len(cells), "cpu_ns": [-1] * len(cells),
+    })  # fmt: skip
+    st.cache_data.clear()
+    row = next(line for line in page_text(open_page("runs")).splitlines() if "(./?run=ddp)" in line)
+    assert "| 4 | 1 × 1 × 4 |" in row, row
+    heat = open_page("heatmap", run="ddp", segment="forward")
+    assert "Slowest against its stage: rank 1 (node-a)**, forward 3.00×" in said(heat) and "stage -1" not in said(heat), said(heat)
+    labels = json.loads(heat.get("plotly_chart")[0].proto.spec)["data"][0]["y"]
+    assert labels == ["rank 0 · node-a", "rank 1 · node-a", "rank 2 · node-b", "rank 3 · node-b"]
+    graph = json.loads(open_page("graph", run="ddp").get("plotly_chart")[0].proto.spec)
+    assert graph["layout"]["xaxis"]["ticktext"] == ["no stages declared"]
+    ranks = next(t for t in graph["data"] if t.get("mode") == "markers+text")
+    assert len(set(array(ranks["y"]).tolist())) == 4  # a replica each, not four ranks drawn on one spot
 
 
 def test_evidence_that_is_not_a_json_object_is_read_back_as_unreadable_text():

@@ -138,9 +138,12 @@ def runs() -> list[Run]:
 
 def _run(r: dict[str, Any]) -> Run:
     status = "hung" if r["open_hangs"] else r["stored_status"]
+    world, tp, pp, dp = int(r["world_size"]), max(int(r["tp"]), 1), max(int(r["pp"]), 1), max(int(r["dp"]), 1)
+    if tp * pp * dp != world and world % (tp * pp) == 0:  # no 3D layout declared (plain DDP, 1 x 1 x 1): the rest is data parallel
+        dp = world // (tp * pp)
     return Run(
         id=r["id"], name=r["name"], status=status, start_ns=int(r["start_ns"]), end_ns=max(int(r["end_ns"]), 0),
-        last_ns=int(r["last_ns"]), world_size=int(r["world_size"]), tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]),
+        last_ns=int(r["last_ns"]), world_size=world, tp=tp, pp=pp, dp=dp,
         steps=int(r["steps"]), open_incidents=int(r["open_incidents"]), incidents=int(r["incidents"]), attempt=int(r["attempt"]),
     )  # fmt: skip
 
@@ -182,12 +185,18 @@ def latest_collective(run: Run) -> tuple[str, int] | None:
 
 # --- topology ---------------------------------------------------------------------------------
 
+# A rank's place, by its newest registration. A job that declared no 3D layout (plain DDP) registers
+# its ranks at tp, pp and dp -1: each rank is then a data-parallel replica of its own (dp = rank), at
+# tp 0 and pp -1 (no stage: ``figures.stage_name``).
+PLACE = (
+    "greatest(argMax(tp_rank, registered), 0) AS tp, argMax(pp_rank, registered) AS pp, "
+    "if(argMax(dp_rank, registered) < 0, rank, argMax(dp_rank, registered)) AS dp"
+)
 # The newest registration of each rank: after a restart, the latest attempt's (a later attempt
 # always registers with a higher version).
 RANKS_SQL = (
     "SELECT rank, argMax(host, registered) AS host, argMax(pid, registered) AS pid, argMax(device, registered) AS device, "
-    "argMax(tp_rank, registered) AS tp, argMax(pp_rank, registered) AS pp, argMax(dp_rank, registered) AS dp, "
-    "argMax(attempt, registered) AS attempt FROM ranks WHERE run_id = {run:String} GROUP BY rank ORDER BY rank"
+    f"{PLACE}, argMax(attempt, registered) AS attempt FROM ranks WHERE run_id = {{run:String}} GROUP BY rank ORDER BY rank"
 )
 
 
@@ -397,8 +406,7 @@ SELECT who.rank AS rank, who.host AS host, who.pid AS pid, who.device AS device,
        ended.exit_ns AS exit_ns, ended.reason AS exit_reason, ended.exit_code AS exit_code, ended.signal AS exit_signal,
        ended.message AS exit_message
 FROM (
-    SELECT rank, argMax(host, registered) AS host, argMax(pid, registered) AS pid, argMax(device, registered) AS device,
-           argMax(tp_rank, registered) AS tp, argMax(pp_rank, registered) AS pp, argMax(dp_rank, registered) AS dp
+    SELECT rank, argMax(host, registered) AS host, argMax(pid, registered) AS pid, argMax(device, registered) AS device, {PLACE}
     FROM ranks WHERE run_id = {run:String} GROUP BY rank HAVING max(attempt) >= shown
 ) AS who
 LEFT JOIN (
@@ -416,7 +424,7 @@ LEFT JOIN (
     FROM exits WHERE run_id = {run:String} AND attempt = shown AND time <= fromUnixTimestamp64Nano({at:Int64}) GROUP BY rank
 ) AS ended ON ended.rank = who.rank
 ORDER BY rank
-"""
+""".replace("{PLACE}", PLACE)
 
 
 @per_run

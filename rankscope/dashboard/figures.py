@@ -144,6 +144,11 @@ def overview_figure(metrics: pd.DataFrame, restarts: pd.DataFrame | None = None)
 # --- heat map ----------------------------------------------------------------------------------
 
 
+def stage_name(pp: int) -> str:
+    """A pipeline stage's name; the ranks of a job that declared no 3D layout (plain DDP) have none: pp -1."""
+    return f"stage {pp}" if pp >= 0 else "no stages declared"
+
+
 def heat_rows(cells: pd.DataFrame) -> pd.DataFrame:
     """The heat map's rows, grouped by pipeline stage, then host (hosts in the order of their first
     rank, so node-2 comes before node-10): row, rank, host, pp, label."""
@@ -151,7 +156,7 @@ def heat_rows(cells: pd.DataFrame) -> pd.DataFrame:
     rows["host_order"] = rows.groupby("host")["rank"].transform("min")
     rows = rows.sort_values(["pp", "host_order", "rank"]).reset_index(drop=True)
     by_rank = rows["row"].astype(str).eq(rows["rank"].astype(str)).all()
-    stage = " · stage " + rows["pp"].astype(str)
+    stage = rows["pp"].map(lambda p: f" · {stage_name(p)}" if p >= 0 else "")
     rows["label"] = ("rank " + rows["rank"].astype(str) + " · " + rows["host"] + stage) if by_rank else (rows["host"] + stage)
     return rows.drop(columns="host_order")
 
@@ -389,7 +394,7 @@ def graph_figure(states: pd.DataFrame, tp_size: int, roots: Sequence[int] = (), 
         fig.add_annotation(x=r["x"], y=r["y"], text=f"hang root: rank {r['rank']} ({r['host']})", showarrow=True, arrowcolor=ROOT_COLOUR,
                            font={"color": ROOT_COLOUR}, ay=-40, bgcolor="white", bordercolor=ROOT_COLOUR)  # fmt: skip
     stages = sorted(s["pp"].unique())
-    fig.update_xaxes(tickvals=[p * (tp_size + 1) + (tp_size - 1) / 2 for p in stages], ticktext=[f"stage {p}" for p in stages],
+    fig.update_xaxes(tickvals=[p * (tp_size + 1) + (tp_size - 1) / 2 for p in stages], ticktext=[stage_name(p) for p in stages],
                      zeroline=False, showgrid=False)  # fmt: skip
     replicas = sorted(s["dp"].unique())
     step = max(1, len(replicas) // 16)
@@ -431,7 +436,7 @@ def host_graph_figure(hosts: pd.DataFrame, root_hosts: Sequence[str] = ()) -> go
                                    hovertext=part["host"] + " (" + part["ranks"].astype(str) + " ranks): " + part["counts"],
                                    hoverinfo="text"))  # fmt: skip
     _rings(fig, h[h["host"].isin(root_hosts)], size, ROOT_COLOUR, "host of the hang's root")
-    fig.update_xaxes(tickvals=sorted(h["pp"].unique()), ticktext=[f"stage {p}" for p in sorted(h["pp"].unique())], showgrid=False)
+    fig.update_xaxes(tickvals=sorted(h["pp"].unique()), ticktext=[stage_name(p) for p in sorted(h["pp"].unique())], showgrid=False)
     fig.update_yaxes(title_text="host", showgrid=False, showticklabels=False)
     fig.update_layout(height=600, margin=MARGIN, legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"})
     return fig
@@ -443,7 +448,7 @@ def stage_states_figure(states: pd.DataFrame) -> go.Figure:
     fig = go.Figure()
     for state in (st for st in STATE_COLOURS if st in set(counts["state"])):
         part = counts[counts["state"] == state]
-        fig.add_trace(go.Bar(x=[f"stage {p}" for p in part["pp"]], y=part["ranks"], name=state, marker_color=STATE_COLOURS[state]))
+        fig.add_trace(go.Bar(x=[stage_name(p) for p in part["pp"]], y=part["ranks"], name=state, marker_color=STATE_COLOURS[state]))
     fig.update_layout(barmode="stack", height=360, margin=MARGIN, yaxis_title="ranks")
     return fig
 

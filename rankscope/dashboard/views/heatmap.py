@@ -65,7 +65,8 @@ def body(run: Run) -> None:
 
 def _name(row: pd.Series, by: str, hosts: dict[int, str]) -> str:
     """How a row of ``figures.slowest`` is named on the page (the diagnosis's words for a rank)."""
-    return f"{ui.who(int(row['rank']), hosts)}, stage {row['pp']}" if by == "rank" else f"host {row['row']} (rank {row['rank']}), stage {row['pp']}"
+    stage = f", {figures.stage_name(int(row['pp']))}" if row["pp"] >= 0 else ""
+    return f"{ui.who(int(row['rank']), hosts)}{stage}" if by == "rank" else f"host {row['row']} (rank {row['rank']}){stage}"
 
 
 def _with_peers(cells: pd.DataFrame, rank: int) -> str:
