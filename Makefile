@@ -3,6 +3,7 @@
 #   make test        install what is missing, then the whole test suite
 #   make test-fast   the same without the tests marked slow
 #   make bench       every benchmarks/*.py in turn (but gpu_check.py)
+#   make accuracy    the randomized fault campaign (benchmarks/accuracy.py; ACCURACY_ARGS='--trials 200')
 #   make gpu-check   the CUDA paths on this machine's GPU, in one table (refuses without a CUDA GPU)
 #   make demo        the demo (rankscope demo: collector, dashboard, 8-rank run; Ctrl-C stops it)
 #   make screenshot  the README's picture: the browser test's heat map, copied to docs/images/
@@ -27,7 +28,7 @@ PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reo
 # gpu_check.py refuses without a CUDA GPU (exit 1): `make gpu-check` runs it, not `make bench`.
 BENCHMARKS := $(sort $(filter-out benchmarks/gpu_check.py,$(wildcard benchmarks/*.py)))
 
-.PHONY: venv install browser slurm test test-fast bench gpu-check demo screenshot protos clean distclean
+.PHONY: venv install browser slurm test test-fast bench accuracy gpu-check demo screenshot protos clean distclean
 
 venv: $(PY)
 
@@ -78,6 +79,13 @@ test-fast: install
 
 bench: install
 	@for b in $(BENCHMARKS); do echo "== $$b"; $(PY) "$$b"; echo; done
+
+# Diagnosis accuracy over a randomized fault campaign (docs/benchmarks.md): the Lightning and Accelerate
+# jobs need the campaign extra, installed beside the pinned torch (pip would not replace it then).
+ACCURACY_ARGS ?=
+accuracy: install
+	$(PIP) install -q -e '.[campaign]' '$(TORCH)'
+	$(PY) benchmarks/accuracy.py $(ACCURACY_ARGS)
 
 # The CUDA paths (CUDA-event timing, NCCL completion, the agent's cost on the trainer, MFU) in one
 # table; on a machine without a CUDA GPU it says so in one line and fails. docs/benchmarks.md.

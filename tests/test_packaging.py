@@ -94,6 +94,7 @@ def test_wheel_metadata(wheel: tuple[Path, zipfile.ZipFile]) -> None:
         "collector": {"pyarrow", "pandas", "clickhouse-connect", "chdb", "prometheus-client"},
         "dashboard": {"rankscope[collector]", "streamlit", "plotly"},
         "all": {"rankscope[collector,dashboard,gpu,stacks]"},
+        "campaign": {"lightning", "accelerate"},
         "dev": {"pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools", "playwright", "pyyaml", "import-linter"},
     }
     assert set(re.findall(r"^Provides-Extra: (.+)$", meta, re.M)) == set(requires)

@@ -40,6 +40,8 @@ HANG_AFTER_S = 10.0
 SILENT_AFTER_S = 8.0
 #: the plain DDP script (a user's own job, not rankscope's trainer), shipped beside this module
 DDP_SCRIPT = Path(__file__).resolve().parent / "ddp_job.py"
+#: torch-native FSDP2 with DTensor tensor parallelism: the suite's script, in a checkout of the repository
+FSDP2_SCRIPT = Path(__file__).resolve().parents[2] / "tests" / "scripts" / "dtensor_fsdp.py"
 #: the trainer is small in most scenarios (SMALL_MODEL): what they show is the fault, not the model. A step
 #: of the default model takes 2.2 s on 8 ranks of 4 hosts on 2 cores, the small one's 0.5 s.
 PROGRAMS = {
@@ -49,6 +51,10 @@ PROGRAMS = {
     # the link queue behind its other traffic changed from run to run (one of two runs named one pair)
     "trainer-default": lambda steps: trainer("--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(steps), "--timeout", "90"),
     "ddp": lambda steps: [str(DDP_SCRIPT), "--steps", str(steps)],
+    # the campaign's jobs (rankscope/harness/campaign.py): FSDP2 with DTensor TP, Lightning, Accelerate
+    "fsdp2": lambda steps: [str(FSDP2_SCRIPT), "--steps", str(steps), "--width", "512", "--batch", "256"],
+    "lightning": lambda steps: [str(DDP_SCRIPT.with_name("lightning_job.py")), "--steps", str(steps)],
+    "accelerate": lambda steps: [str(DDP_SCRIPT.with_name("accelerate_job.py")), "--steps", str(steps)],
 }
 
 #: (bed, job, target rank) -> the applied fault
@@ -72,6 +78,8 @@ class Scenario:
     program: str = "trainer"
     #: the job is expected to end by itself (a kill ends it; a freeze does not)
     ends: bool = True
+    #: the test bed's hosts, two ranks each
+    hosts: int = 4
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -141,9 +149,10 @@ class Score:
 
 
 def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str], None] = print) -> Score:
-    """Run one scenario on a test bed of its own; every process and namespace is gone when it returns."""
+    """Run one scenario on a test bed of its own (``scenario.hosts`` hosts of 2 ranks); every process and
+    namespace is gone when it returns."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rankscope-testbed-{scenario.name}-"))
-    with staged(workdir, 4, 2) as (bed, address):
+    with staged(workdir, scenario.hosts, 2) as (bed, address):
         return _play(scenario, bed, address, workdir, log)
 
 
