@@ -7,7 +7,9 @@ uses its own run id, so the tests do not see each other's rows.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -350,6 +352,39 @@ def test_a_script_awaits_the_diagnosis_passes_over_what_it_sent(collector: Runni
     assert all(after[lane] >= before[lane] + 1 for lane in before), (before, after)
     with pytest.raises(TimeoutError, match="did not finish 100 more passes per lane in 0.5 s"):
         await_diagnosis(collector.metrics_url, passes=100, timeout_s=0.5)
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_diagnosis_lane_is_started_again_and_counted_while_ingest_goes_on(
+    collector: Running, ingest: ingest_pb2_grpc.IngestStub, client: Client
+) -> None:
+    """Each lane runs in a process of its own: killing one leaves the collector acknowledging and storing
+    batches; the lane comes back (a new process, its passes going on) and the restart is counted."""
+    from rankscope.harness.orchestration import await_diagnosis
+
+    assert collector.metrics_url
+    lanes = _lane_processes(collector.proc.popen.pid)
+    assert len(lanes) == 2, lanes
+    thorough = next(pid for pid, line in lanes.items() if line.split()[-3] == "thorough")
+    os.kill(thorough, signal.SIGKILL)
+    send(ingest, register("lane-killed", 0, 1))
+    assert not send(ingest, spans("lane-killed", 0, 4)).duplicate
+    assert one(client, "SELECT count() AS n FROM spans WHERE run_id = 'lane-killed'") == [{"n": 4}]
+    deadline = time.monotonic() + 60
+    while _metric_values(collector.metrics_url).get('rankscope_diagnosis_restarts_total{lane="thorough"}', 0) < 1:
+        assert time.monotonic() < deadline, "the killed lane was not started again in 60 s"
+        time.sleep(0.2)
+    await_diagnosis(collector.metrics_url, passes=1, timeout_s=60)  # both lanes pass again
+    now = _lane_processes(collector.proc.popen.pid)
+    assert len(now) == 2 and thorough not in now, (lanes, now)
+    assert _metric_values(collector.metrics_url).get('rankscope_diagnosis_restarts_total{lane="urgent"}', 0) == 0
+
+
+def _lane_processes(collector_pid: int) -> dict[int, str]:
+    """pid -> command line of the collector's diagnosis lane processes."""
+    children = Path(f"/proc/{collector_pid}/task/{collector_pid}/children").read_text().split()
+    lines = {int(pid): Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in children}
+    return {pid: line for pid, line in lines.items() if "diagnosis.lane_process" in line}
 
 
 def test_a_batch_sent_three_seconds_ago_counts_as_three_seconds_on_its_way(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:

@@ -14,6 +14,7 @@ and closes the store: what was acknowledged survives a restart.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import os
 import signal
@@ -31,7 +32,8 @@ from rankscope.collector.batch_columns import IngestError, TimeWindow
 from rankscope.collector.batch_limits import UnregisteredRun
 from rankscope.collector.control import PendingCommands
 from rankscope.collector.decode import REGISTRATIONS, Decoded, UnsupportedSchemaVersion, check_envelope, decode
-from rankscope.collector.diagnosis.engine import DIAGNOSE_EVERY_S, LiveDiagnosis, write_to
+from rankscope.collector.diagnosis.engine import DIAGNOSE_EVERY_S
+from rankscope.collector.diagnosis.lane_process import LaneProcesses, Services
 from rankscope.collector.liveness import LastHeard
 from rankscope.collector.query import BUSY_METADATA, Limits, QueryBusy, QueryRefused, ReadOnlyGuard, ResultTooLarge, guard_for, params_from_wire
 from rankscope.collector.read_pool import ReadPool
@@ -421,20 +423,21 @@ async def _run(
 
 
 async def _diagnose(collector: Collector, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """The live diagnosis: detectors over the active runs, incidents into the store, stack requests to agents."""
+    """The live diagnosis, a process per lane (``lane_process``): detectors over the active runs, their
+    queries and incidents through this process's store, stack requests to agents."""
     options, store = collector.options, collector.store
     assert options.diagnosis is not None
 
-    def request_stack(run_id: str, rank: int, reason: str) -> None:  # called from the diagnosis thread
+    def request_stack(run_id: str, rank: int, reason: str) -> None:  # called from a lane's thread
         loop.call_soon_threadsafe(collector.commands.request_stack, run_id, rank, reason)
 
-    live = LiveDiagnosis(
-        store.query_arrow, write_to(store.insert_arrow), request_stack, options.diagnosis,
-        interval_s=options.diagnose_interval_s, webhook=options.alert_webhook,
-        stored=lambda run_id: collector.writer.stored.get(run_id, (0, 0)), heard=collector.heard,
-        on_pass=collector.telemetry.diagnosed, on_detector=collector.telemetry.detected,
+    services = Services(
+        query=store.query_arrow, insert_incidents=functools.partial(store.insert_arrow, "incidents"), request_stack=request_stack,
+        stored=lambda run_id: collector.writer.stored.get(run_id, (0, 0)), heard=collector.heard.of, forget=collector.heard.forget,
+        passed=collector.telemetry.diagnosed, detected=collector.telemetry.detected,
     )  # fmt: skip
-    await live.run(stop)
+    lanes = LaneProcesses(services, options.diagnosis, options.diagnose_interval_s, options.alert_webhook, collector.telemetry.restarted)
+    await lanes.run(stop)
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> str:

@@ -98,6 +98,10 @@ class Telemetry:
             "rankscope_detector_seconds", "Duration of one detector in a live diagnosis pass over one run, per detector.",
             ["detector"], buckets=(*_LATENCY_BUCKETS, 30.0, 60.0), registry=self.registry,
         )  # fmt: skip
+        self.diagnosis_restarts = Counter(
+            "rankscope_diagnosis_restarts_total", "Live diagnosis lane processes started again after they exited, per lane.",
+            ["lane"], registry=self.registry,
+        )  # fmt: skip
         connected = Gauge(
             "rankscope_connected_ranks", f"Distinct (run, rank) that sent a batch in the last {CONNECTED_WINDOW_S:.0f} s.",
             registry=self.registry,
@@ -117,12 +121,16 @@ class Telemetry:
         self.store_seconds.labels(kind).observe(max(0.0, (stored_ns - received_ns) / 1e9))
 
     def diagnosed(self, lane: str, seconds: float) -> None:
-        """One live diagnosis pass of ``lane`` (called from the event loop)."""
+        """One live diagnosis pass of ``lane`` (called from the thread that serves the lane's process)."""
         self.diagnosis_seconds.labels(lane).observe(seconds)
 
     def detected(self, detector: str, seconds: float) -> None:
-        """One detector's pass over one run (called from the diagnosis thread)."""
+        """One detector's pass over one run (called from the thread that serves its lane's process)."""
         self.detector_seconds.labels(detector).observe(seconds)
+
+    def restarted(self, lane: str) -> None:
+        """The process of a live diagnosis lane exited and is started again."""
+        self.diagnosis_restarts.labels(lane).inc()
 
     def seen(self, run_id: str, ranks: Iterable[int]) -> None:
         """A batch of ``run_id`` spoke for ``ranks`` now."""

@@ -132,10 +132,9 @@ class LiveDiagnosis:
     passed over while nothing of it was stored since its last pass, until ``recheck_s`` (what
     only time reveals, such as ranks gone silent all at once, and what other collectors of the
     same store wrote); its topology is read again after a rank registered, or ``recheck_s``.
-    ``run`` passes each ``Lane`` (``URGENT``, ``THOROUGH``) in a thread of its own, every
-    ``interval_s``: a long straggler pass does not hold up the hang's. A pass longer than
-    ``interval_s`` (a run of 100,000 ranks) is followed by a rest as long as itself: the passes hold
-    the interpreter half the time at most, and ingest keeps up. ``on_pass(lane, seconds)`` hears how
+    ``run`` passes each ``Lane`` (``URGENT``, ``THOROUGH``) on its own schedule, every ``interval_s``
+    or as soon as the last pass ended; the collector runs each lane in a process of its own
+    (``lane_process``), so a long straggler pass holds up neither ingest nor the hang's pass. ``on_pass(lane, seconds)`` hears how
     long each pass took, ``on_detector(name, seconds)`` each detector of it (the collector's metrics).
     """
 
@@ -174,9 +173,10 @@ class LiveDiagnosis:
         self._ended: dict[str, float] = {}  # run -> time.monotonic() when first seen ended
         self._warned: set[str] = set()
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Pass both lanes until ``stop``, each on its own schedule."""
-        await asyncio.gather(self._lane(URGENT, stop), self._lane(THOROUGH, stop))
+    async def run(self, stop: asyncio.Event, lanes: tuple[Lane, ...] = (URGENT, THOROUGH)) -> None:
+        """Pass ``lanes`` (both by default; the collector runs each in a process of its own:
+        ``lane_process``) until ``stop``, each on its own schedule."""
+        await asyncio.gather(*(self._lane(lane, stop) for lane in lanes))
 
     async def _lane(self, lane: Lane, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -192,7 +192,7 @@ class LiveDiagnosis:
                 self._warn_once(f"slow {lane.name}", f"rankscope diagnosis: a pass of the {lane.name} lane ({', '.join(lane.names)}) took "
                                 f"{took:.1f} s, more than the {self.interval_s:g} s between passes; what it looks for is named later "
                                 "(rankscope_diagnosis_pass_seconds on --metrics-port tracks it)")  # fmt: skip
-            delay = max(0.1, self.interval_s - took, took)  # a long pass is followed by as long a rest: ingest gets its turn
+            delay = max(0.1, self.interval_s - took)  # in a process of its own (``lane_process``): ingest never waits for it
             try:
                 await asyncio.wait_for(stop.wait(), delay)
             except asyncio.TimeoutError:
