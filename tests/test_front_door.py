@@ -37,7 +37,8 @@ def test_rankscope_train_sends_what_its_ranks_left_in_the_spool(proc_runner: Pro
         training = proc_runner.start([str(Path(sys.executable).parent / "rankscope"), "train", *TINY], env=env, cwd=tmp_path, name="train")
         training.wait_for("sending them to", timeout=300)
         assert "step     3/3 | loss" in training.stdout, training.output()  # the job ran while nothing was acknowledged
-        assert leftovers(spool), training.output()
+        # what the ranks left, as counted before the replay took it (the replay adopts the files at once)
+        assert re.search(r"the ranks left [1-9]\d* spool segment file\(s\)", training.stdout), training.output()
     finally:
         os.killpg(collector.proc.popen.pid, signal.SIGCONT)
     assert training.wait(180) == 0, training.output()
@@ -52,7 +53,7 @@ def test_rankscope_train_sends_what_its_ranks_left_in_the_spool(proc_runner: Pro
         while runs and runs[0]["status"] == "running" and time.monotonic() < deadline:  # the status follows the ends' flush
             time.sleep(0.5)
             runs = client.query(status_sql).to_pylist()
-        assert [r["status"] for r in runs] == ["finished"], runs
+        assert [r["status"] for r in runs] == ["finished"], f"{runs}\n{training.output()}"
         run = runs[0]["run_id"]
         steps = client.query("SELECT rank, groupUniqArray(step) AS steps FROM step_metrics WHERE run_id = {run:String} GROUP BY rank "
                              "ORDER BY rank", {"run": run}).to_pylist()  # fmt: skip

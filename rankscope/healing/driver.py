@@ -276,13 +276,13 @@ class Driver:
         spares = len(self.spares) if self.join is not None else 0
         requeue = self.requeue is not None and self.policy.requeue and self.policy.short(len(self._active), len(hosts), spares)
         for host in hosts:
-            told = reason or f"rankscope: {why}"
+            told, decided_ns = reason or f"rankscope: {why}", time.time_ns()  # stored at the decision: fencing may outlast the restart
             done = self.fleet.fence(host, told)
             self.evicted.append(host)
             self._active.remove(host)
             self._drained[host] = time.monotonic()
             self._node(host, DRAINED, incident_id, told)
-            self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining})
+            self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining}, time_ns=decided_ns)
             goes = "goes back to its scheduler" if requeue else f"goes on with {', '.join(self.remaining)}"
             self.log(f"[rankscope launch] evicted {host} ({why}); the job {goes}")
         if requeue:
