@@ -146,6 +146,23 @@ def test_the_detectors_name_the_faults_from_the_state(run: tuple[EmbeddedStore, 
     assert crash.detect(ctx, now_ns=end_ns) == []  # every rank heard from at the end
 
 
+def test_a_slower_rank_that_nobody_waits_for_is_no_straggler(run: tuple[EmbeddedStore, int]) -> None:
+    """Ranks 6 and 7 are tensor-parallel peers, 1.5x and 2x slow from step 10: rank 6 waits for rank 7
+    at every all-reduce, so its slowness costs the step nothing (the critical path runs through rank 7).
+    Only rank 7 is named; without the cost floor rank 6 was too, "costs 0% of step time" (issue 29)."""
+    store = EmbeddedStore(run[0].path, database="hidden")  # one chDB per process: another database of it
+    try:
+        migrate(store, store.database, None)
+        topo = topology.build(2, 2, 2)
+        model = anatomy_rows.model(topo, microbatches=2, step_time_s=0.5, stragglers=[(6, 10, 1.5), (7, 10, 2.0)])
+        anatomy_rows.write_run(store, topo, model, range(1, 21), run_id="hidden", steps_per_insert=4)
+        found = straggler.detect(RunContext.load("hidden", store.query_arrow, Settings()))
+        assert [f.ranks for f in found] == [(7,)], [f.summary for f in found]
+        assert found[0].evidence["critical_path_cost"]["share"] > 0.1
+    finally:
+        store.close()
+
+
 def test_a_pass_reads_from_the_newest_step_it_saw(run: tuple[EmbeddedStore, int]) -> None:
     store, _ = run
     seen: dict[tuple[str, int], dict[str, int]] = {}

@@ -24,7 +24,10 @@ class Settings:
     #: ... and by at least this much time per step (tiny segments are all noise) ...
     straggler_min_excess_s: float = 0.002
     #: ... and this share of the step: a segment that costs the step less is no straggler worth a
-    #: look, and a small wall-time-only segment (data loading) on a busy host is mostly the scheduler
+    #: look, and a small wall-time-only segment (data loading) on a busy host is mostly the scheduler.
+    #: Its cost measured on the critical paths of the latest steps, where they are known, must reach
+    #: this share too: a slower rank that nobody waits for costs nothing (issue 29: "optimizer 21%
+    #: slower ... costs 0% of step time" after a frozen rank resumed)
     straggler_step_share: float = 0.01
     #: where CPU time is compared, wall time too (a step's compute as a whole), slower by at least
     #: this share at every step of the window but one: a rank starved of CPU computes no slower, it

@@ -161,7 +161,7 @@ def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[
         # a rank of a host named before, alone now (its host-mate's slowness dipped): the same fault
         host = ctx.host.get(rank)
         findings.append(replace(found, absorbs=(f"straggler:host={host}",)) if host else found)
-    return findings
+    return [f for f in findings if f.evidence.get("critical_path_cost", {}).get("share", 1.0) >= ctx.settings.straggler_step_share]
 
 
 def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: dict[int, tuple[int, int]], summary: str) -> Finding:
