@@ -1,6 +1,6 @@
 """The straggler's arrival signal judged on collectives written by hand into a real store.
 
-Four ranks, steps 1..20, one collective a step in each group; the ranks arrive a few ms apart in an
+Four ranks on two hosts (node-0: ranks 0 and 1), steps 1..20, one collective a step in each group; the ranks arrive a few ms apart in an
 order that changes every step (a busy machine's scheduler), unless a rank is made late.
 """
 
@@ -46,7 +46,8 @@ def write(store: EmbeddedStore, run: str, groups: dict[str, list[int]], late: di
     store.insert_arrow("collectives", rows("collectives", len(cols["rank"]), run_id=run, peer=-1, op="all_reduce", **cols))
     ranks = sorted({r for members in groups.values() for r in members})
     return RunContext(run, lambda sql, params: store.query_arrow(sql, {"attempt": 0, **params}), Settings(),
-                      host={r: f"node-{r // 2}" for r in ranks}, stage={r: 0 for r in ranks}, groups=groups)  # fmt: skip
+                      host={r: f"node-{r // 2}" for r in ranks}, stage={r: 0 for r in ranks}, groups=groups,
+                      ranks_of_host={f"node-{h}": [r for r in ranks if r // 2 == h] for h in {r // 2 for r in ranks}})  # fmt: skip
 
 
 def groups_of(groups: dict[str, list[int]], rank: int, g: int) -> set[int]:
@@ -76,3 +77,15 @@ def test_a_rank_that_waited_in_one_group_is_not_named_for_arriving_late_in_anoth
     found = arrivals.late_ranks(write(store, "tp-dp", groups, {1: (5, 40)}), 3, 19, STEP_NS / 1e9)
     assert list(found) == [1]
     assert found[1]["groups"] == ["a_tp[0]", "b_dp[1]"]
+
+
+def test_two_late_ranks_of_a_host_taking_turns_at_last_are_named_with_their_host(store: EmbeddedStore) -> None:
+    """Ranks 0 and 1 (node-0, both starved) 40 ms late from step 6: each arrives last at about half the
+    collectives, so neither is late alone; node-0 arrives after node-1 at every one (issue 29)."""
+    ctx = write(store, "host-late", {"default_pg": [0, 1, 2, 3]}, {0: (6, 40), 1: (6, 40)})
+    found = arrivals.late_ranks(ctx, 3, 19, STEP_NS / 1e9)
+    assert sorted(found) == [0, 1]
+    assert found[0]["since_step"] == 6 and found[0]["text"].startswith("with every rank of node-0, arrives last at default_pg's collectives")
+    assert all(37 <= p["late_ms"] <= 43 for p in found[0]["steps"])
+    # one late rank of a host is that rank, not its host: its host-mate arrives with the others
+    assert sorted(arrivals.late_ranks(write(store, "rank-of-host", {"default_pg": [0, 1, 2, 3]}, {1: (6, 40)}), 3, 19, STEP_NS / 1e9)) == [1]

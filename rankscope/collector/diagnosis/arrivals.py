@@ -14,11 +14,18 @@ a straggler when late at all steps of the window but one (as the wall-time compa
 segments), in every group it took part in: a rank that waited in one group for a slow member
 arrives late in its other groups, never in the one it waited in. Runs of several pipeline stages
 are left to the segments: a stage after a slow one arrives late at its data-parallel all-reduce
-with compute as fast as ever. Ranks of a host that arrive late together (a throttled host) take
-turns at arriving last: the segments' wall-time comparison names the host.
+with compute as fast as ever.
+
+Ranks of a host that arrive late together (a throttled host, two starved ranks) take turns at
+arriving last, and neither is late alone: hosts are judged the same way, a host's arrival being its
+first rank's (all of them after every other host's ranks) against the other hosts' last, in the
+groups that span hosts. A late host names all its ranks (the straggler names the host); one slow
+rank of a host is no late host, its host-mate arriving with the others.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.segment_window import episode
@@ -28,77 +35,105 @@ SEGMENT = "arrival"
 
 # Per (last rank, group, step): how long the group waited for it alone, the group's noise (the
 # median spread of the others' arrivals over the range, once per collective), and when it arrived first. Collectives of groups of two or more members over a step
-# range; ``{where}`` narrows the rows further.
+# range; ``{where}`` narrows the rows further. The rows' ``{who}``: a rank, or (``_BY_HOST``) a host,
+# each arriving at ``first`` (a rank: its arrival; a host: its first rank's) and done at ``latest``.
 _WAITS = (
-    "SELECT last_rank AS rank, group_name, step, sum(wait) AS late_ns, sum(noise) AS noise_ns, min(last_issue) AS first_issue FROM ("
+    "SELECT last AS who, group_name, step, sum(wait) AS late_ns, sum(noise) AS noise_ns, min(last_issue) AS first_issue FROM ("
     "  SELECT *, quantileExact(0.5)(spread) OVER (PARTITION BY group_name) AS noise FROM ("
-    "    SELECT group_name, seq, min(step) AS step, argMax(rank, issue) AS last_rank, groupArraySorted(2)(-issue) AS top,"
-    "           top[2] - top[1] AS wait, -top[2] - min(issue) AS spread, -top[1] AS last_issue, count() AS members FROM ("
-    "      SELECT group_name, seq, step, rank, toUnixTimestamp64Nano(issue_time) AS issue FROM collectives"
+    "    SELECT group_name, seq, min(at_step) AS step, argMax(who, first) AS last, max(first) AS last_issue,"
+    "           arrayMax(arrayFilter((t, w) -> w != last, groupArray(latest), groupArray(who))) AS others,"
+    "           greatest(last_issue - others, 0) AS wait, others - min(first) AS spread, count() AS members FROM ("
+    "      SELECT group_name, seq, min(step) AS at_step, {who} AS who, min(toUnixTimestamp64Nano(issue_time)) AS first,"
+    "             max(toUnixTimestamp64Nano(issue_time)) AS latest FROM collectives"
     "      WHERE run_id = {{run:String}} AND attempt = {{attempt:UInt16}} AND peer = -1"
-    "      AND step BETWEEN {{first_step:UInt32}} AND {{last_step:UInt32}}{where}"
+    "      AND step BETWEEN {{first_step:UInt32}} AND {{last_step:UInt32}}{where} GROUP BY group_name, seq, who"
     "    ) GROUP BY group_name, seq HAVING members > 1"
     "  )"
-    ") GROUP BY last_rank, group_name, step"
+    ") GROUP BY who, group_name, step"
 )
-#: (rank, group) late at ``min_steps`` or more of the steps
-CANDIDATES_SQL = (
-    "SELECT rank, group_name FROM (" + _WAITS.format(where="") + ") "
-    "GROUP BY rank, group_name HAVING countIf(late_ns >= {bar_ns:Int64} AND late_ns >= noise_ns) >= {min_steps:UInt32}"
-)
+_BY_RANK = {"who": "rank", "type": "UInt32"}
+_BY_HOST = {"who": "transform(rank, {ranks:Array(UInt32)}, {hosts:Array(String)}, '')", "type": "String"}
+
+
+def _sql(by: dict[str, str]) -> tuple[str, str]:
+    """(candidates, steps) for ``by``: the (who, group) late at ``min_steps`` or more of the steps, and
+    the steps of ``whos`` in ``groups`` over the longer range their episodes are looked for in."""
+    candidates = (
+        "SELECT who, group_name FROM (" + _WAITS.format(who=by["who"], where="") + ") "
+        "GROUP BY who, group_name HAVING countIf(late_ns >= {bar_ns:Int64} AND late_ns >= noise_ns) >= {min_steps:UInt32}"
+    )
+    steps = _WAITS.format(who=by["who"], where=" AND group_name IN {groups:Array(String)}") + f" HAVING who IN {{whos:Array({by['type']})}} ORDER BY who, step"
+    return candidates, steps
+
+
 #: the groups of ``ranks`` that held collectives over the steps
 GROUPS_SQL = (
     "SELECT DISTINCT rank, group_name FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1 "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} AND rank IN {ranks:Array(UInt32)}"
 )
-#: the steps of ``ranks`` in ``groups``, over the longer range their episodes are looked for in
-STEPS_SQL = _WAITS.format(where=" AND group_name IN {groups:Array(String)}") + " HAVING rank IN {ranks:Array(UInt32)} ORDER BY rank, step"
 #: for people (an incident's SQL): who arrived last at each group's collectives of each step, how long the others waited for it
-EVIDENCE_SQL = _WAITS.format(where="") + " ORDER BY group_name, step"
+EVIDENCE_SQL = _WAITS.format(who="rank", where="") + " ORDER BY group_name, step"
 
 
 def late_ranks(ctx: RunContext, first_step: int, last_step: int, step_s: float) -> dict[int, dict]:
     """rank -> its late episode over steps ``first_step``..``last_step``, in the shape of the straggler
-    detector's slow episodes (``straggler._findings``), for the ranks late lately; ``step_s``: the
-    median step time (s), 0 when unknown."""
-    s = ctx.settings
+    detector's slow episodes (``straggler._findings``), for the ranks late lately, alone or with
+    every rank of their host; ``step_s``: the median step time (s), 0 when unknown."""
     if any(stage > 0 for stage in ctx.stage.values()):
         return {}
+    found = _late(ctx, _BY_RANK, lambda rank: rank, {}, first_step, last_step, step_s)
+    shared = {h: on for h, on in ctx.ranks_of_host.items() if len(on) > 1 and not any(r in found for r in on)}
+    if shared:
+        ranks = sorted(ctx.host)
+        hosts = {"ranks": ranks, "hosts": [ctx.host[r] for r in ranks]}
+        for host, info in _late(ctx, _BY_HOST, ctx.host.get, hosts, first_step, last_step, step_s).items():
+            text = f"with every rank of {host}, {info['text']}, after every rank of the other hosts"
+            found.update(dict.fromkeys(shared.get(host, ()), {**info, "text": text}))
+    return found
+
+
+def _late(ctx: RunContext, by: dict[str, str], who_of: Callable[[int], object], params: dict, first_step: int, last_step: int,
+          step_s: float) -> dict:  # fmt: skip
+    """who (a rank or a host, ``by``; ``who_of`` a rank's) -> its late episode, as ``late_ranks``."""
+    s = ctx.settings
+    candidates_sql, steps_sql = _sql(by)
     bar_ns = int(max(s.straggler_min_excess_s, s.straggler_excess * step_s) * 1e9)
     min_steps = s.straggler_window - 1
-    newest = {"run": ctx.run_id, "first_step": max(first_step, last_step - s.straggler_window + 1), "last_step": last_step}
-    late = ctx.query(CANDIDATES_SQL, {**newest, "bar_ns": bar_ns, "min_steps": min_steps}).to_pylist()
+    newest = {**params, "run": ctx.run_id, "first_step": max(first_step, last_step - s.straggler_window + 1), "last_step": last_step}
+    late = ctx.query(candidates_sql, {**newest, "bar_ns": bar_ns, "min_steps": min_steps}).to_pylist()
     if not late:
         return {}
-    candidates = sorted({r["rank"] for r in late})
-    took_part: dict[int, set[str]] = {}
-    for r in ctx.query(GROUPS_SQL, {**newest, "ranks": candidates}).to_pylist():
-        if len(ctx.groups.get(r["group_name"], (0, 0))) > 1:  # a group of one waits for nobody
-            took_part.setdefault(r["rank"], set()).add(r["group_name"])
-    late_in: dict[int, set[str]] = {}
+    candidates = {r["who"] for r in late}
+    took_part: dict[object, set[str]] = {}
+    members = sorted(r for r in ctx.host if who_of(r) in candidates) if by is _BY_HOST else sorted(candidates)
+    for r in ctx.query(GROUPS_SQL, {**newest, "ranks": members}).to_pylist():
+        group = ctx.groups.get(r["group_name"])
+        if group is None or len({who_of(m) for m in group}) > 1:  # a group of one (rank or host) waits for nobody
+            took_part.setdefault(who_of(r["rank"]), set()).add(r["group_name"])
+    late_in: dict[object, set[str]] = {}
     for r in late:
-        late_in.setdefault(r["rank"], set()).add(r["group_name"])
-    ranks = sorted(r for r, groups in late_in.items() if took_part.get(r, set()) <= groups)
-    if not ranks:
+        late_in.setdefault(r["who"], set()).add(r["group_name"])
+    whos = sorted(w for w, groups in late_in.items() if took_part.get(w, set()) <= groups)
+    if not whos:
         return {}
-    params = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step, "ranks": ranks,
-              "groups": sorted({g for r in ranks for g in late_in[r]})}  # fmt: skip
-    steps: dict[int, dict[int, tuple[float, int, list[str]]]] = {}  # rank -> step -> (wait, first issue, groups)
-    for r in ctx.query(STEPS_SQL, params).to_pylist():
-        if r["group_name"] not in late_in[r["rank"]]:
+    params = {**params, "run": ctx.run_id, "first_step": first_step, "last_step": last_step, "whos": whos,
+              "groups": sorted({g for w in whos for g in late_in[w]})}  # fmt: skip
+    steps: dict[object, dict[int, tuple[float, int, list[str]]]] = {}  # who -> step -> (wait, first issue, groups)
+    for r in ctx.query(steps_sql, params).to_pylist():
+        if r["group_name"] not in late_in[r["who"]]:
             continue
         wait = r["late_ns"] if r["late_ns"] >= r["noise_ns"] else 0  # within the others' noise: not late
-        at = steps.setdefault(r["rank"], {})
+        at = steps.setdefault(r["who"], {})
         before, issued, groups = at.get(r["step"], (float("inf"), r["first_issue"], []))
         at[r["step"]] = (min(before, wait), min(issued, r["first_issue"]), [*groups, r["group_name"]])  # late in every group
     found = {}
-    for rank, at in steps.items():
+    for who, at in steps.items():
         for step in at:  # a step it was late in some of its groups only
-            if len(at[step][2]) < len(late_in[rank]):
+            if len(at[step][2]) < len(late_in[who]):
                 at[step] = (0, *at[step][1:])
         info = _episode_of(at, range(first_step, last_step + 1), bar_ns, step_s, s.straggler_window, min_steps)
         if info is not None:
-            found[rank] = info
+            found[who] = info
     return found
 
 
