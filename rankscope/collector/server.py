@@ -50,6 +50,9 @@ DEFAULT_LISTEN = "127.0.0.1:7777"
 DEFAULT_STORE = Path("rankscope-data")
 #: seconds that calls in flight get to finish at shutdown before they are cancelled
 SHUTDOWN_GRACE_S = 10.0
+#: when a batch of a run not yet registered may be sent again: the run's registration can be in a
+#: concurrent call (a spool replay sends several at once), decoded after the batch
+UNREGISTERED_RETRY_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -221,8 +224,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except IngestError as e:
             c.telemetry.refused.labels(e.reason).inc()
-            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, UnregisteredRun) else grpc.StatusCode.INVALID_ARGUMENT
-            raise _Refusal(code, f"batch refused: {e}") from None
+            if isinstance(e, UnregisteredRun):  # its registration may be in a call of its own still on the way (a replay)
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"batch refused: {e}", [("retry-after-ms", str(UNREGISTERED_RETRY_MS))]) from None
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"batch refused: {e}") from None
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {e}") from None
         if c.writer.overloaded():
