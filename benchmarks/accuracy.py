@@ -28,7 +28,7 @@ from typing import Any
 
 from rankscope.common.cmdline import Parser
 from rankscope.harness import campaign
-from rankscope.harness.campaign_score import PUBLISHED, Tally, table, verdict_of
+from rankscope.harness.campaign_score import PUBLISHED, Tally, names, table, verdict_of
 
 #: trials of the default campaign: about 20 minutes on 2 busy cores
 DEFAULT_TRIALS = 16
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{n}/{len(seeds)}] seed {seed}: {trial.describe()}", flush=True)
             with tempfile.TemporaryDirectory(prefix=f"rankscope-campaign-{seed}-") as work:
                 record = campaign.play(trial, Path(work), log=lambda line: print(f"    {line}", flush=True))
+                if record["error"] or verdict_of(record["live"]).outcome not in ("TP", "clean") or disagreements(record):
+                    keep_logs(Path(work), args.out / "logs" / str(seed))
             records.append(record)
             out.write(json.dumps(record, default=str) + "\n")
             out.flush()
@@ -105,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def keep_logs(work: Path, into: Path) -> None:
+    """A trial's logs (collector, launchers, ranks), kept when it missed, alarmed, disagreed or failed."""
+    for log in work.rglob("*.log"):
+        target = into / log.relative_to(work)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+
+
 def outcome(record: dict[str, Any]) -> str:
     """A trial's result in one line: live and offline verdicts, the time to incident, disagreements."""
     if record["error"]:
@@ -112,11 +122,17 @@ def outcome(record: dict[str, Any]) -> str:
     live, offline = verdict_of(record["live"]), verdict_of(record["offline"])
     seconds = f" in {record['seconds']:.1f} s" if record["seconds"] is not None and live.tp else ""
     found = "; ".join(f"{i['kind']} {i['ranks']} {i['hosts']}" for i in record["live_incidents"]) or "nothing"
-    differ = "; ".join(f"{i['seen']}: {i['kind']} {i['ranks']}" for i in record["disagreements"])
+    differ = "; ".join(f"{side} only: {kind} {list(ranks)} {list(hosts)}" for side, (kind, ranks, hosts) in disagreements(record))
     agree = f"DISAGREE: {record['offline_error'] or differ}" if record["offline_error"] or differ else "agree"
     truth = record["truth"]
     expected = f"{truth['kind']} {truth['ranks']} {truth['hosts']}" if truth["kind"] else "nothing"
     return f"live {live.outcome}{seconds}, offline {offline.outcome}, {agree}; expected {expected}, live found {found}"
+
+
+def disagreements(record: dict[str, Any]) -> list[tuple[str, tuple[str, tuple[int, ...], tuple[str, ...]]]]:
+    """What the live incidents (open or closed) and ``rankscope diagnose``'s offline ones do not both name."""
+    live, offline = ({names(i) for i in record[side]} for side in ("live_incidents", "offline_incidents"))
+    return [("live", n) for n in sorted(live - offline)] + [("offline", n) for n in sorted(offline - live)]
 
 
 def tallies(records: Iterable[dict[str, Any]], side: str, key: Callable[[dict[str, Any]], str]) -> dict[str, Tally]:
@@ -137,11 +153,13 @@ def report(records: list[dict[str, Any]]) -> list[str]:
     for by, key in (("fault", lambda r: r["fault"]), ("framework", lambda r: r["framework"]), ("overall", lambda r: "all")):
         lines += [*table(by, {side: tallies(scored, side, key) for side in ("live", "offline")}), ""]
     lines += ["| system | published figure |", "|---|---|", *(f"| {name} | {figure} |" for name, figure in PUBLISHED)]
-    disagree = [r for r in scored if r["disagreements"] or r["offline_error"]]
+    disagree = [r for r in scored if disagreements(r) or r["offline_error"]]
     lines += ["", f"live and offline disagree on {len(disagree)} of {len(scored)} trials: "
               + (", ".join(str(r["seed"]) for r in disagree) or "none")]  # fmt: skip
-    missed = [r for r in scored if verdict_of(r["live"]).outcome not in ("TP", "clean")]
-    lines += [f"live misses and false alarms ({len(missed)}): " + (", ".join(f"{r['seed']} ({r['fault']}, {r['job']})" for r in missed) or "none")]
+    for side in ("live", "offline"):
+        missed = [r for r in scored if verdict_of(r[side]).outcome not in ("TP", "clean")]
+        lines += [f"{side} misses and false alarms ({len(missed)}): "
+                  + (", ".join(f"{r['seed']} ({r['fault']}, {r['job']}: {verdict_of(r[side]).outcome})" for r in missed) or "none")]  # fmt: skip
     if not_played := [r for r in records if r["error"]]:
         lines += [f"not played ({len(not_played)}): " + "; ".join(f"{r['seed']}: {r['error']}" for r in not_played)]
     return lines
