@@ -15,6 +15,8 @@ RANKSCOPE_RUN_ID           the run's id (torchrun's TORCHELASTIC_RUN_ID, else SL
 RANKSCOPE_HOST             the host name to report, a template over ``{rank}``,
                            ``{local_rank}`` and ``{node_rank}`` with integer arithmetic, e.g.
                            ``node-{rank//8}`` (the machine's host name)
+RANKSCOPE_RELAY            this host's relay, ``unix:/absolute/path`` (``rankscope relay``): the rank
+                           sends through it, and straight to the collector once it is gone (none)
 RANKSCOPE_TOKEN            bearer token sent with every call (none)
 RANKSCOPE_TLS_CA           CA bundle (PEM): talk TLS to the collector (plain text)
 RANKSCOPE_SPOOL_DIR        where batches wait while the collector is unreachable
@@ -60,6 +62,7 @@ log = logging.getLogger("rankscope.agent")
 AGENT_VARIABLES = (
     "RANKSCOPE_ENABLE",
     "RANKSCOPE_COLLECTOR",
+    "RANKSCOPE_RELAY",
     "RANKSCOPE_RUN_ID",
     "RANKSCOPE_HOST",
     "RANKSCOPE_TOKEN",
@@ -126,6 +129,8 @@ class AgentConfig:
     world_size: int | None
     local_rank: int | None
     node_rank: int | None
+    #: gRPC target of this host's relay (``rankscope relay``); None sends to the collector directly
+    relay: str | None = None
 
     def host(self, rank: int, local_rank: int, node_rank: int) -> str:
         """The host name this rank reports: RANKSCOPE_HOST rendered, or the machine's name."""
@@ -155,6 +160,7 @@ def load_config(environ: Mapping[str, str]) -> AgentConfig | None:
         node_rank = read.value("NODE_RANK", _non_negative_int, None, "a node number")
     config = AgentConfig(
         collector=read.value("RANKSCOPE_COLLECTOR", _address, DEFAULT_COLLECTOR, "host:port, [v6 address]:port or unix:/absolute/path"),
+        relay=read.value("RANKSCOPE_RELAY", _address, None, "unix:/absolute/path (or host:port)"),
         run_id=_run_id(environ),
         host_template=read.value("RANKSCOPE_HOST", _template, "", _TEMPLATE_FORM),
         token=read.value("RANKSCOPE_TOKEN", _token, None, "printable ASCII without spaces"),

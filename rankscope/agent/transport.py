@@ -18,14 +18,24 @@ background thread per Transport does everything else:
   probe succeeds it resends the registration, then replays the spool in order, then new data;
 - replays spools left behind by ended processes on this host (``rankscope spool replay`` does
   the same from the command line);
-- RESOURCE_EXHAUSTED with "retry-after-ms": waits, then retries; without it (batch too large),
-  INVALID_ARGUMENT or FAILED_PRECONDITION: drops the batch, counts it, warns once per kind.
+- RESOURCE_EXHAUSTED with "retry-after-ms": waits, then retries; FAILED_PRECONDITION with it (a run
+  whose registration the collector has not decoded yet): the same, a few times; otherwise (a batch
+  too large, INVALID_ARGUMENT, FAILED_PRECONDITION): drops the batch, counts it, warns once per kind.
 
 A batch may reach the collector twice (a lost acknowledgement, a replay after a timeout); the
 collector recognises its id, acknowledges it and writes it once. Several Transports can live
 in one process, and one Transport can speak for many ranks of one run (``submit(payload,
 rank=r)``; the scale simulator does both): each payload is enveloped with its own rank, and each
 rank's latest registration is sent again after a reconnect.
+
+Through a relay (``RANKSCOPE_RELAY``, ``relay.py``): the calls go to this host's relay, which
+acknowledges a batch once it is in its own spool. When the relay cannot be reached (it died, it
+was never started), the Transport sends to the collector directly from then on: its
+registrations first, then what the relay did not acknowledge, then what the relay left in its
+spool (adopted as any dead owner's leftovers: same spool directory), then new data.
+
+``durable`` (the relay's own Transport): every batch is written to the spool as it is accepted,
+and sent from there; ``submit``'s ``on_spooled`` hears when it is on disk (or could not be).
 """
 
 from __future__ import annotations
@@ -116,6 +126,7 @@ class _Out:
     own: bool = True  # ours (stamped per attempt), or a leftover of another process (as stored)
     segment: Segment | None = None  # where it lies in the spool
     probe: bool = False  # a registration sent to find out whether the collector is back
+    route: int = 0  # the channel it was last sent on (a new one after leaving the relay)
     attempts: int = 0
     sent_ns: int = 0
 
@@ -144,6 +155,7 @@ class Transport:
         name: str = "",
         window: int = WINDOW,
         clock: ClockEstimator | None = None,
+        durable: bool = False,
     ) -> None:
         self.config = config
         self.run_id = run_id
@@ -155,6 +167,10 @@ class Transport:
         # Transport sends at most ``window`` batches per flush: one that speaks for many ranks
         # needs a window to match.
         self.window = window
+        self.durable = durable
+        #: where the calls go: this host's relay while it answers, else the collector
+        self._target = config.relay or config.collector
+        self._route = 0
         self._instance = os.urandom(8)
         self._seq = 0
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -198,11 +214,12 @@ class Transport:
             self._thread = threading.Thread(target=self._run, name=f"rankscope-transport-{self.name}", daemon=True)
             self._thread.start()
 
-    def submit(self, payload: Message, rank: int | None = None) -> bool:
+    def submit(self, payload: Message, rank: int | None = None, on_spooled: Callable[[bool], None] | None = None) -> bool:
         """Queue one telemetry payload; False when refused (queue full, closed). Never blocks.
 
         ``rank``: the rank it is about, when this Transport speaks for several ranks of its run
-        (default: the rank it was made for).
+        (default: the rank it was made for). ``on_spooled`` (durable Transports): called on the
+        sender thread once the batch is on disk (True) or could not be written (False).
 
         A refusal is counted in ``stats().rejected``; the caller decides whether it also counts
         it as lost events (the agent's runtime adds them to RankState.dropped). The Transport
@@ -215,7 +232,7 @@ class Transport:
                 self._rejected = (self._rejected[0] + 1, self._rejected[1] + events)
                 return False
             self._queued_bytes += size
-        self._inbox.put((payload, size, self.rank if rank is None else rank))
+        self._inbox.put((payload, size, self.rank if rank is None else rank, on_spooled))
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -275,11 +292,11 @@ class Transport:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_S * 1000)),
         ]
-        if self.config.tls_ca is not None:
+        if self.config.tls_ca is not None and self._target == self.config.collector:
             credentials = grpc.ssl_channel_credentials(root_certificates=self.config.tls_ca.read_bytes())
-            self._channel = grpc.secure_channel(self.config.collector, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(self.config.collector, options=options)
+            self._channel = grpc.secure_channel(self._target, credentials, options=options)
+        else:  # or this host's relay, over its Unix socket
+            self._channel = grpc.insecure_channel(self._target, options=options)
         # Requests are bytes serialized here, so the call takes them as they are.
         self._send = self._channel.unary_unary(METHOD, request_serializer=None, response_deserializer=ingest_pb2.Ack.FromString)
         self._metadata = (("authorization", f"Bearer {self.config.token}"),) if self.config.token else None
@@ -326,11 +343,17 @@ class Transport:
             except queue.Empty:
                 return
 
-    def _accept(self, payload: Message, size: int, rank: int) -> None:
+    def _accept(self, payload: Message, size: int, rank: int, on_spooled: Callable[[bool], None] | None = None) -> None:
         out = self._wrap(payload, size, rank)
         self._stats.events[out.kind] = self._stats.events.get(out.kind, 0) + out.events
         if out.kind in REGISTRATIONS:
             self._registers[rank] = payload
+        if self.durable:
+            spooled = self._stats.spooled
+            self._to_spool(out)
+            if on_spooled is not None:
+                on_spooled(self._stats.spooled > spooled)
+            return
         (self._urgent if out.kind in URGENT else self._pending).append(out)
         if self._down:
             self._spool_memory()
@@ -405,8 +428,8 @@ class Transport:
         out.sent_ns = time.time_ns()
         data = out.data + self._stamp() if out.own else out.data
         future = self._send.future(data, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
-        key = id(out)
-        self._inflight[key] = out
+        out.route = self._route
+        self._inflight[id(out)] = out
         self._stats.sent += 1
         # Runs on a gRPC thread: hand the outcome to the sender with the arrival time.
         future.add_done_callback(lambda f, out=out: self._inbox.put(_Done(out, f, time.time_ns())))
@@ -422,6 +445,13 @@ class Transport:
         name = code.name if code is not None else "UNKNOWN"
         self._stats.errors[name] = self._stats.errors.get(name, 0) + 1
         details = done.future.details() or ""
+        if out.route != self._route:  # sent to the relay since left: the collector hears it now
+            self._requeue(out)
+            return
+        if code in _TRANSIENT and self._target != self.config.collector:
+            self._requeue(out)
+            self._bypass_relay(name, details)
+            return
         if code in _TRANSIENT:
             if code is grpc.StatusCode.UNAUTHENTICATED:
                 warn_once("UNAUTHENTICATED", f"the collector at {self.config.collector} refused the token (RANKSCOPE_TOKEN): {details}")
@@ -432,10 +462,16 @@ class Transport:
             return
         if self._down:
             self._came_back()  # it answered: it is reachable
-        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and (delay_ms := _retry_after_ms(done.future)) is not None:
+        # busy, or a run whose registration is still on its way (a few tries): the collector says when to come back
+        retry = code is grpc.StatusCode.RESOURCE_EXHAUSTED or (code is grpc.StatusCode.FAILED_PRECONDITION and out.attempts < MAX_ATTEMPTS)
+        if retry and (delay_ms := _retry_after_ms(done.future)) is not None:
             self._requeue(out)
             self._paused_until = max(self._paused_until, time.monotonic() + delay_ms / 1000)
         elif code is grpc.StatusCode.CANCELLED:  # an overloaded server drops calls it cannot serve: never the batch's fault
+            self._requeue(out)
+            self._paused_until = max(self._paused_until, time.monotonic() + BACKOFF_FIRST_S)
+        elif code is grpc.StatusCode.FAILED_PRECONDITION and "is not registered" in details and self._registers and out.attempts < MAX_ATTEMPTS:
+            # rows that overtook their run's registration, sent in the same window: it is on its way
             self._requeue(out)
             self._paused_until = max(self._paused_until, time.monotonic() + BACKOFF_FIRST_S)
         elif code in _REFUSED or out.attempts >= MAX_ATTEMPTS:  # RESOURCE_EXHAUSTED here: too large
@@ -475,6 +511,19 @@ class Transport:
         if out.segment is not None:
             self._spool.done(out.segment)
         self._release(out)
+
+    def _bypass_relay(self, code: str, details: str) -> None:
+        """The relay is gone: from now on the collector directly, registrations first, then what
+        the relay did not acknowledge, then what it left in its spool, then the rest."""
+        warn_once(f"relay:{self._target}", f"this host's relay at {self._target} does not answer ({code}: {details}); "
+                  f"sending to the collector at {self.config.collector} directly")  # fmt: skip
+        old, self._target = self._channel, self.config.collector
+        self._route += 1
+        self._connect()
+        if old is not None:
+            old.close()  # its calls still in flight end CANCELLED, and are sent again on the new route
+        self._reregister.extend(self._wrap(p, 0, r) for r, p in self._registers.items())
+        self._adopt_leftovers()
 
     def _went_down(self, code: str, details: str) -> None:
         self._reregister.clear()  # the next probe starts the registrations over
@@ -545,7 +594,7 @@ class Transport:
             except queue.Empty:
                 break
             if not isinstance(item, _Done) and item[0] is not _CLOSE:
-                self._pending.append(self._wrap(*item))
+                self._accept(*item)
         self._spool_memory()
         self._spool.close()
         if self._channel is not None:

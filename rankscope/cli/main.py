@@ -42,6 +42,7 @@ COMMANDS: dict[str, str] = {
     "compare": "rankscope.cli.compare",
     "scenario": "rankscope.cli.scenario",
     "spool": "rankscope.cli.spool",
+    "relay": "rankscope.cli.relay",
     "simulate": "rankscope.cli.simulate",
     "testbed": "rankscope.cli.testbed",
     "selfcheck": "rankscope.cli.selfcheck",

@@ -1,0 +1,100 @@
+"""A host's relay (rankscope/agent/relay.py, relay_merge.py, the Transport's fallback).
+
+The merge in process: several ranks' batches of a kind become one whose rows the collector stores
+exactly as it stores the ranks' own. The relay end to end: a real 4-rank training run sends through
+a relay that is killed with SIGKILL mid-run; the ranks go on to the collector directly, adopt what
+the relay left in its spool, and the run is whole in the store, no row twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import CLI, ProcRunner, start_collector
+
+from rankscope.agent.relay_merge import merge
+from rankscope.collector.decode import decode
+from rankscope.collector.run_registry import RunRegistry
+from rankscope.protos.v1 import telemetry_pb2 as pb
+from test_collector_ingest import envelope, register, spans
+
+
+@pytest.mark.timeout(30)
+def test_merged_batches_are_stored_as_the_ranks_own_and_a_bad_one_is_refused_alone() -> None:
+    registry = RunRegistry()
+    for rank in range(3):
+        decode(register("r", rank, 3, host=f"node-{rank}"), registry, time.time_ns())
+    own = [(rank, spans("r", rank, 3 + rank).spans) for rank in range(3)]
+    own[1][1].strings[:] = ["other", *own[1][1].strings]  # a different string table: indices move
+    own[1][1].name = (np.frombuffer(own[1][1].name, "<i4") + 1).astype("<i4").tobytes()
+    own[1][1].attributes = np.where(np.frombuffer(own[1][1].attributes, "<i4") < 0, -1, np.frombuffer(own[1][1].attributes, "<i4") + 1).astype("<i4").tobytes()
+    now = time.time_ns()
+    separately = [decode(envelope("r", rank, spans=payload), registry, now).parts["spans"].to_pylist() for rank, payload in own]
+    merged = decode(envelope("r", 0, spans=merge("spans", own)), registry, now)
+    assert merged.parts["spans"].to_pylist() == [row for rows in separately for row in rows]
+    assert merged.ranks == (0, 1, 2)
+    beats = [(rank, pb.HeartbeatBatch(heartbeats=[pb.Heartbeat(time_ns=now, step=2, phase="forward", status="running")])) for rank in range(3)]
+    assert decode(envelope("r", 0, heartbeats=merge("heartbeats", beats)), registry, now).parts["heartbeats"]["rank"].to_pylist() == [0, 1, 2]
+    bad = spans("r", 2, 2).spans
+    bad.name = bad.name[:-1]
+    with pytest.raises(ValueError, match="name: 7 bytes"):
+        merge("spans", [own[0], (2, bad)])
+
+
+STEPS = 40
+TRAIN = [*CLI, "train", "--tp", "1", "--pp", "2", "--dp", "2", "--layers", "2", "--hidden", "128", "--heads", "4", "--seq", "64",
+         "--vocab", "256", "--micro-batch", "2", "--global-batch", "8", "--steps", str(STEPS)]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_relay_killed_mid_run_loses_nothing_and_stores_nothing_twice(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    collector = start_collector(proc_runner, tmp_path / "store", "--flush-interval", "0.3", "--no-diagnosis")
+    spool, socket = tmp_path / "spool", f"unix:{tmp_path / 'relay.sock'}"
+    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_RELAY": socket, "RANKSCOPE_RUN_ID": "relayed",
+           "RANKSCOPE_SPOOL_DIR": str(spool), "RANKSCOPE_HEARTBEAT_S": "0.5", "RANKSCOPE_FLUSH_S": "0.5", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    relay = proc_runner.start([*CLI, "relay"], env=env, name="relay")
+    relay.wait_for("ready on", 60)
+    metrics = tmp_path / "metrics.jsonl"
+    train = proc_runner.start([*TRAIN, "--metrics-json", str(metrics)], env=env, name="train")
+    deadline = time.monotonic() + 180
+    while _last_step(metrics) < STEPS // 3:
+        assert train.returncode is None and time.monotonic() < deadline, train.output()
+        time.sleep(0.2)
+    assert list(spool.glob("relay-relayed-*.lock")), "the relay spools what it acknowledges"
+    os.kill(relay.pid, signal.SIGKILL)
+    assert train.wait(240) == 0, train.output()
+    assert "does not answer" in train.stderr, train.output()  # the ranks went to the collector themselves
+    from rankscope.collector.client import Client
+
+    with Client(collector.target) as client:
+        deadline = time.monotonic() + 120
+        while client.query("SELECT count() AS n FROM exits WHERE run_id = 'relayed'", {})["n"][0].as_py() < 4:
+            assert time.monotonic() < deadline, f"every rank's end arrives\n{train.output()}\n{relay.output()}\n{collector.proc.output()}"
+            time.sleep(0.3)
+        spans_per_rank = client.query(
+            "SELECT rank, uniqExact(step) AS steps, count() AS rows, uniqExact(step, name, microbatch, attributes, start_time) AS distinct_rows "
+            "FROM spans WHERE run_id = 'relayed' AND step > 0 GROUP BY rank ORDER BY rank", {}).to_pylist()  # fmt: skip
+        collectives = client.query(
+            "SELECT rank, count() AS rows, uniqExact(group_name, seq, op, peer) AS distinct_rows, max(step) AS last "
+            "FROM collectives WHERE run_id = 'relayed' GROUP BY rank ORDER BY rank", {}).to_pylist()  # fmt: skip
+        beats = client.query("SELECT count() AS rows, uniqExact(rank, time) AS distinct_rows FROM heartbeats WHERE run_id = 'relayed'", {}).to_pylist()[0]
+    assert [r["rank"] for r in spans_per_rank] == [0, 1, 2, 3]
+    for r in spans_per_rank:
+        assert r["steps"] == STEPS and r["rows"] == r["distinct_rows"], r  # every step, before and after the kill; none twice
+    for r in collectives:
+        assert r["last"] == STEPS and r["rows"] == r["distinct_rows"], r
+    assert beats["rows"] == beats["distinct_rows"] > 0, beats
+    assert not list(spool.glob("*.seg")), "what the relay left was adopted and acknowledged"
+
+
+def _last_step(metrics: Path) -> int:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
