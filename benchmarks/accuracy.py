@@ -9,16 +9,19 @@ fault. It runs a real collector and a real job, scores the live diagnosis's stor
 or closed) and ``rankscope diagnose --run RUN --format json`` afterwards against the truth, and
 prints one line per trial. At the end: one table per fault kind, per framework and overall, live
 and offline, beside the published figures; the trials as JSONL and a Plotly plot (HTML) in ``--out``.
-``make accuracy`` installs the Lightning and Accelerate jobs' packages first (the campaign extra);
-without them those jobs are left out, said once. The external faults need root (a test bed).
+Ctrl-C stops it and prints the tables of the trials played. ``make accuracy`` installs the Lightning
+and Accelerate jobs' packages first (the campaign extra); without them those jobs are left out, said
+once. The external faults need root (a test bed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -88,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(seeds)} trials (campaign seed {args.seed}), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; trials in {jsonl}")
     records: list[dict[str, Any]] = []
     began = time.monotonic()
-    with jsonl.open("w") as out:
+    # Ctrl-C or SIGTERM (also where a background shell ignores SIGINT) ends the trial in play, its
+    # processes and test bed stopped, and prints the tables of the trials played so far
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with jsonl.open("w") as out, contextlib.suppress(KeyboardInterrupt):
         for n, seed in enumerate(seeds, 1):
             trial = campaign.draw(seed)
             print(f"[{n}/{len(seeds)}] seed {seed}: {trial.describe()}", flush=True)
