@@ -250,10 +250,7 @@ def _outside(span: Span, closure: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(closure)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if span._part < 0:
-            span._part = 0
-        span.__exit__(None, None, None)
-        span._part += 1
+        span.end_piece()
         try:
             return closure(*args, **kwargs)
         finally:

@@ -217,6 +217,14 @@ class Span:
         except Exception as exc:  # noqa: BLE001 - closed twice
             warn_once("span-exit", f"a span could not be recorded ({exc!r})")
 
+    def end_piece(self) -> None:
+        """Record the span's piece up to now and leave it; entering it again starts its next piece
+        (a closure that a framework runs inside the span is not the span's time)."""
+        if self._part < 0:
+            self._part = 0
+        self.__exit__(None, None, None)
+        self._part += 1
+
     def discard(self) -> None:
         """Forget this open span without recording it (the code it timed raised past its end)."""
         try:
