@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rankscope.collector.batch_limits import MAX_ID_CHARS, STRING_EXPANSION, IngestError, check_count, check_repeated
+from rankscope.collector.batch_limits import MAX_ID_CHARS, STRING_EXPANSION, IngestError, check_count, check_repeated, shown
 from rankscope.collector.run_registry import RunInfo
 from rankscope.collector.store import schema
 from rankscope.collector.store.base import arrow_schema, arrow_type
@@ -34,10 +34,16 @@ class TimeWindow:
 
     Rows far in the past would be dropped at once by the retention TTL, and rows scattered over
     many days would fail a shared insert with "too many partitions": both are refused up front.
+    Rows of a run that has ended are refused when they say they happened after its end by more
+    than ``end_skew_s`` (``BatchContext.before_end``).
     """
 
     past_s: float = 86_400.0
     future_s: float = 3_600.0
+    #: how far past its run's end a row's time may lie: the disagreement between the clock offsets
+    #: stamped on one rank's batches (a spool replayed after the run is stamped anew), not a delay:
+    #: a row delivered late keeps the time it happened at
+    end_skew_s: float = 60.0
 
 
 def enum_names(enum: object, prefix: str) -> tuple[str, ...]:
@@ -96,6 +102,8 @@ class BatchContext:
         self.now_ns = now_ns
         self.lo = now_ns - int(window.past_s * 1e9)
         self.hi = now_ns + int(window.future_s * 1e9)
+        #: the end of the run the rows belong to, when it bounds the window (``before_end``; 0: running)
+        self.run_end_ns = 0
 
     def after_start(self, start_ns: int, window: TimeWindow) -> None:
         """Refuse, from now on, rows from before the run began (``start_ns``, its ranks' earliest start)
@@ -104,16 +112,32 @@ class BatchContext:
         if start_ns:
             self.lo = max(self.lo, start_ns - int(window.future_s * 1e9))
 
+    def before_end(self, end_ns: int, window: TimeWindow) -> None:
+        """Refuse, from now on, rows from after the run's end (``end_ns``, its last rank's exit; 0 while
+        it runs) by more than the window's ``end_skew_s``. Whenever they arrive, true rows happened
+        before their rank's end: a rank's last flush, and a spool replayed after the run, keep their
+        times; a row that claims to be later was not recorded by the run."""
+        if end_ns and end_ns + int(window.end_skew_s * 1e9) < self.hi:
+            self.run_end_ns = end_ns
+            self.hi = end_ns + int(window.end_skew_s * 1e9)
+
     def check_times(self, what: str, lo: int, hi: int) -> None:
         """Refuse times (already on the collector's clock, as Python ints: no wrap-around) outside the
         accepted window."""
         if lo >= self.lo and hi <= self.hi:
             return
+        if self.run_end_ns and hi > self.hi:
+            raise IngestError(
+                f"{what}: times up to {_iso(hi)} (collector clock, after adding clock_offset_ns={self.offset}) lie after"
+                f" the end of run {shown(self.run_id)} at {_iso(self.run_end_ns)} (every rank of its world has ended) by"
+                f" more than {(self.hi - self.run_end_ns) / 1e9:.0f} s: a run's rows happened while it ran",
+                "ended",
+            )
         raise IngestError(
             f"{what}: times {_iso(lo)} .. {_iso(hi)} (collector clock, after adding clock_offset_ns="
             f"{self.offset}) lie outside the accepted window {_iso(self.lo)} .. {_iso(self.hi)} (around the"
-            f" collector's clock {_iso(self.now_ns)}, not before the run's start): fix the rank's clock or"
-            " clock offset, or widen the collector's --time-window",
+            f" collector's clock {_iso(self.now_ns)}, not before the run's start nor after its end): fix the"
+            " rank's clock or clock offset, or widen the collector's --time-window",
             "time",
         )
 

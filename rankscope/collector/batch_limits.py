@@ -35,8 +35,8 @@ STRING_EXPANSION = 16
 class IngestError(ValueError):
     """A malformed or untrue batch (gRPC INVALID_ARGUMENT): resending it unchanged can never succeed.
 
-    ``reason`` is one word for the metric of refusals: count, length, range, time, order, rank, or
-    malformed."""
+    ``reason`` is one word for the metric of refusals: count, length, range, time, ended (rows dated
+    after their run's end), order, rank, or malformed."""
 
     def __init__(self, message: str, reason: str = "malformed") -> None:
         super().__init__(message)

@@ -10,7 +10,7 @@ decoders (``decode``), which only read the registry, because their rules are abo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 
 import numpy as np
 import pyarrow as pa
@@ -32,16 +32,22 @@ def decode_register(ctx: BatchContext, reg: telemetry_pb2.Register, registry: Ru
 
 def decode_registers(ctx: BatchContext, msg: telemetry_pb2.RegisterBatch, registry: RunRegistry) -> dict[str, pa.Table]:
     """Several ranks' registrations from one sender: one call and one table each for all of them."""
-    if not msg.registers:
-        raise IngestError("registers.registers is empty: a registration batch holds at least one registration")
-    check_repeated("registers.registers", msg.registers)
-    if len(msg.ranks) != len(msg.registers):
-        raise IngestError(f"registers: {len(msg.ranks)} ranks for {len(msg.registers)} registrations: give each registration its rank")
+    _check_several("registers", "registration", msg.registers, msg.ranks)
     worlds = sorted({reg.world for reg in msg.registers})
     if len(worlds) > 1:
         raise IngestError(f"registers: registrations of {len(worlds)} worlds ({', '.join(map(shown, worlds[:3]))}) in one batch: send each world's in a batch of its own")
     ctx.ranks = tuple(sorted(set(msg.ranks)))
     return _registrations(ctx, list(zip(msg.ranks, msg.registers)), registry, lambda i: f"registers.registers[{i}]")
+
+
+def _check_several(kind: str, what: str, items: Sized, ranks: Sized) -> None:
+    """Refuse a batch of several ranks' ``items`` (``kind``'s repeated field, one ``what`` a rank) that
+    holds none, too many, or not one rank for each."""
+    if not items:
+        raise IngestError(f"{kind}.{kind} is empty: a batch of {kind} holds at least one {what}")
+    check_repeated(f"{kind}.{kind}", items)
+    if len(ranks) != len(items):
+        raise IngestError(f"{kind}: {len(ranks)} ranks for {len(items)} {what}s: give each {what} its rank")
 
 
 def _registrations(
@@ -176,11 +182,7 @@ def decode_end(ctx: BatchContext, msg: telemetry_pb2.EndOfRank, registry: RunReg
 
 def decode_ends(ctx: BatchContext, msg: telemetry_pb2.EndBatch, registry: RunRegistry) -> dict[str, pa.Table]:
     """Several ranks' ends from one sender, each of its rank's newest registration's attempt."""
-    if not msg.ends:
-        raise IngestError("ends.ends is empty: an end batch holds at least one end")
-    check_repeated("ends.ends", msg.ends)
-    if len(msg.ranks) != len(msg.ends):
-        raise IngestError(f"ends: {len(msg.ranks)} ranks for {len(msg.ends)} ends: give each end its rank")
+    _check_several("ends", "end", msg.ends, msg.ranks)
     ranks = row_ranks(ctx, np.asarray(msg.ranks, dtype=np.int64), "ends.ranks")
     return _exits(ctx, [(int(r), end, True) for r, end in zip(ranks, msg.ends)], registry, lambda i: f"ends.ends[{i}]")
 

@@ -85,6 +85,17 @@ class RunInfo:
         self.registered = {**other.registered, **self.registered}
         self.exits = {**other.exits, **self.exits}
 
+    @property
+    def end_ns(self) -> int:
+        """When the run ended (its last rank's exit, collector clock) once every rank of its world has
+        ended and none registered since; 0 while it runs or its size is unknown."""
+        if not self.world_size or len(self.exits) < self.world_size:  # while it runs, without a look at 100,000 ranks
+            return 0
+        ends = [self.exits.get(rank) for rank in range(self.world_size)]
+        if None in ends:
+            return 0
+        return max(t for _, t in ends)  # type: ignore[misc]
+
     def ended_since(self, rank: int, at_ns: int) -> bool:
         """Whether ``rank`` ended after ``at_ns``: a registration made then is news of the past."""
         exited = self.exits.get(rank)

@@ -70,7 +70,7 @@ class Telemetry:
             "rankscope_refused_batches",
             "Batches refused as malformed or untrue, nothing of them kept, per reason: count (declared counts or lengths the "
             "bytes do not hold), length (ids and texts), range (integers, enums, string indices), time (outside the window), "
-            "order (ends before starts), rank (outside the world), unregistered (rows of a run no rank registered), malformed.",
+            "ended (dated after their run's end), order (ends before starts), rank (outside the world), unregistered (rows of a run no rank registered), malformed.",
             ["reason"], registry=self.registry,
         )  # fmt: skip
         self.insert_seconds = Histogram(
