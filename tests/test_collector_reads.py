@@ -14,18 +14,17 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 import pyarrow as pa
 import pytest
 from test_collector_ingest import register, spans
+from test_store import migrated, store  # noqa: F401 (fixtures: each backend)
 
 from rankscope.collector.client import Client, QueryBusy, QueryRefused, ResultTooLarge
-from rankscope.collector.query import Limits, engine_settings, guard_for, run_read_only, to_ipc
-from rankscope.collector.store.base import QueryError
-from rankscope.collector.store.chdb import EmbeddedStore
+from rankscope.collector.query import Limits, cancel_read, engine_settings, guard_for, run_read_only, to_ipc
+from rankscope.collector.store.base import QueryError, Store
 from rankscope.harness.orchestration import CLI
 from rankscope.protos.v1 import ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
@@ -142,24 +141,38 @@ def test_a_caller_that_gives_up_stops_its_query_in_the_collector(
     assert await_queries(collector.metrics_url, 0, 0, timeout_s=3) < 2.0
 
 
-@pytest.mark.timeout(60)
-def test_reads_run_readonly_in_the_engine_within_the_databases_and_limits_given(tmp_path: Path) -> None:
-    """The guard's other side: what the engine itself holds, in this process."""
-    store = EmbeddedStore(tmp_path / "store")
-    try:
-        guard = guard_for(store)
-        assert {"system", "information_schema", "default"} <= guard.hidden_databases
-        assert store.database not in guard.hidden_databases
-        with pytest.raises(QueryRefused, match="getSetting"):
-            run_read_only(store, guard, "SELECT getSetting('readonly')")
-        settings = engine_settings(Limits(max_memory_bytes=2**29, max_threads=1), tag="rankscope-read-t")
-        sql = "SELECT getSetting('readonly') AS ro, getSetting('max_memory_usage') AS m, getSetting('max_threads') AS t"
-        assert store.query_arrow(sql, settings=settings).to_pylist() == [{"ro": 1, "m": 2**29, "t": 1}]
-        assert run_read_only(store, guard, "SHOW TABLES").num_rows == 0  # a new store: no tables, and no error
-        empty = run_read_only(store, guard, "SELECT 1 AS a, 'x' AS b WHERE 0")
-        assert (empty.num_rows, empty.column_names) == (0, ["a", "b"])
-    finally:
-        store.close()
+@pytest.mark.timeout(120)
+def test_reads_run_readonly_in_the_engine_within_the_databases_and_limits_given(migrated: Store) -> None:  # noqa: F811
+    """The guard's other side, on each backend (a ClickHouse server when RANKSCOPE_TEST_CLICKHOUSE_URL
+    is set, skipped otherwise) with the same settings: what the engine itself holds, the three limit
+    queries refused with their reason (limits scaled down to keep the test light), a read stopped by
+    its tag."""
+    engine = migrated
+    guard = guard_for(engine)
+    assert {"system", "information_schema"} <= guard.hidden_databases
+    assert engine.database not in guard.hidden_databases
+    with pytest.raises(QueryRefused, match="getSetting"):
+        run_read_only(engine, guard, "SELECT getSetting('readonly')")
+    settings = engine_settings(Limits(max_memory_bytes=2**29, max_threads=1), tag="rankscope-read-t")
+    sql = "SELECT getSetting('readonly') AS ro, getSetting('max_memory_usage') AS m, getSetting('max_threads') AS t"
+    assert engine.query_arrow(sql, settings=settings).to_pylist() == [{"ro": 1, "m": 2**29, "t": 1}]
+    assert "spans" in run_read_only(engine, guard, "SHOW TABLES")["name"].to_pylist()
+    empty = run_read_only(engine, guard, "SELECT 1 AS a, 'x' AS b WHERE 0")
+    assert (empty.num_rows, empty.column_names) == (0, ["a", "b"])
+    small = Limits(max_bytes=2**20, max_memory_bytes=2**28)
+    with pytest.raises(ResultTooLarge, match="max_result_bytes|TOO_MANY_ROWS_OR_BYTES"):
+        run_read_only(engine, guard, "SELECT repeat('x', 1000) FROM numbers(9000)", limits=small)
+    with pytest.raises(ResultTooLarge, match="MEMORY_LIMIT_EXCEEDED"):
+        run_read_only(engine, guard, "SELECT max(length(arrayMap(x -> repeat('y', 100), range(10000000)))) AS n", limits=small)
+    with pytest.raises(QueryRefused, match="database system is not readable here"):
+        run_read_only(engine, guard, "SELECT * FROM system.processes")
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(run_read_only, engine, guard, SLOW, tag="rankscope-read-stopped")
+        while not slow.done():
+            cancel_read(engine, "rankscope-read-stopped")
+            time.sleep(0.2)
+        with pytest.raises(QueryRefused, match="QUERY_WAS_CANCELLED|cancelled"):
+            slow.result()
 
 
 @pytest.mark.timeout(30)
@@ -176,8 +189,8 @@ def test_a_clickhouse_servers_result_is_decoded_no_further_than_max_result_bytes
         def query_arrow_stream(self, sql: str, **_: object) -> object:
             return to_arrow_batches(io.BytesIO(sent))
 
-    store = object.__new__(ServerStore)
-    store._client, store._where = Server(), "http://test"  # type: ignore[assignment]
-    assert store.query_arrow("SELECT s", settings={"max_result_bytes": 10**7}).equals(table)
+    server = object.__new__(ServerStore)
+    server._client, server._where = Server(), "http://test"  # type: ignore[assignment]
+    assert server.query_arrow("SELECT s", settings={"max_result_bytes": 10**7}).equals(table)
     with pytest.raises(QueryError, match=r"decodes to more than max_result_bytes=2000000 \(.* after 1000 rows\).*TOO_MANY_ROWS_OR_BYTES"):
-        store.query_arrow("SELECT s", settings={"max_result_bytes": 2 * 10**6})
+        server.query_arrow("SELECT s", settings={"max_result_bytes": 2 * 10**6})
