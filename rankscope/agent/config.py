@@ -26,7 +26,8 @@ RANKSCOPE_HEARTBEAT_S      seconds between heartbeats (2)
 RANKSCOPE_FLUSH_S          seconds between sends of the recorded spans, collectives and
                            scalars; a full buffer goes out at once (2)
 RANKSCOPE_STALL_S          seconds without progress before a rank is "stalled" (20)
-RANKSCOPE_DEBUG            ``1`` prints one line to stderr when the agent activates (off)
+RANKSCOPE_DEBUG            ``1`` prints one line to stderr when the agent activates, and one at
+                           its end: the events it took for sending, by kind, and those dropped (off)
 =========================  ==================================================================
 
 Other parts of rankscope read their own ``RANKSCOPE_*`` variables (``OTHER_PARTS``); any other

@@ -265,6 +265,10 @@ class Agent:
             now = self.rec.clock.wall_ns()
             self.transport.submit(pb.EndOfRank(time_ns=now, reason=reason, exit_code=exit_code, signal=signum, message=message))
             self.transport.close(timeout_s)
+            if self.config.debug:  # what a harness counts the store against (harness/collector_kills.py)
+                stats = self.transport.stats()
+                print(f"rankscope agent: rank {self.transport.rank} sent {stats.events} events, dropped {stats.dropped_events}",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
     def _hook_exit(self) -> None:
         atexit.register(self._at_exit)
