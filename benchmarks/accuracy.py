@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(records)} trials in {time.monotonic() - began:.0f} s; load average now {os.getloadavg()[0]:.1f}\n")
     print("\n".join(report(records)))
     plot(records, args.out / "accuracy.html")
-    print(f"\ntrials: {jsonl}\nplot: {args.out / 'accuracy.html'}")
+    print(f"\ntrials: {jsonl}\nplot: {args.out / 'accuracy.html'} (and .png where Chromium is installed)")
     return 0
 
 
@@ -189,6 +190,21 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
                          text=[f"seed {r['seed']}: {r['job']}" for r in hits]), row=1, col=2)  # fmt: skip
     fig.update_layout(title=f"rankscope diagnosis over {len(scored)} randomized trials", barmode="group", height=450, width=1100)
     fig.write_html(path, include_plotlyjs="cdn")
+    screenshot(fig, path.with_suffix(".png"))
+
+
+def screenshot(fig: Any, png: Path) -> None:
+    """The figure as a PNG too, through headless Chromium where there is one (Plotly's own static
+    export needs kaleido, which rankscope does not install); without one, the HTML alone."""
+    browser = shutil.which("chromium") or shutil.which("google-chrome")
+    if browser is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        page = Path(tmp) / "plot.html"
+        fig.write_html(page, include_plotlyjs=True, config={"staticPlot": True})
+        size = f"--window-size={fig.layout.width},{fig.layout.height + 10}"
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", size, f"--screenshot={png.resolve()}",
+                        page.as_uri()], capture_output=True, timeout=120, check=False)  # fmt: skip
 
 
 if __name__ == "__main__":
