@@ -203,6 +203,24 @@ def test_a_kept_path_is_walked_again_when_late_spans_of_its_step_arrive(store) -
     assert kept is not None and [(link.rank, link.what) for link in kept.links][:3] == [(0, "forward"), (0, "backward"), (0, "loss")], kept.links
 
 
+@pytest.mark.timeout(60)
+def test_a_step_still_arriving_keeps_its_path_until_every_rank_is_in(store) -> None:
+    """At scale a step's rows arrive over a flush interval (20 s at 100,000 ranks): its path, walked on part of
+    the step, is kept while more of it arrives (a walk each pass was most of the straggler's pass), and walked
+    again once every rank of the world is in it."""
+    s, _ = store
+    _two_stages(s, "arriving", "running", attempt=0)
+    _insert(s, "spans", [span(0, 1, "forward", "compute", 0, 3, run_id="arriving"), span(0, 1, "loss", "compute", 7, 10, run_id="arriving")])
+    assert incident_cost(q(s), "arriving", [1], [0], world=2) is not None  # one rank of two: walked on what is there
+    _insert(s, "spans", [span(0, 1, "backward", "compute", 3, 7, run_id="arriving")])
+    part = _kept_path(q(s), "arriving", 1, None, None, world=2)
+    assert part is not None and "backward" not in [link.what for link in part.links]  # still one rank of two: kept
+    _insert(s, "spans", [span(1, 1, "forward", "compute", 12, 20, run_id="arriving")])
+    _insert(s, "collectives", [op(0, 1, "pp[0]", 1, "send", 1, 10, 12, run_id="arriving"), op(1, 1, "pp[0]", 1, "recv", 0, 0, 12, run_id="arriving")])
+    whole = _kept_path(q(s), "arriving", 1, None, None, world=2)
+    assert whole is not None and [(link.rank, link.what) for link in whole.links][:3] == [(0, "forward"), (0, "backward"), (0, "loss")], whole.links
+
+
 def test_a_shift_followed_back_to_a_short_send_that_began_when_its_partner_waited_for_it() -> None:
     """Off the path, a rank is followed back to the partner it waited for, from the moment the partner issued the
     transfer; a short transfer (within EPS_NS) that began then is not before it (it was taken for the last

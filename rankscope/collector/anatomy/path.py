@@ -770,20 +770,23 @@ _PATHS_LOCK = threading.Lock()
 
 
 def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterable[int], *, attempt: int | None = None,
-                  kinds: Iterable[str] | None = None, groups: GroupIndex | None = None) -> dict[str, Any] | None:  # fmt: skip
+                  kinds: Iterable[str] | None = None, groups: GroupIndex | None = None, world: int = 0) -> dict[str, Any] | None:  # fmt: skip
     """What the links of ``ranks`` (of ``kinds``) cost the steps ``steps`` on their critical paths, for an
     incident: {steps, share (the median over the steps of cost / step length), cost_ms (their median),
     text, per_step: [{step, step_ms, cost_ms, share, links}]}; None when none of the steps has a timeline.
 
     A few steps, not one: on a busy machine a single step's path may run elsewhere. Paths are kept per
     (run, attempt, step) while the step's frame (its ranks, time bounds and spans) stays the same: the live
-    diagnosis asks every pass, and walks again only when more of a step has arrived. The cost is
+    diagnosis asks every pass, and walks again only when more of a step has arrived. ``world``: the
+    ranks a whole step has; a step of fewer (still arriving: at 100,000 ranks a rank's rows come every
+    20 s) keeps the path walked on part of it until it is whole, rather than a walk a pass (most of
+    the straggler's pass at that size); 0: walked again whenever the step grew. The cost is
     evidence, never a reason to lose an incident: a failed read gives None (logged).
     """
     ranks, kinds = sorted(set(ranks)), None if kinds is None else set(kinds)
     per_step = []
     for step in sorted(set(steps)):
-        path = _kept_path(query, run_id, step, attempt, groups)
+        path = _kept_path(query, run_id, step, attempt, groups, world)
         if path is None or path.step_ns <= 0:
             continue
         cost = path.cost_of(ranks, kinds)
@@ -802,7 +805,7 @@ def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterab
     }
 
 
-def _kept_path(query: Query, run_id: str, step: int, attempt: int | None, groups: GroupIndex | None) -> CriticalPath | None:
+def _kept_path(query: Query, run_id: str, step: int, attempt: int | None, groups: GroupIndex | None, world: int = 0) -> CriticalPath | None:
     key = (run_id, -1 if attempt is None else attempt, step)
     try:
         frame = step_frame(query, run_id, step, attempt)
@@ -810,7 +813,7 @@ def _kept_path(query: Query, run_id: str, step: int, attempt: int | None, groups
             return None
         with _PATHS_LOCK:
             kept = _PATHS.get(key)
-        if kept is not None and kept[0] == frame:
+        if kept is not None and (kept[0] == frame or frame["ranks"] < world):
             return kept[1]
         path = critical_path(query, run_id, step, attempt=attempt, frame=frame, groups=groups)
     except Exception as e:  # noqa: BLE001

@@ -184,7 +184,8 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
     else:
         sql = ctx.literal_sql(EVIDENCE_SQL, segments=segments, ranks=stage_ranks)
     # what its links on the critical paths of the latest steps cost them (rankscope/collector/anatomy)
-    cost = incident_cost(ctx.query, ctx.run_id, [p["step"] for p in info["steps"][-INCIDENT_STEPS:]], ranks, attempt=ctx.attempt, groups=ctx.group_index)
+    cost = incident_cost(ctx.query, ctx.run_id, [p["step"] for p in info["steps"][-INCIDENT_STEPS:]], ranks, attempt=ctx.attempt,
+                         groups=ctx.group_index, world=len(ctx.host))  # fmt: skip
     if cost is not None:
         evidence["critical_path_cost"] = cost
         summary = f"{summary}; {cost['text']}"
