@@ -4,15 +4,17 @@ heeds and the stack dumps it wants are its own to say; the built-ins run in prec
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pytest
 from test_store import migrated, sample_rows, store  # noqa: F401 (fixtures)
 
-from rankscope.collector.diagnosis import crash, hang, registry
-from rankscope.collector.diagnosis.detector import Scan, Urgency
+from rankscope.collector.diagnosis import crash, hang, lane_process, registry
+from rankscope.collector.diagnosis.detector import FunctionDetector, Scan, Urgency
 from rankscope.collector.diagnosis.engine import THOROUGH, URGENT, LiveDiagnosis, diagnose, write_to
 from rankscope.collector.store.base import Store
 from rankscope.common.incidents import INCIDENTS_SQL, Finding, Incident, from_rows
@@ -91,6 +93,39 @@ def test_a_registered_detector_runs_in_its_lane_and_its_findings_become_incident
     timed.clear()
     live.pass_once()
     assert len(probe.scans) == passes and "probe" not in timed and "probe" not in THOROUGH.names  # unregistered on leaving
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_detector_registered_in_the_collector_runs_in_its_lane_process(migrated: Store) -> None:  # noqa: F811
+    """The collector runs each lane in a process of its own: a detector registered in the collector travels
+    there (pickled; the test module imports there too) and its findings are written through the collector's
+    store; one that cannot travel (a lambda) is named in a warning, not a failure."""
+    _two_ranks_heard_now(migrated)
+    unpicklable = FunctionDetector("lambda_probe", ("lambda_probe",), "thorough", lambda scan: [])
+    with registry.added(Probe("travelled", ("travelled",))), registry.added(unpicklable):
+        assert [d.name for d in lane_process._own_detectors()] == ["travelled"]
+        asyncio.run(_lanes_until(migrated, lambda: any(i.finding.kind == "travelled" for i in _incidents(migrated))))
+    assert sorted(i.finding.ranks for i in _incidents(migrated) if i.finding.kind == "travelled") == [(0,), (1,)]
+
+
+async def _lanes_until(db: Store, done: Callable[[], bool], timeout_s: float = 90) -> None:
+    """The lane processes over ``db`` (as the collector runs them) until ``done()``."""
+    services = lane_process.Services(
+        query=db.query_arrow, insert_incidents=lambda table: db.insert_arrow("incidents", table), request_stack=lambda *_: None,
+        stored=lambda run: (0, 0), heard=lambda run, attempt, ranks: dict.fromkeys(ranks, time.time_ns()), forget=lambda run: None,
+        passed=lambda lane, s: None, detected=lambda name, s: None,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    lanes = asyncio.create_task(lane_process.LaneProcesses(services, Settings(), 0.5, None, lambda lane: None).run(stop))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not await asyncio.to_thread(done):
+            assert time.monotonic() < deadline and not lanes.done(), "no finding of the registered detector was written"
+            await asyncio.sleep(0.5)
+    finally:
+        stop.set()
+        await lanes
 
 
 def test_what_a_detector_heeds_and_the_stack_dumps_it_wants_are_its_own_to_say(migrated: Store) -> None:  # noqa: F811

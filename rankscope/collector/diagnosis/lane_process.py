@@ -20,6 +20,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -33,6 +34,8 @@ import pyarrow as pa
 
 from rankscope.collector.diagnosis.engine import LiveDiagnosis
 from rankscope.collector.diagnosis.ledger import to_arrow
+from rankscope.collector.diagnosis import registry
+from rankscope.collector.diagnosis.detector import Detector
 from rankscope.collector.diagnosis.registry import THOROUGH, URGENT
 from rankscope.collector.store.base import StoreError
 from rankscope.common.incidents import Incident
@@ -49,11 +52,13 @@ EXIT_GRACE_S = 5.0
 
 @dataclass(frozen=True)
 class LaneConfig:
-    """What a lane process is told first: the collector's diagnosis options."""
+    """What a lane process is told (after the collector's ``sys.path``): the collector's diagnosis options,
+    and the detectors registered in the collector beyond the built-ins (``registry.register``), pickled."""
 
     settings: Settings
     interval_s: float
     webhook: str | None
+    detectors: tuple[Detector, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,10 +147,29 @@ class LaneProcesses:
                 stdin=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
             )  # fmt: skip
         conn = Connection(ours.detach())
-        conn.send(LaneConfig(self.settings, self.interval_s, self.webhook))
+        conn.send(sys.path)  # first, so that the detectors' modules import there as here
+        conn.send(LaneConfig(self.settings, self.interval_s, self.webhook, _own_detectors()))
         server = threading.Thread(target=_serve_then_close, args=(conn, self.collector), name=f"rankscope-{lane}-lane", daemon=True)
         server.start()
         return proc, server
+
+
+def _own_detectors() -> tuple[Detector, ...]:
+    """The detectors registered here beyond the built-ins that can travel to a lane process (a lambda
+    cannot be pickled, nor imported there what ``__main__`` defines); those that cannot are named in a warning."""
+    own = []
+    for detector in registry.registered():
+        if detector in registry.BUILT_IN:
+            continue
+        try:
+            if b"__main__" in pickle.dumps(detector):
+                raise pickle.PicklingError("it is defined in __main__, which a lane process does not run")
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            log.warning("rankscope diagnosis: detector %r cannot run in a lane process (%s); define it at the top level of an "
+                        "importable module", detector.name, e)  # fmt: skip
+            continue
+        own.append(detector)
+    return tuple(own)
 
 
 def _serve_then_close(conn: Connection, collector: Services) -> None:
@@ -206,7 +230,11 @@ def main(argv: list[str]) -> int:
     logging.getLogger("rankscope").addHandler(trouble)
     logging.getLogger("rankscope").propagate = False
     conn = Connection(fd)
+    sys.path[:] = conn.recv()
     config: LaneConfig = conn.recv()
+    for detector in config.detectors:
+        if all(other.name != detector.name for other in registry.registered()):  # its module may register it on import
+            registry.register(detector)
     parent = _Parent(conn)
     live = LiveDiagnosis(
         parent.query, parent.write, lambda run, rank, reason: parent.call("request_stack", run, rank, reason), config.settings,
