@@ -10,7 +10,8 @@
     names, when the live diagnosis first wrote it (straggler: after the fault began; hang: after
     the hang threshold), what the collector took in; then, over the stored run (the collector
     restarted without its own diagnosis, so nothing else runs), each detector's pass through a
-    collector client, median of ``--repeats``.
+    collector client, median of ``--repeats``; with ``--baseline DIR``, the same run first against
+    the collector of the source tree DIR (``git archive COMMIT | tar -x -C DIR``), side by side.
 
 Prints one markdown table per part. Every process it starts is stopped, the stores are removed.
 """
@@ -18,6 +19,7 @@ Prints one markdown table per part. Every process it starts is stopped, the stor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import re
@@ -29,7 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rankscope.harness.local_scenarios import FAULT_START_SQL
@@ -122,7 +124,40 @@ class Lag:
 
 
 def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]) -> list[str]:
-    """(b): one simulated run with a straggler and a hang, then each detector's pass over it."""
+    """(b): one simulated run with a straggler and a hang, then each detector's pass over it; with
+    ``--baseline``, the same run against the baseline tree's collector first, side by side."""
+    from rankscope.harness.simulate.plan import Cadence
+
+    run_id = f"bench-{args.tp * args.pp * args.dp}"
+    silent_after = 3 * Cadence.for_world(args.tp * args.pp * args.dp, args.batches_per_s).heartbeat_s
+    store = work / "store"
+    rows = _live_rows(args, store, work, log)
+    if args.baseline is not None:
+        base = _live_rows(args, work / "baseline" / "store", work / "baseline", log, tree=args.baseline)
+        rows = _side_by_side(base, rows, f"baseline ({args.baseline})")
+    offline: list[str] = []
+    # Each detector over the stored run, nothing else running: the collector again, without diagnosis.
+    # Without the query limits: the live diagnosis reads the store directly, this client reads a
+    # million rows and more at 100,000 ranks (the straggler's window).
+    collector, address = start_collector(store, work / "collector-2.log", "--no-diagnosis", "--nice", "0",
+                                         "--query-max-rows", str(10**10), "--query-max-bytes", str(2**40))  # fmt: skip
+    try:
+        offline += _pass_rows(address, run_id, silent_after, args.repeats)
+    finally:
+        stop(collector, 60)
+    collector, address = start_collector(store, work / "collector-3.log", "--no-diagnosis", "--nice", "0")  # its default read limits
+    try:
+        offline.append(_postmortem_row(address, run_id, silent_after))
+    finally:
+        stop(collector, 60)
+    if args.baseline is not None:  # the offline passes are this tree's code over this tree's run
+        offline = [row.replace(" | ", " | - | ", 1) for row in offline]
+    return rows + offline
+
+
+def _live_rows(args: argparse.Namespace, store: Path, work: Path, log: Callable[[str], None], tree: Path | None = None) -> list[str]:
+    """The simulated run against a collector on ``store`` (of the source tree ``tree``, else this one) with
+    its live diagnosis: what it took in and named, and how long its passes took (a table with its header)."""
     from rankscope.collector.client import Client
     from rankscope.harness.simulate.plan import Cadence
 
@@ -132,13 +167,13 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     hang_step = int(cadence.flush_s / args.step_time) + 15
     silent_after = 3 * cadence.heartbeat_s
     run_id = f"bench-{world}"
-    store = work / "store"
     # The cadence the published numbers were measured with (the defaults were 1 s and 2 s then), and
     # full priority: the simulator stands in for a cluster, the collector for a machine of its own.
     metrics_port = free_port()
-    collector, address = start_collector(store, work / "collector.log", "--hang-after", str(HANG_AFTER_S),
-                                         "--silent-after", f"{silent_after:.0f}", "--flush-interval", "1",
-                                         "--diagnose-every", "2", "--nice", "0", "--metrics-port", str(metrics_port))  # fmt: skip
+    with _collector_from(tree):
+        collector, address = start_collector(store, work / "collector.log", "--hang-after", str(HANG_AFTER_S),
+                                             "--silent-after", f"{silent_after:.0f}", "--flush-interval", "1",
+                                             "--diagnose-every", "2", "--nice", "0", "--metrics-port", str(metrics_port))  # fmt: skip
     inject = f"straggler:rank={STRAGGLER[0]},factor={STRAGGLER[1]},from_step={STRAGGLER[2]};hang:rank={HANG_RANK},step={hang_step}"
     sim_log = work / "simulate.log"
     sim = start([*CLI, "simulate", "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--steps", str(hang_step + 20),
@@ -160,22 +195,33 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
     rows += _incident_rows(found, straggler_start)
     rows += live_passes
-    rows += [lag.row() for lag in lags]
-    # Each detector over the stored run, nothing else running: the collector again, without diagnosis.
-    # Without the query limits: the live diagnosis reads the store directly, this client reads a
-    # million rows and more at 100,000 ranks (the straggler's window).
-    collector, address = start_collector(store, work / "collector-2.log", "--no-diagnosis", "--nice", "0",
-                                         "--query-max-rows", str(10**10), "--query-max-bytes", str(2**40))  # fmt: skip
+    return rows + [lag.row() for lag in lags]
+
+
+@contextlib.contextmanager
+def _collector_from(tree: Path | None) -> Iterator[None]:
+    """Processes started inside run the code of the source tree ``tree`` (``git archive COMMIT | tar -x -C
+    tree``) by their PYTHONPATH; None: this tree's."""
+    before = os.environ.get("PYTHONPATH")
+    if tree is not None:
+        os.environ["PYTHONPATH"] = str(tree.resolve())
     try:
-        rows += _pass_rows(address, run_id, silent_after, args.repeats)
+        yield
     finally:
-        stop(collector, 60)
-    collector, address = start_collector(store, work / "collector-3.log", "--no-diagnosis", "--nice", "0")  # its default read limits
-    try:
-        rows.append(_postmortem_row(address, run_id, silent_after))
-    finally:
-        stop(collector, 60)
-    return rows
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def _side_by_side(base: list[str], this: list[str], base_name: str) -> list[str]:
+    """Two "| measure | value |" tables as one, a column each, measures in the order they first appear."""
+    values: dict[str, list[str]] = {}
+    for column, table in enumerate((base, this)):
+        for row in table[2:]:
+            measure, value = row.strip("| ").split(" | ", 1)
+            values.setdefault(measure, ["-", "-"])[column] = value
+    return [f"| measure | {base_name} | this tree |", "|---|---|---|", *(f"| {m} | {b} | {t} |" for m, (b, t) in values.items())]
 
 
 def _postmortem_row(address: str, run_id: str, silent_after: float) -> str:
@@ -197,7 +243,8 @@ def _live_passes(metrics_url: str) -> list[str]:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     rows = []
     for family, label, what in (("rankscope_diagnosis_pass_seconds", "lane", "live diagnosis passes of the {} lane while it ran"),
-                                ("rankscope_detector_seconds", "detector", "live: {} in those passes")):  # fmt: skip
+                                ("rankscope_detector_seconds", "detector", "live: {} in those passes"),
+                                ("rankscope_store_seconds", "kind", "acknowledgement of the {} batches: from their receipt to their ack, once stored")):  # fmt: skip
         samples = families[family].samples
         for name in sorted({x.labels[label] for x in samples if label in x.labels}):
             mine = [x for x in samples if x.labels.get(label) == name]
@@ -288,6 +335,8 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=2.0, help="the simulated step's seconds (default: 2)")
     parser.add_argument("--sample-every", type=int, default=10, help="every N-th step is sent in full (default: 10)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="(b) also against the collector of the source tree DIR (git archive COMMIT | tar -x -C DIR), side by side")
     args = parser.parse_args()
     log = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every process started is stopped
