@@ -1,9 +1,10 @@
 """The collector process: gRPC (grpc.aio) in front of the batching writer and the read-only guard.
 
 One event loop does all the gRPC work; store calls run on threads (the writer's own, the
-Query service's own in ``read_pool``, and the default executor for run look-ups), so a slow
-insert never stalls the acks of batches that are already stored and no number of slow queries
-delays a batch. The timelines (spans, collectives, metrics) are decoded in a
+Query service's own in ``read_pool``, one for each live diagnosis lane, whose detectors run in a
+process of their own: ``diagnosis.lane_process``, and the default executor for run look-ups), so a
+slow insert never stalls the acks of batches that are already stored and neither slow queries nor
+a long diagnosis pass delays a batch. The timelines (spans, collectives, metrics) are decoded in a
 lane of their own, one batch per turn of the loop, and everything else at once: a collector with
 hundreds of timeline batches queued still decodes a heartbeat (where a rank is blocked) as soon as
 it arrives. A batch is acknowledged only once written (``Writer.write``),
