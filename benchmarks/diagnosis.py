@@ -131,7 +131,11 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     run_id = f"bench-{args.tp * args.pp * args.dp}"
     silent_after = 3 * Cadence.for_world(args.tp * args.pp * args.dp, args.batches_per_s).heartbeat_s
     store = work / "store"
-    rows = _live_rows(args, store, work, log)
+    if args.via == "both":  # the same run direct first, then through relays (whose store the passes below read)
+        direct = _live_rows(args, work / "direct" / "store", work / "direct", log, via="direct")
+        rows = _side_by_side(direct, _live_rows(args, store, work, log, via="relay"), "direct", "through relays")
+    else:
+        rows = _live_rows(args, store, work, log, via=args.via)
     if args.baseline is not None:
         base = _live_rows(args, work / "baseline" / "store", work / "baseline", log, tree=args.baseline)
         rows = _side_by_side(base, rows, f"baseline ({args.baseline})")
@@ -155,9 +159,11 @@ def scale_table(args: argparse.Namespace, work: Path, log: Callable[[str], None]
     return rows + offline
 
 
-def _live_rows(args: argparse.Namespace, store: Path, work: Path, log: Callable[[str], None], tree: Path | None = None) -> list[str]:
-    """The simulated run against a collector on ``store`` (of the source tree ``tree``, else this one) with
-    its live diagnosis: what it took in and named, and how long its passes took (a table with its header)."""
+def _live_rows(args: argparse.Namespace, store: Path, work: Path, log: Callable[[str], None], tree: Path | None = None,
+               via: str = "direct") -> list[str]:  # fmt: skip
+    """The simulated run (its ranks sending ``via`` direct or relay) against a collector on ``store`` (of the
+    source tree ``tree``, else this one) with its live diagnosis: what it took in and named, the collector's
+    CPU, and how long its passes took (a table with its header)."""
     from rankscope.collector.client import Client
     from rankscope.harness.simulate.plan import Cadence
 
@@ -176,14 +182,16 @@ def _live_rows(args: argparse.Namespace, store: Path, work: Path, log: Callable[
                                              "--diagnose-every", "2", "--nice", "0", "--metrics-port", str(metrics_port))  # fmt: skip
     inject = f"straggler:rank={STRAGGLER[0]},factor={STRAGGLER[1]},from_step={STRAGGLER[2]};hang:rank={HANG_RANK},step={hang_step}"
     sim_log = work / "simulate.log"
+    cpu_before, wall_before = _tree_cpu_s(collector.pid), time.monotonic()
     sim = start([*CLI, "simulate", "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--steps", str(hang_step + 20),
                  "--step-time", str(args.step_time), "--sample-every", str(args.sample_every), "--inject", inject, "--collector", address, "--run-id", run_id,
-                 "--batches-per-s", str(args.batches_per_s), "--hold", "900"], sim_log, os.environ)  # fmt: skip
-    log(f"(b) simulating {world:,} ranks, {inject}; collector {address}, hang after {HANG_AFTER_S:g} s, silent after {silent_after:.0f} s")
+                 "--batches-per-s", str(args.batches_per_s), "--hold", "900", "--via", via], sim_log, os.environ)  # fmt: skip
+    log(f"(b) simulating {world:,} ranks via {via}, {inject}; collector {address}, hang after {HANG_AFTER_S:g} s, silent after {silent_after:.0f} s")
     client = Client(address, timeout_s=300)
     lags = [Lag(f"http://127.0.0.1:{metrics_port}/metrics", kind) for kind in ("heartbeats", "spans")]
     try:
         found = wait_for_incidents(client, run_id, hang_step * args.step_time + 600, sim, sim_log, lags, log)
+        cpu_per_s = (_tree_cpu_s(collector.pid) - cpu_before) / (time.monotonic() - wall_before)
         straggler_start = client.query(FAULT_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
         live_passes = _live_passes(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
@@ -195,7 +203,23 @@ def _live_rows(args: argparse.Namespace, store: Path, work: Path, log: Callable[
     rows += _ingest_rows(sim_log.read_text(errors="replace"), world, cadence)
     rows += _incident_rows(found, straggler_start)
     rows += live_passes
+    rows.append(f"| the collector's CPU seconds per second of the run, until both incidents were written | {cpu_per_s:.2f} |")
     return rows + [lag.row() for lag in lags]
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and the processes below it (their reaped children included), from /proc."""
+    stats = {}
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = path.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(path.parent.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))  # ppid; utime stime cutime cstime
+    tree: set[int] = {pid}
+    for _ in range(8):  # a few levels: the collector and whatever it starts
+        tree |= {p for p, (ppid, _) in stats.items() if ppid in tree}
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -214,14 +238,14 @@ def _collector_from(tree: Path | None) -> Iterator[None]:
             os.environ["PYTHONPATH"] = before
 
 
-def _side_by_side(base: list[str], this: list[str], base_name: str) -> list[str]:
+def _side_by_side(base: list[str], this: list[str], base_name: str, this_name: str = "this tree") -> list[str]:
     """Two "| measure | value |" tables as one, a column each, measures in the order they first appear."""
     values: dict[str, list[str]] = {}
     for column, table in enumerate((base, this)):
         for row in table[2:]:
             measure, value = row.strip("| ").split(" | ", 1)
             values.setdefault(measure, ["-", "-"])[column] = value
-    return [f"| measure | {base_name} | this tree |", "|---|---|---|", *(f"| {m} | {b} | {t} |" for m, (b, t) in values.items())]
+    return [f"| measure | {base_name} | {this_name} |", "|---|---|---|", *(f"| {m} | {b} | {t} |" for m, (b, t) in values.items())]
 
 
 def _postmortem_row(address: str, run_id: str, silent_after: float) -> str:
@@ -337,7 +361,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="(b) also against the collector of the source tree DIR (git archive COMMIT | tar -x -C DIR), side by side")
+    parser.add_argument("--via", choices=("direct", "relay", "both"), default="direct",
+                        help="(b)'s simulated ranks send directly, through relays (a relay per simulator worker, a host's"
+                             " ranks to a batch), or both, one run after the other, side by side (default: direct)")  # fmt: skip
     args = parser.parse_args()
+    if args.via == "both" and args.baseline is not None:
+        parser.error("--via both compares two runs of this tree: leave out --baseline")
     log = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every process started is stopped
     work = Path(tempfile.mkdtemp(prefix="rankscope-bench-diagnosis-"))

@@ -6,6 +6,8 @@ parts (1F1B order, the hang's fixed point, the multi-rank Transport) are checked
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -220,3 +222,25 @@ def test_a_collector_that_stores_late_names_nobody_lost_while_it_hears_every_ran
     assert lag_s > 5, f"the stored heartbeats were never more than {lag_s:.1f} s behind: the collector was not slowed"
     found = incidents(slow, "lagging", lambda found, client: False, timeout_s=12)
     assert found == [], found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_through_relays_every_row_sent_is_stored_once(proc_runner, tmp_path: Path) -> None:
+    """``--via relay``: each worker's hosts send their own batches (8 ranks each) to a relay process, which
+    merges them; what the simulator says it sent is what the store holds, row for row."""
+    from rankscope.collector.client import Client
+
+    collector = start_collector(proc_runner, tmp_path / "store", "--no-diagnosis", "--flush-interval", "0.5").target
+
+    sim = simulate(proc_runner, collector, "relayed", "--steps", "6", "--via", "relay")
+    assert sim.wait(150) == 0, sim.output()
+    sent = json.loads(re.search(r"events (\{.*\})", sim.stdout.replace("'", '"')).group(1))  # type: ignore[union-attr]
+    assert ", 0 refused, 0 dropped" in sim.stdout, sim.output()
+    acked = int(re.search(r"([\d,]+) batches acknowledged, ", sim.stdout).group(1).replace(",", ""))  # type: ignore[union-attr]
+    with Client(collector) as client:
+        stored = {kind: client.query(f"SELECT count() AS n FROM {table} WHERE run_id = 'relayed'", {})["n"][0].as_py()
+                  for kind, table in (("heartbeats", "heartbeats"), ("spans", "spans"), ("collectives", "collectives"), ("end", "exits"))}  # fmt: skip
+        batches = client.query("SELECT count() AS n FROM batches WHERE run_id = 'relayed'", {})["n"][0].as_py()
+    assert stored == {kind: sent[kind] for kind in stored}, (stored, sent, sim.output())
+    assert batches < acked, (batches, acked)  # the relays merged what their hosts sent

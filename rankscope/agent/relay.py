@@ -117,14 +117,19 @@ class Relay(ingest_pb2_grpc.IngestServicer):
         waiting, self._waiting, self._bytes = self._waiting, {}, 0
         loop = asyncio.get_running_loop()
         for (run_id, kind), parts in sorted(waiting.items(), key=lambda item: (item[0][1] not in _FIRST, item[0][1] in _LAST)):
-            transport = self._transport(run_id, parts[0].rank)
-            if kind in MERGED:
-                merged, parts = self._merged(kind, parts)
-                if parts:
-                    self._submit(transport, merged, parts, loop)
-            else:
+            try:
+                transport = self._transport(run_id, parts[0].rank)
+                if kind in MERGED:
+                    merged, parts = self._merged(kind, parts)
+                    if parts:
+                        self._submit(transport, merged, parts, loop)
+                else:
+                    for part in parts:
+                        self._submit(transport, part.payload, [part], loop)
+            except Exception:  # a relay's bug: its ranks send these themselves, and it goes on
+                log.exception("rankscope relay: %d %s batches of run %s not taken", len(parts), kind, run_id)
                 for part in parts:
-                    self._submit(transport, part.payload, [part], loop)
+                    _settle(part.done, grpc.StatusCode.UNAVAILABLE)
 
     async def close(self, timeout_s: float) -> None:
         """Spool what waits; send what can be sent within ``timeout_s``; the rest stays spooled."""

@@ -54,7 +54,7 @@ def merge(kind: str, parts: Sequence[tuple[int, Message]]) -> Message:
     """One payload of ``kind`` from ``(rank, payload)`` pairs, in order; rows keep their own rank
     where they name one, else take the rank of the batch they came in."""
     if kind == "heartbeats":
-        beats = [(rank, p if p.HasField("columns") else to_columns(p.heartbeats, p.ranks or [rank] * len(p.heartbeats)).columns)
+        beats = [(rank, p.columns if p.HasField("columns") else to_columns(p.heartbeats, p.ranks or [rank] * len(p.heartbeats)).columns)
                  for rank, p in parts]  # type: ignore[attr-defined]  # fmt: skip
         if any(np.frombuffer(c.in_flight, dtype="<i4").sum() != c.ops.count for _, c in beats):
             raise ValueError("in_flight: the heartbeats name another number of operations than ops holds")

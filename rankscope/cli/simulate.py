@@ -34,6 +34,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="batches per second the collector is asked to take; sets the heartbeat and flush intervals (default: 300)")
     parser.add_argument("--ranks-per-batch", metavar="N", type=count(1), default=256,
                         help="ranks one batch speaks for (a heartbeat batch, a flush's span or collective batch; default: 256)")
+    parser.add_argument("--via", choices=("direct", "relay"), default="direct",
+                        help="direct: each worker sends its batches to the collector itself; relay: each worker's hosts send"
+                             " their own batches (8 ranks each) to a relay process per worker, which sends the collector one"
+                             " stream, as a real job's ranks do through `rankscope relay` (default: direct)")  # fmt: skip
     parser.add_argument("--heartbeat", metavar="SECONDS", type=seconds, help="seconds between a rank's heartbeats (default: from --batches-per-s)")
     parser.add_argument("--flush", metavar="SECONDS", type=seconds, help="seconds between a rank's data batches (default: twice the heartbeat)")
     parser.add_argument("--sample-every", metavar="N", type=count(1), default=10,
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         tp=args.tp, pp=args.pp, dp=args.dp, steps=args.steps, step_time_s=args.step_time, microbatches=args.microbatches,
         inject=args.inject, collector=args.collector, run_id=args.run_id,
         batches_per_s=args.batches_per_s, ranks_per_batch=args.ranks_per_batch, heartbeat_s=args.heartbeat, flush_s=args.flush,
-        sample_every=args.sample_every,
+        sample_every=args.sample_every, via=args.via,
         report_after_s=args.report_after, hold_s=args.hold, seed=args.seed,
     )  # fmt: skip
     try:
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     c = plan.cadence
     print(f"simulating run {plan.run_id}: {world:,} ranks (tp {args.tp} x pp {args.pp} x dp {args.dp}), {args.steps} steps of "
-          f"~{args.step_time:g} s, {args.workers} workers -> {args.collector}; heartbeat every {c.heartbeat_s:.1f} s, "
+          f"~{args.step_time:g} s, {args.workers} workers -> {'relays -> ' if args.via == 'relay' else ''}{args.collector}; heartbeat every {c.heartbeat_s:.1f} s, "
           f"data every {c.flush_s:.1f} s (~{c.batches_per_s(world, args.dp):,.0f} batches/s), full timelines every "
           f"{c.sample_every} steps", flush=True)  # fmt: skip
     summary = simulate(plan, args.workers, log=lambda line: print(line, flush=True))

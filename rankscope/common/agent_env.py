@@ -19,15 +19,18 @@ def agent_environment(
     every_s: float | None = None,
     token: str | None = None,
     tls_ca: str | None = None,
+    relay: str | None = None,
 ) -> dict[str, str]:
     """``RANKSCOPE_*`` variables for ranks sending to ``collector`` (the agent's default when None)
     as run ``run_id`` (agreed between the ranks when None); ``host``: the host-name template;
     ``every_s``: heartbeats and sends this often (faster than the default makes faults show up
-    sooner). Settings left None are not set, so the agent's defaults apply."""
+    sooner); ``relay``: this host's relay (``rankscope relay``). Settings left None are not set, so the
+    agent's defaults apply."""
     settings = {
         "RANKSCOPE_COLLECTOR": collector, "RANKSCOPE_RUN_ID": run_id, "RANKSCOPE_HOST": host,
         "RANKSCOPE_HEARTBEAT_S": every_s, "RANKSCOPE_FLUSH_S": every_s,
         "RANKSCOPE_SPOOL_DIR": spool_dir, "RANKSCOPE_TOKEN": token, "RANKSCOPE_TLS_CA": tls_ca,
+        "RANKSCOPE_RELAY": relay,
     }  # fmt: skip
     return {"RANKSCOPE_ENABLE": "1", **{name: _text(value) for name, value in settings.items() if value is not None}}
 

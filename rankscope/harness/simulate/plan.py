@@ -77,6 +77,9 @@ class Plan:
     cadence: Cadence
     #: after a hang, heartbeats go on this long before the launcher stops every rank
     hold_s: float
+    #: "direct": each worker's Transport sends to the collector; "relay": through a relay process per
+    #: worker (``rankscope relay``), a host's ranks to a batch, as a real job's ranks do
+    via: str = "direct"
 
     def model(self) -> StepModel:
         timing = Timing.for_step(self.step_time_s, self.topo.pp, self.microbatches, self.noise)

@@ -54,6 +54,7 @@ class Options:
     noise: float = 0.02
     ranks_per_host: int = 8
     ranks_per_batch: int = 256
+    via: str = "direct"
 
 
 @dataclass
@@ -85,9 +86,13 @@ def make_plan(options: Options) -> Plan:
         raise FaultSpecError("at most one hang or crash per simulation")
     cadence = Cadence.for_world(topo.world_size, options.batches_per_s, options.heartbeat_s, options.flush_s, options.ranks_per_batch,
                                 sample_every=options.sample_every, report_after_s=options.report_after_s)  # fmt: skip
+    if options.via == "relay":  # the same cadence, but each host's ranks send their own batches to the relay
+        cadence = replace(cadence, ranks_per_batch=options.ranks_per_host)
+    elif options.via != "direct":
+        raise ValueError(f"via {options.via!r}: direct or relay")
     run_id = options.run_id or f"sim-{uuid.uuid4().hex[:8]}"
     return Plan(topo, run_id, f"simulated {options.tp}x{options.pp}x{options.dp}", options.collector, "", options.steps,
-                options.step_time_s, options.microbatches, options.seed, options.noise, faults, cadence, options.hold_s)  # fmt: skip
+                options.step_time_s, options.microbatches, options.seed, options.noise, faults, cadence, options.hold_s, options.via)  # fmt: skip
 
 
 def slices(plan: Plan, workers: int) -> list[tuple[int, int]]:
@@ -102,7 +107,8 @@ def run(plan: Plan, workers: int = 2, log: Callable[[str], None] = print) -> Sum
     """Simulate ``plan`` until it ends (or SIGTERM / SIGINT); every worker is stopped before it returns.
 
     Batches the collector cannot take go to a spool in a temporary directory, removed at the end
-    (``Summary.spooled`` counts them): a simulation is not worth replaying.
+    (``Summary.spooled`` counts them): a simulation is not worth replaying. Via relays, a relay
+    process per worker listens on a socket in that directory.
     """
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
@@ -112,14 +118,17 @@ def run(plan: Plan, workers: int = 2, log: Callable[[str], None] = print) -> Sum
     parts = slices(plan, workers)
     inboxes = [ctx.Queue() for _ in parts]
     window = TOTAL_WINDOW // len(parts)
+    relays = [f"unix:{spool}/relay-{lo}.sock" if plan.via == "relay" else None for lo, _ in parts]
     procs = [
-        ctx.Process(target=worker.main, args=(plan, lo, hi, window, inbox, report, stop), name=f"simulate-{lo}")
-        for (lo, hi), inbox in zip(parts, inboxes)
+        ctx.Process(target=worker.main, args=(plan, lo, hi, window, inbox, report, stop, relay), name=f"simulate-{lo}")
+        for (lo, hi), inbox, relay in zip(parts, inboxes, relays)
     ]
     summary = Summary(plan.run_id, plan.topo.world_size)
     restore = _stop_on_signals(stop)
     started = time.monotonic()
+    relay_procs: list = []
     try:
+        relay_procs = [_start_relay(ctx, plan, address) for address in relays if address is not None]
         for p in procs:
             p.start()
         _follow(plan, report, procs, inboxes, stop, summary, log)
@@ -130,10 +139,27 @@ def run(plan: Plan, workers: int = 2, log: Callable[[str], None] = print) -> Sum
             if p.is_alive():
                 p.kill()
                 p.join()
+        for p in relay_procs:  # after the workers: what they sent last is spooled, then sent within seconds
+            p.terminate()
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
         restore()
         shutil.rmtree(spool, ignore_errors=True)
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _start_relay(ctx: object, plan: Plan, address: str) -> object:
+    """A relay process on ``address`` for one worker's hosts, once it listens."""
+    ready = ctx.Event()  # type: ignore[attr-defined]
+    proc = ctx.Process(target=worker.relay_main, args=(plan, address, ready), name=f"relay-{address}")  # type: ignore[attr-defined]
+    proc.start()
+    if not ready.wait(60):
+        proc.kill()
+        raise RuntimeError(f"the relay on {address} did not start within 60 s")
+    return proc
 
 
 def _follow(plan: Plan, report: mp.Queue, procs: list, inboxes: list, stop: object, summary: Summary, log: Callable[[str], None]) -> None:

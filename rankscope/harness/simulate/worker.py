@@ -88,12 +88,12 @@ class Cycle:
 class Worker:
     """The simulated ranks ``lo .. hi-1``: their steps, heartbeats and flushes, through one Transport."""
 
-    def __init__(self, plan: Plan, lo: int, hi: int, window: int):
+    def __init__(self, plan: Plan, lo: int, hi: int, window: int, relay: str | None = None):
         self.plan, self.lo, self.n, self.window = plan, lo, hi - lo, window
         self.topo = plan.topo
         self.model = plan.model()
         self.slice = Slice(self.model, lo, hi)
-        config = load_config(agent_environment(plan.collector, spool_dir=plan.spool_dir))
+        config = load_config(agent_environment(plan.collector, spool_dir=plan.spool_dir, relay=relay))
         if config is None:
             raise ValueError(f"bad collector address {plan.collector!r}")
         self.transport = Transport(config, plan.run_id, lo, name=f"simulate-{lo}", window=window, max_queue_bytes=256 << 20,
@@ -324,10 +324,11 @@ def _rows_of(parts: list[tuple[dict[str, np.ndarray], np.ndarray]], first: int) 
     return ranks, {k: np.concatenate([cols[k] for cols, _ in parts]) for k in parts[0][0]}
 
 
-def main(plan: Plan, lo: int, hi: int, window: int, inbox: mp.Queue, report: mp.Queue, stop: mp.synchronize.Event) -> None:
+def main(plan: Plan, lo: int, hi: int, window: int, inbox: mp.Queue, report: mp.Queue, stop: mp.synchronize.Event,
+         relay: str | None = None) -> None:  # fmt: skip
     """The spawned process: register, wait for the start time, simulate, report the Transport's counts."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (``stop``)
-    worker = Worker(plan, lo, hi, window)
+    worker = Worker(plan, lo, hi, window, relay)
     try:
         worker.register()
         report.put(("registered", lo, hi - lo, None))
@@ -346,3 +347,14 @@ def main(plan: Plan, lo: int, hi: int, window: int, inbox: mp.Queue, report: mp.
     finally:
         worker.transport.close(timeout_s=2.0 if stop.is_set() else 120.0)
         report.put(("done", lo, worker.current_step, (worker.transport.stats(), worker.events)))
+
+
+def relay_main(plan: Plan, listen: str, ready: mp.synchronize.Event) -> None:
+    """A spawned relay process for a worker's hosts (``rankscope relay``); SIGTERM ends it."""
+    from rankscope.agent.relay import serve
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    config = load_config(agent_environment(plan.collector, spool_dir=plan.spool_dir))
+    if config is None:
+        raise ValueError(f"bad collector address {plan.collector!r}")
+    serve(config, listen, on_ready=ready.set)
