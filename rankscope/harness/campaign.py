@@ -225,7 +225,7 @@ def _testbed_scenario(trial: Trial, job: Job) -> testbed_scenarios.Scenario:
     program = "trainer-default" if trial.fault == "bandwidth" else job.program
     name, hosts = f"campaign-{trial.seed}", job.world // 2
     if trial.fault == "none":
-        return testbed_scenarios.Scenario(name, trial.describe(), None, steps=10, program=program, hosts=hosts)
+        return testbed_scenarios.Scenario(name, trial.describe(), None, rank=trial.rank, steps=10, program=program, hosts=hosts)
     size = trial.size
     apply: dict[str, testbed_scenarios.Apply] = {
         "throttle": lambda bed, _, r: host_faults.throttle_cpu(bed, r.host, 1 / size),
