@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 from test_detector_registry import RUN, _first_attempt
+from test_diagnosis_state import rows
 from test_store import T0, migrated, sample_rows, store  # noqa: F401 (fixtures)
 
 from rankscope.collector.diagnosis import postmortem, registry
@@ -68,3 +69,66 @@ def test_window_reads_come_in_pages_under_the_result_limit() -> None:
     """A step's cells at 100,096 ranks are 500,000 rows; a key over the limit goes alone."""
     assert pages({3: 500_480, 1: 300_000, 2: 200_000, 4: 1}, limit=500_000) == [[1, 2], [3], [4]]
     assert pages({}) == []
+
+
+S = 10**9
+
+
+def _stall_resolved(into: Store, run: str, *, frozen: bool = False) -> None:
+    """Four ranks (node-0: 0, 1; node-1: 2, 3) heard every second for 40 s: step 4 begins at 5 s and rank
+    2 does nothing in it until 30 s (heard, quiet), the others waiting in default_pg #9; then it enters
+    #9, step 5 begins and the run ends normally at 40 s. ``frozen``: rank 2 is stopped from 4 s to 30 s
+    instead (no heartbeat; its backward of step 4, ended at 7 s, stored), rank 3 took its stack at 9 s."""
+    ranks = [0, 1, 2, 3]
+    into.insert_arrow("ranks", rows("ranks", 4, run_id=run, rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
+                                    pid=[1000 + r for r in ranks], tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
+    into.insert_arrow("groups", rows("groups", 1, run_id=run, name="default_pg", ranks=[ranks], registered=T0))
+    beats = [(r, t) for t in range(41) for r in ranks if not (frozen and r == 2 and 3 < t < 30)]
+    step = lambda t: 3 if t < 5 else 4 if t < 30 else 5  # noqa: E731
+    waiting = lambda r, t: r != 2 and 6 <= t < 30  # noqa: E731
+    into.insert_arrow("heartbeats", rows(
+        "heartbeats", len(beats), run_id=run, rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
+        time=[T0 + t * S for _, t in beats], step=[step(t) for _, t in beats], phase="forward", status="running",
+        last_progress=[T0 + (5 if 5 <= t < 30 else t) * S for _, t in beats],
+        inflight_group=[["default_pg"] if waiting(r, t) else [] for r, t in beats], inflight_seq=[[9] if waiting(r, t) else [] for r, t in beats],
+        inflight_op=[["all_reduce"] if waiting(r, t) else [] for r, t in beats], inflight_peer=[[-1] if waiting(r, t) else [] for r, t in beats],
+        inflight_issue=[[T0 + 6 * S] if waiting(r, t) else [] for r, t in beats], inflight_waiting=[[1] if waiting(r, t) else [] for r, t in beats],
+    ))  # fmt: skip
+    ops = [(r, seq, T0 + (seq - 5) * S if seq < 9 or r != 2 else T0 + 30 * S) for r in ranks for seq in range(1, 10)]
+    into.insert_arrow("collectives", rows(
+        "collectives", len(ops), run_id=run, rank=[o[0] for o in ops], group_name="default_pg", seq=[o[1] for o in ops], op="all_reduce",
+        peer=-1, issue_time=[o[2] for o in ops], start_time=[o[2] for o in ops], end_time=[T0 + 30 * S + S // 2 if o[1] == 9 else o[2] + S // 2 for o in ops],
+        state="completed", step=[min(4, max(1, o[1] // 2)) for o in ops],
+    ))  # fmt: skip
+    if frozen:
+        into.insert_arrow("spans", rows("spans", 1, run_id=run, rank=2, step=4, name="backward", kind="compute", start_time=T0 + 6 * S,
+                                        end_time=T0 + 7 * S, cpu_ns=-1))  # fmt: skip
+        into.insert_arrow("stacks", rows("stacks", 1, run_id=run, rank=3, host="node-1", time=T0 + 9 * S, reason="stopped peer pid 1002",
+                                         method="py-spy", text="Process 1002: python ddp_job.py\n"))  # fmt: skip
+    into.insert_arrow("exits", rows("exits", 4, run_id=run, rank=ranks, host=[f"node-{r // 2}" for r in ranks], time=T0 + 40 * S, reason="normal"))
+
+
+def test_a_hang_that_resolved_is_replayed_from_when_it_began(migrated: Store) -> None:  # noqa: F811
+    """Judged at the run's end, a stall long over is no hang; the replay judges the stall at moments
+    through it, each reading what was recorded by then, and finds the hang, closed, first seen when
+    step 4 began, as a live pass at the time did (issue 29)."""
+    _stall_resolved(migrated, "resolved")
+    settings = Settings(hang_after_s=6, silent_after_s=10)
+    assert [f for f in diagnose("resolved", migrated.query_arrow, settings) if f.kind == "hang"] == []
+    found = postmortem.replay("resolved", migrated.query_arrow, settings, over=True)
+    assert [(i.finding.kind, i.status, i.finding.ranks, i.finding.hosts) for i in found] == [("hang", "closed", (2,), ("node-1",))], found
+    hang = found[0].finding
+    assert hang.first_seen_ns == T0 + 5 * S and T0 + 11 * S <= hang.last_seen_ns < T0 + 30 * S
+    assert "rank 2 (node-1) in forward at step 4" in hang.summary and "3 ranks wait on it (default_pg #9) since step 4" in hang.summary
+
+
+def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_mate_attached(migrated: Store) -> None:  # noqa: F811
+    """Rank 2 stopped (SIGSTOP) in step 4: its last heartbeat said step 3, its stored backward of step 4
+    and its waiters place it in step 4; rank 3's dump of pid 1002 (rank 2's, on node-1) is its stack."""
+    _stall_resolved(migrated, "frozen", frozen=True)
+    found = postmortem.replay("frozen", migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10), over=True)
+    assert [(i.finding.kind, i.finding.ranks) for i in found] == [("hang", (2,))], found
+    hang = found[0].finding
+    assert "rank 2 (node-1) in step 4 (its last stored span: backward of step 4; its last heartbeat: forward at step 3) is silent" in hang.summary
+    assert hang.summary.endswith("stack taken from outside (rank 2's by rank 3)"), hang.summary
+    assert hang.evidence["stacks"] == {"2": {"method": "py-spy", "text": "Process 1002: python ddp_job.py\n", "taken_by": 3}}

@@ -6,7 +6,8 @@ releases the GIL, which is exactly when the collector needs to hear that the ran
 not progressing. When nothing has progressed (no span or collective ended) for ``stall_s``, the
 status becomes "stalled" and one stack dump is sent per stall episode. The same thread takes
 stack dumps the collector asks for (``on_command``), so neither the training thread nor the
-transport's sender ever runs py-spy.
+transport's sender ever runs py-spy. A sibling process (the host's other ranks) seen stopped at two
+beats in a row gets one dump per stop, taken from here: a stopped rank cannot take its own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import time
 
 from rankscope.agent.config import warn_once
-from rankscope.agent.stacks import dump_stack
+from rankscope.agent.stacks import dump_stack, peer_stack, stopped_siblings
 from rankscope.agent.state import RankState
 from rankscope.agent.transport import Transport
 from rankscope.protos.v1 import ingest_pb2, telemetry_pb2
@@ -37,6 +38,8 @@ class Heartbeat:
         self.stall_s = stall_s
         self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._stall_episode: int | None = None  # last_progress_ns of the stall already dumped
+        self._stopped: set[int] = set()  # siblings stopped at the last beat
+        self._stopped_dumped: set[int] = set()  # siblings dumped in their current stop
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -79,7 +82,18 @@ class Heartbeat:
         if stalled and self._stall_episode != last:
             self._stall_episode = last
             self._submit(dump_stack("stalled"))
+        self._dump_stopped_siblings()
         return heartbeat
+
+    def _dump_stopped_siblings(self) -> None:
+        stopped = stopped_siblings()
+        for pid in sorted((stopped & self._stopped) - self._stopped_dumped):
+            self._stopped_dumped.add(pid)
+            dump = peer_stack(pid)
+            if dump is not None:
+                self._submit(dump)
+        self._stopped = stopped
+        self._stopped_dumped &= stopped  # a sibling resumed: its next stop is a new one
 
     def _submit(self, payload: telemetry_pb2.HeartbeatBatch | telemetry_pb2.StackDump) -> None:
         if not self.transport.submit(payload):

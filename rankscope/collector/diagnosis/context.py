@@ -58,6 +58,9 @@ class RunContext:
     #: offline replay: the newest step a pass may see (``newest_step`` stops there), so that the
     #: windowed detectors judge the run as it stood at that step; None: the whole run
     until_step: int | None = None
+    #: offline replay of a stall: the moment a pass judges the run at (the hang detector reads what
+    #: was recorded by then); None: now
+    until_ns: int | None = None
 
     @classmethod
     def load(cls, run_id: str, query: Query, settings: Settings, seen: dict[tuple[str, int], dict[str, Any]] | None = None) -> RunContext:

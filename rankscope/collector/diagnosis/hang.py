@@ -7,6 +7,12 @@ waits for its sender (and a send for its receiver) when the peer has not posted 
 operation. Following these edges across tp, pp and dp groups leads to the rank(s) waiting on
 nobody: the root of the hang, the rank to look at (its stack dump is requested and attached).
 
+A root that went silent (stopped, frozen) is placed by its own newest stored rows, not by its last
+heartbeat: heartbeats come a few seconds apart, spans and collectives as they end, so the last
+heartbeat of a rank stopped at step 11 may say "idle at step 8". A stopped rank cannot dump its own
+stack; a sibling rank on its host does (``rankscope.agent.stacks.peer_stack``), and that dump is
+attached here, matched by host and pid.
+
 At 100,000 ranks every rank waits in something: the pass works on tables, an operation in flight
 a row (pandas), and on ranks as arrays, not on a Python object per rank (2.4 s a pass that way).
 Roots need no walk: every waiting rank is a start, so the ranks reached are exactly the ranks
@@ -15,6 +21,8 @@ waited on, and the roots those of them that wait on nobody.
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -22,8 +30,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rankscope.agent.stacks import STOPPED_PEER
 from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.detector import FunctionDetector
+from rankscope.collector.store.schema import BY_NAME
 from rankscope.common.incidents import Finding
 
 # Every rank's latest heartbeat is kept as heartbeats arrive (the ``rank_state`` rollup): a pass
@@ -59,6 +69,26 @@ EVIDENCE_SQL = (
     "argMax(arrayZip(inflight_group, inflight_seq, inflight_op, inflight_peer, inflight_waiting), time) AS in_flight "
     "FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank ORDER BY rank"
 )
+# A silent root's newest stored span (by its end) and collective (by when it was issued, pending or not).
+LAST_SPAN_SQL = (
+    "SELECT rank, argMax(name, end_time) AS name, argMax(step, end_time) AS step, toUnixTimestamp64Nano(max(end_time)) AS time_ns "
+    "FROM spans WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND rank IN {ranks:Array(UInt32)} GROUP BY rank"
+)
+LAST_COLLECTIVE_SQL = (
+    "SELECT rank, argMax(op, issue_time) AS op, argMax(group_name, issue_time) AS group_name, argMax(seq, issue_time) AS seq, "
+    "argMax(step, issue_time) AS step, argMax(toUnixTimestamp64Nano(end_time), issue_time) = 0 AS pending, "
+    "toUnixTimestamp64Nano(max(issue_time)) AS time_ns "
+    "FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND rank IN {ranks:Array(UInt32)} GROUP BY rank"
+)
+# Dumps a sibling took of a stopped process on its host, since the stall; the ranks' pids to match them.
+PEER_STACKS_SQL = (
+    "SELECT rank, host, reason, method, text FROM stacks WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
+    "AND startsWith(reason, {prefix:String}) AND time >= fromUnixTimestamp64Nano({since:Int64}) ORDER BY time"
+)
+PIDS_SQL = (
+    "SELECT rank, argMax(pid, registered) AS pid, argMax(host, registered) AS host FROM ranks "
+    "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND rank IN {ranks:Array(UInt32)} GROUP BY rank"
+)
 
 #: roots named one by one in a summary; the evidence lists all of them
 MAX_NAMED = 8
@@ -78,7 +108,33 @@ class Wait(NamedTuple):
     peer: int
 
 
+# What a pass reads as of a moment (``RunContext.until_ns``, the postmortem's replay of a stall): each
+# table's rows recorded by then, each rollup made again from those rows by its own view.
+_AS_OF = {"heartbeats": "time", "exits": "time", "spans": "end_time", "collectives": "issue_time", "stacks": "time"}
+_ROLLUPS = {"rank_state": "heartbeats", "entered": "collectives"}
+_TABLE = re.compile(r"\bFROM (" + "|".join([*_AS_OF, *_ROLLUPS]) + r")\b")
+
+
+def as_of(sql: str) -> str:
+    """``sql`` reading what was recorded by ``{until:Int64}`` (ns) only."""
+
+    def rows(table: str) -> str:
+        return (f"(SELECT * FROM {table} WHERE run_id = {{run:String}} AND {_AS_OF[table]} <= "
+                "fromUnixTimestamp64Nano({until:Int64}))")  # fmt: skip
+
+    def bounded(match: re.Match[str]) -> str:
+        table = match.group(1)
+        if table in _ROLLUPS:
+            return f"FROM ({BY_NAME[table].view.format(source=rows(_ROLLUPS[table]))}) AS {table}"
+        return f"FROM {rows(table)} AS {table}"
+
+    return _TABLE.sub(bounded, sql)
+
+
 def detect(ctx: RunContext) -> list[Finding]:
+    if ctx.until_ns is not None:  # a replayed moment: every query reads what was recorded by then
+        whole, until = ctx, ctx.until_ns
+        ctx = replace(ctx, query=lambda sql, params: whole.query(as_of(sql), {**params, "until": until}))
     s = ctx.settings
     progress = ctx.query(PROGRESS_SQL, {"run": ctx.run_id}).to_pylist()
     if not progress or progress[0]["step"] is None or not progress[0]["last_heartbeat_ns"]:
@@ -117,6 +173,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     on_roots = edges[edges["on"].isin(root_list)]
     direct = np.unique(on_roots["rank"].to_numpy())
     at = {r: f"in {st.phase(r)} at step {st.step(r)}" for r in root_list[:MAX_NAMED]}
+    at.update(_where_stopped(ctx, st, sorted(silent & set(at)), min((st.step(int(r)) for r in direct), default=0)))
     where = ", ".join(f"{ctx.who(r)} {at[r]}" for r in at)
     if len(root_list) > MAX_NAMED:
         where += f" and {len(root_list) - MAX_NAMED} more ranks"
@@ -150,6 +207,11 @@ def detect(ctx: RunContext) -> list[Finding]:
         "silent_roots": sorted(silent),
         "not_heard_since_stall": int(alive.sum() - heard.sum()),
     }
+    stacks = _peer_stacks(ctx, sorted(silent), advanced)
+    if stacks:
+        evidence["stacks"] = stacks
+        taken = ", ".join(f"rank {r}'s by rank {d['taken_by']}" for r, d in stacks.items())
+        summary += f"; stack taken from outside ({taken})"
     return [
         Finding(
             kind="hang",
@@ -164,6 +226,46 @@ def detect(ctx: RunContext) -> list[Finding]:
             sql=ctx.literal_sql(EVIDENCE_SQL),
         )
     ]
+
+
+def _where_stopped(ctx: RunContext, st: _States, ranks: list[int], waiting_step: int) -> dict[int, str]:
+    """Where each silent rank stopped: in the step its waiters are in (it reached the collectives they
+    completed with it), or later by its own newest stored span or collective. Its last heartbeat can be
+    many steps older (heartbeats are seconds apart, sent behind the rows), its rows a flush older."""
+    if not ranks:
+        return {}
+    spans = {r["rank"]: r for r in ctx.query(LAST_SPAN_SQL, {"run": ctx.run_id, "ranks": ranks}).to_pylist()}
+    collectives = {r["rank"]: r for r in ctx.query(LAST_COLLECTIVE_SQL, {"run": ctx.run_id, "ranks": ranks}).to_pylist()}
+    out = {}
+    for r in ranks:
+        span, op = spans.get(r), collectives.get(r)
+        rows = []
+        if span is not None:
+            rows.append((span["time_ns"], span["step"], f"its last stored span: {span['name']} of step {span['step']}"))
+        if op is not None:
+            state = "in flight" if op["pending"] else "entered"
+            rows.append((op["time_ns"], op["step"], f"its last stored collective: {op['op']} {op['group_name']} #{op['seq']} of step {op['step']}, {state}"))
+        newest = max(rows, default=None)
+        step = max(waiting_step, st.step(r), newest[1] if newest else 0)
+        said = [newest[2]] if newest else []
+        out[r] = f"in step {step} ({'; '.join([*said, f'its last heartbeat: {st.phase(r)} at step {st.step(r)}'])})"
+    return out
+
+
+def _peer_stacks(ctx: RunContext, ranks: list[int], since_ns: int) -> dict[str, dict[str, object]]:
+    """The newest dump of each silent rank a sibling on its host took since ``since_ns``, by rank."""
+    if not ranks:
+        return {}
+    dumps = ctx.query(PEER_STACKS_SQL, {"run": ctx.run_id, "prefix": STOPPED_PEER, "since": since_ns}).to_pylist()
+    if not dumps:
+        return {}
+    by_pid = {(r["host"], f"{STOPPED_PEER}{r['pid']}"): r["rank"] for r in ctx.query(PIDS_SQL, {"run": ctx.run_id, "ranks": ranks}).to_pylist()}
+    out: dict[str, dict[str, object]] = {}
+    for d in dumps:  # oldest first: the newest of a rank is kept
+        rank = by_pid.get((d["host"], d["reason"]))
+        if rank is not None:
+            out[str(rank)] = {"method": d["method"], "text": d["text"], "taken_by": d["rank"]}
+    return out
 
 
 class _States:

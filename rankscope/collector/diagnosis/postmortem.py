@@ -5,7 +5,11 @@ recovered, a loss spike long past, a slow link that healed were episodes the liv
 closed. So the postmortem replays the run: the detectors that judge a window of steps pass once per
 step or few (``RunContext.until_step``), keeping their windows between passes as the live ones do,
 and a last pass of every detector judges the run as the live diagnosis last saw it
-(``engine.offline_now``). The incidents come out of a ``Ledger`` as the live ones do: episodes
+(``engine.offline_now``). A hang is an episode in time, not in steps: each stall (the newest step
+not advancing for ``hang_after_s`` while heartbeats came) is replayed at moments through it, the
+hang detector reading what was recorded by then (``RunContext.until_ns``), so that a hang that
+resolved (a frozen rank resumed) is found, from when the live diagnosis raised it, and closed.
+The incidents come out of a ``Ledger`` as the live ones do: episodes
 that ended closed, with their time span. ``compare`` then names the incidents only one side raised
 (matched on kind, ranks and hosts), so that a postmortem shows where it and the live diagnosis differ.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rankscope.collector.diagnosis import hang
 from rankscope.collector.diagnosis.context import Query, RunContext
 from rankscope.collector.diagnosis.engine import diagnose
 from rankscope.collector.diagnosis.ledger import Ledger
@@ -27,6 +32,14 @@ from rankscope.common.settings import Settings
 MAX_PASSES = 300
 
 NEWEST_STEP_SQL = "SELECT max(max_step) AS newest FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
+# when each step was first heard of (the newest step's advance), and the newest heartbeat
+STEPS_HEARD_SQL = (
+    "SELECT step, toUnixTimestamp64Nano(min(time)) AS ns FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
+    "GROUP BY step ORDER BY step"
+)
+LAST_HEARTBEAT_SQL = "SELECT toUnixTimestamp64Nano(max(last_heartbeat)) AS ns FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
+#: the moments of a stall a replay judges: hang_after_s into it, then every half of it, at most this many
+MOMENTS_PER_STALL = 8
 # when the latest attempt began: the live incidents of earlier attempts are theirs, not this one's
 ATTEMPT_BEGAN_SQL = (
     "SELECT toUnixTimestamp64Nano(min(registered)) AS ns FROM ranks WHERE run_id = {run:String} "
@@ -41,12 +54,43 @@ def replay(run_id: str, query: Query, settings: Settings, *, over: bool) -> list
     ledger = Ledger(run_id)
     newest = int(ctx.query(NEWEST_STEP_SQL, {"run": run_id}).to_pylist()[0]["newest"] or 0)
     stride = max(1, -(-newest // MAX_PASSES))
+    stalls = _stalls(ctx)
     for step in range(1, newest, stride):
         ctx.until_step = step
         ledger.update(diagnose(run_id, query, settings, ctx=ctx, lane=THOROUGH), owns=THOROUGH.owns)
+        for moments in (stalls.pop(s) for s in sorted(stalls) if s < step + stride):
+            _replay_stall(ctx, ledger, moments)
+    for step in sorted(stalls):  # at the newest step
+        _replay_stall(ctx, ledger, stalls[step])
     ctx.until_step = None
     ledger.update(diagnose(run_id, query, settings, ctx=ctx, lane=EVERY), final=over)
     return [i for i in ledger.incidents.values() if i.status != "merged"]
+
+
+def _stalls(ctx: RunContext) -> dict[int, list[int]]:
+    """The run's stalls, by the step that stopped advancing: the moments (ns) a replay judges each at."""
+    heard = ctx.query(STEPS_HEARD_SQL, {"run": ctx.run_id}).to_pydict()
+    last = int(ctx.query(LAST_HEARTBEAT_SQL, {"run": ctx.run_id}).to_pylist()[0]["ns"] or 0)
+    after_ns = int(ctx.settings.hang_after_s * 1e9)
+    stalls = {}
+    for step, began, ended in zip(heard["step"], heard["ns"], [*heard["ns"][1:], last]):
+        if ended - began >= after_ns:
+            stalls[step] = [began + after_ns + k * after_ns // 2 for k in range(MOMENTS_PER_STALL) if k * after_ns // 2 <= ended - began - after_ns]
+    return stalls
+
+
+def _replay_stall(ctx: RunContext, ledger: Ledger, moments: list[int]) -> None:
+    """A stall judged at each of its moments, then over (a hang still on at the run's end is found again
+    by the last pass)."""
+    for moment in moments:
+        ctx.until_ns = moment
+        ledger.update(hang.detect(ctx), owns=_hangs)
+    ctx.until_ns = None
+    ledger.update([], owns=_hangs)
+
+
+def _hangs(kind: str) -> bool:
+    return kind in hang.KINDS
 
 
 def live(run_id: str, query: Query) -> list[Incident]:
