@@ -37,7 +37,8 @@ RUN_ELSEWHERE = {
 #: scenarios whose `rankscope diagnose` afterwards need not name what the live diagnosis raised, and why;
 #: every other must (issue 29: offline named nothing where a rank killed without a last word was silent
 #: only seconds before its peers' ends)
-_RESUMED = "the frozen rank is resumed before the job stops: its hang resolved, and hangs are judged at the run's end only (docs/diagnosis.md)"
+_RESUMED = ("the frozen rank is resumed before the job stops: its hang is replayed offline since issue 29 (docs/diagnosis.md), but the "
+            "stop that follows differs (testbed-freeze-rank: node0's ranks killed without a last word, a lost host offline only)")
 POSTMORTEM_DIFFERS = {"testbed-freeze-rank": _RESUMED, "testbed-ddp-freeze-rank": _RESUMED}
 
 
