@@ -5,9 +5,10 @@ live every few seconds for the runs that are active, ``rankscope diagnose`` once
 names no detector: the registry (``rankscope.collector.diagnosis.registry``) says which run and
 in which order, each detector what it needs of the pass (``rankscope.collector.diagnosis.detector``).
 
-Live, the detectors run in two lanes, each on its own schedule (``Lane``): hangs and crashes stop
-a job and are cheap to look for; stragglers, NaNs, slow links and GPU faults can take seconds a
-pass at scale (a straggler's critical-path cost at 100,000 ranks) and must not hold them up.
+Live, the detectors run in two lanes, each on its own schedule (``Lane``) and in a process of its
+own (``lane_process``): hangs and crashes stop a job and are cheap to look for; stragglers, NaNs,
+slow links and GPU faults can take seconds a pass at scale (a straggler's critical-path cost at
+100,000 ranks) and must hold up neither them nor the collector's ingest.
 """
 
 from __future__ import annotations
