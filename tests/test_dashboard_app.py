@@ -310,6 +310,16 @@ def test_a_plain_ddp_job_is_data_parallel_without_stages(store):
     assert graph["layout"]["xaxis"]["ticktext"] == ["no stages declared"]
     ranks = next(t for t in graph["data"] if t.get("mode") == "markers+text")
     assert len(set(array(ranks["y"]).tolist())) == 4  # a replica each, not four ranks drawn on one spot
+    # a stopped rank's stack, taken by its host-mate, attached to the hang: its text, and who took it
+    stack = {"2": {"method": "py-spy", "text": "Process 1002: python ddp_job.py", "taken_by": 3}}
+    _insert(store, "incidents", {
+        "run_id": ["ddp"], "incident_id": ["hang"], "kind": ["hang"], "severity": ["critical"], "status": ["closed"], "ranks": [[2]],
+        "hosts": [["node-b"]], "first_seen": [start + 9 * S], "last_seen": [start + 20 * S], "summary": ["hang: rank 2 (node-b) in step 4"],
+        "evidence": [json.dumps({"stacks": stack})], "sql": ["SELECT 1"], "version": [1],
+    })  # fmt: skip
+    st.cache_data.clear()
+    incident = open_page("incidents", run="ddp")
+    assert "rank 2, taken from outside by rank 3 (py-spy)" in said(incident) and incident.code[0].value == "Process 1002: python ddp_job.py"
 
 
 def test_evidence_that_is_not_a_json_object_is_read_back_as_unreadable_text():

@@ -57,9 +57,11 @@ def _stacks(run: Run, finding: Finding) -> None:
     """The dumps attached to the incident (a hang's evidence), else those stored for its ranks."""
     attached = finding.evidence.get("stacks")
     if isinstance(attached, dict) and attached:
-        for rank, text in attached.items():
-            st.caption(f"rank {rank}")
-            st.code(str(text), language="text")
+        for rank, dump in attached.items():  # {method, text}, and taken_by: a stopped rank's, taken by a sibling
+            dump = dump if isinstance(dump, dict) else {"text": dump}
+            by = f", taken from outside by rank {dump['taken_by']}" if "taken_by" in dump else ""
+            st.caption(f"rank {rank}{by}" + (f" ({dump['method']})" if "method" in dump else ""))
+            st.code(str(dump.get("text", "")), language="text")
         return
     if isinstance(attached, str) and attached:
         st.code(attached, language="text")
