@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ from typing import Any
 
 from rankscope.common.cmdline import Parser
 from rankscope.harness import campaign
-from rankscope.harness.campaign_score import PUBLISHED, Tally, names, table, verdict_of
+from rankscope.harness.campaign_score import PUBLISHED, Tally, Truth, judge, names, table, verdict_of
 
 #: trials of the default campaign: about 20 minutes on 2 busy cores
 DEFAULT_TRIALS = 16
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
-        records = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        records = [rescored(json.loads(line)) for line in args.report.read_text().splitlines() if line.strip()]
         print("\n".join(report(records)))
         plot(records, args.report.with_name("accuracy.html"))
         return 0
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             trial = campaign.draw(seed)
             print(f"[{n}/{len(seeds)}] seed {seed}: {trial.describe()}", flush=True)
             with tempfile.TemporaryDirectory(prefix=f"rankscope-campaign-{seed}-") as work:
-                record = campaign.play(trial, Path(work), log=lambda line: print(f"    {line}", flush=True))
+                record = rescored(campaign.play(trial, Path(work), log=lambda line: print(f"    {line}", flush=True)))
                 if record["error"] or verdict_of(record["live"]).outcome not in ("TP", "clean") or disagreements(record):
                     keep_logs(Path(work), args.out / "logs" / str(seed))
             records.append(record)
@@ -135,6 +136,19 @@ def outcome(record: dict[str, Any]) -> str:
     truth = record["truth"]
     expected = f"{truth['kind']} {truth['ranks']} {truth['hosts']}" if truth["kind"] else "nothing"
     return f"live {live.outcome}{seconds}, offline {offline.outcome}, {agree}; expected {expected}, live found {found}"
+
+
+def rescored(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with its live side as the collector's incidents table held it at the end of the
+    trial: what the scorer saw while it watched, and what ``rankscope diagnose`` read from the table
+    afterwards (``seen`` live), which a loaded collector may have stored after the scorer stopped
+    watching (its time to incident stays unknown)."""
+    if record["error"]:
+        return record
+    stored = [i for i in record["offline_incidents"] + record["disagreements"] if i.get("seen") in ("live and offline", "live only")]
+    live = list({names(i): i for i in record["live_incidents"] + stored}.values())
+    truth = Truth(record["truth"]["kind"], tuple(record["truth"]["ranks"]), tuple(record["truth"]["hosts"]))
+    return {**record, "live_incidents": live, "live": dataclasses.asdict(judge(truth, live))}
 
 
 def disagreements(record: dict[str, Any]) -> list[tuple[str, tuple[str, tuple[int, ...], tuple[str, ...]]]]:
