@@ -1,9 +1,10 @@
-"""A host's relay (rankscope/agent/relay.py, relay_merge.py, the Transport's fallback).
+"""A host's relay (rankscope/agent/node_relay.py, relay_merge.py, the Transport's fallback).
 
 The merge in process: several ranks' batches of a kind become one whose rows the collector stores
-exactly as it stores the ranks' own. The relay end to end: a real 4-rank training run sends through
-a relay that is killed with SIGKILL mid-run; the ranks go on to the collector directly, adopt what
-the relay left in its spool, and the run is whole in the store, no row twice.
+exactly as it stores the ranks' own. The relay end to end: a real 4-rank training run (``rankscope
+train``, which starts the relay on $RANKSCOPE_RELAY) sends through a relay that is killed with
+SIGKILL mid-run; the ranks go on to the collector directly, adopt what the relay left in its spool,
+and the run is whole in the store, no row twice.
 """
 
 from __future__ import annotations
@@ -60,8 +61,6 @@ def test_a_relay_killed_mid_run_loses_nothing_and_stores_nothing_twice(proc_runn
     spool, socket = tmp_path / "spool", f"unix:{tmp_path / 'relay.sock'}"
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_RELAY": socket, "RANKSCOPE_RUN_ID": "relayed",
            "RANKSCOPE_SPOOL_DIR": str(spool), "RANKSCOPE_HEARTBEAT_S": "0.5", "RANKSCOPE_FLUSH_S": "0.5", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    relay = proc_runner.start([*CLI, "relay"], env=env, name="relay")
-    relay.wait_for("ready on", 60)
     metrics = tmp_path / "metrics.jsonl"
     train = proc_runner.start([*TRAIN, "--metrics-json", str(metrics)], env=env, name="train")
     deadline = time.monotonic() + 180
@@ -69,7 +68,8 @@ def test_a_relay_killed_mid_run_loses_nothing_and_stores_nothing_twice(proc_runn
         assert train.returncode is None and time.monotonic() < deadline, train.output()
         time.sleep(0.2)
     assert list(spool.glob("relay-relayed-*.lock")), "the relay spools what it acknowledges"
-    os.kill(relay.pid, signal.SIGKILL)
+    (relay,) = [pid for pid in _children(train.pid) if b"\0relay" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # rankscope train's
+    os.kill(relay, signal.SIGKILL)
     assert train.wait(240) == 0, train.output()
     assert "does not answer" in train.stderr, train.output()  # the ranks went to the collector themselves
     from rankscope.collector.client import Client
@@ -77,7 +77,7 @@ def test_a_relay_killed_mid_run_loses_nothing_and_stores_nothing_twice(proc_runn
     with Client(collector.target) as client:
         deadline = time.monotonic() + 120
         while client.query("SELECT count() AS n FROM exits WHERE run_id = 'relayed'", {})["n"][0].as_py() < 4:
-            assert time.monotonic() < deadline, f"every rank's end arrives\n{train.output()}\n{relay.output()}\n{collector.proc.output()}"
+            assert time.monotonic() < deadline, f"every rank's end arrives\n{train.output()}\n{collector.proc.output()}"
             time.sleep(0.3)
         spans_per_rank = client.query(
             "SELECT rank, uniqExact(step) AS steps, count() AS rows, uniqExact(step, name, microbatch, attributes, start_time) AS distinct_rows "
@@ -93,6 +93,17 @@ def test_a_relay_killed_mid_run_loses_nothing_and_stores_nothing_twice(proc_runn
         assert r["last"] == STEPS and r["rows"] == r["distinct_rows"], r
     assert beats["rows"] == beats["distinct_rows"] > 0, beats
     assert not list(spool.glob("*.seg")), "what the relay left was adopted and acknowledged"
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat") if _parent(p) == pid]
+
+
+def _parent(stat: Path) -> int:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return -1
 
 
 def _last_step(metrics: Path) -> int:

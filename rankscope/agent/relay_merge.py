@@ -1,6 +1,6 @@
 """Several ranks' payloads of one kind as one payload whose rows name their rank (telemetry.proto).
 
-A relay (``relay.py``) takes its host's ranks' batches as they come and sends the collector one
+A relay (``node_relay.py``) takes its host's ranks' batches as they come and sends the collector one
 batch per kind and flush instead: the collector pays about a millisecond per call whatever its
 size. Columns are concatenated, the string tables united (each index moved to the united table),
 and every row gets its rank in the ``rank`` column. Heartbeats become columns (``heartbeat_columns``).

@@ -28,7 +28,7 @@ in one process, and one Transport can speak for many ranks of one run (``submit(
 rank=r)``; the scale simulator does both): each payload is enveloped with its own rank, and each
 rank's latest registration is sent again after a reconnect.
 
-Through a relay (``RANKSCOPE_RELAY``, ``relay.py``): the calls go to this host's relay, which
+Through a relay (``RANKSCOPE_RELAY``, ``node_relay.py``): the calls go to this host's relay, which
 acknowledges a batch once it is in its own spool. When the relay cannot be reached (it died, it
 was never started), the Transport sends to the collector directly from then on: its
 registrations first, then what the relay did not acknowledge, then what the relay left in its

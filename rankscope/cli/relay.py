@@ -33,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.agent.config import load_config
-    from rankscope.agent.relay import FLUSH_S, serve
+    from rankscope.agent.node_relay import FLUSH_S, serve
 
     if not args.listen:
         print("rankscope relay: say where the ranks reach it: --listen unix:/PATH (or RANKSCOPE_RELAY)", file=sys.stderr)

@@ -351,7 +351,7 @@ def main(plan: Plan, lo: int, hi: int, window: int, inbox: mp.Queue, report: mp.
 
 def relay_main(plan: Plan, listen: str, ready: mp.synchronize.Event) -> None:
     """A spawned relay process for a worker's hosts (``rankscope relay``); SIGTERM ends it."""
-    from rankscope.agent.relay import serve
+    from rankscope.agent.node_relay import serve
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     config = load_config(agent_environment(plan.collector, spool_dir=plan.spool_dir))
