@@ -315,7 +315,7 @@ def test_a_plain_ddp_job_is_data_parallel_without_stages(store):
     _insert(store, "incidents", {
         "run_id": ["ddp"], "incident_id": ["hang"], "kind": ["hang"], "severity": ["critical"], "status": ["closed"], "ranks": [[2]],
         "hosts": [["node-b"]], "first_seen": [start + 9 * S], "last_seen": [start + 20 * S], "summary": ["hang: rank 2 (node-b) in step 4"],
-        "evidence": [json.dumps({"stacks": stack})], "sql": ["SELECT 1"], "version": [1],
+        "evidence": [json.dumps({"stacks_from_outside": stack})], "sql": ["SELECT 1"], "version": [1],
     })  # fmt: skip
     st.cache_data.clear()
     incident = open_page("incidents", run="ddp")

@@ -131,4 +131,4 @@ def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_ma
     hang = found[0].finding
     assert "rank 2 (node-1) in step 4 (its last stored span: backward of step 4; its last heartbeat: forward at step 3) is silent" in hang.summary
     assert hang.summary.endswith("stack taken from outside (rank 2's by rank 3)"), hang.summary
-    assert hang.evidence["stacks"] == {"2": {"method": "py-spy", "text": "Process 1002: python ddp_job.py\n", "taken_by": 3}}
+    assert hang.evidence["stacks_from_outside"] == {"2": {"method": "py-spy", "text": "Process 1002: python ddp_job.py\n", "taken_by": 3}}

@@ -208,8 +208,8 @@ def detect(ctx: RunContext) -> list[Finding]:
         "not_heard_since_stall": int(alive.sum() - heard.sum()),
     }
     stacks = _peer_stacks(ctx, sorted(silent), advanced)
-    if stacks:
-        evidence["stacks"] = stacks
+    if stacks:  # beside the root's own dumps (``stacks``, attached by the engine: a stopped rank's are from before it stopped)
+        evidence["stacks_from_outside"] = stacks
         taken = ", ".join(f"rank {r}'s by rank {d['taken_by']}" for r, d in stacks.items())
         summary += f"; stack taken from outside ({taken})"
     return [

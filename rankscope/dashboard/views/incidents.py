@@ -54,17 +54,20 @@ def _acted(run: Run, incident_id: str) -> None:
 
 
 def _stacks(run: Run, finding: Finding) -> None:
-    """The dumps attached to the incident (a hang's evidence), else those stored for its ranks."""
-    attached = finding.evidence.get("stacks")
-    if isinstance(attached, dict) and attached:
-        for rank, dump in attached.items():  # {method, text}, and taken_by: a stopped rank's, taken by a sibling
-            dump = dump if isinstance(dump, dict) else {"text": dump}
-            by = f", taken from outside by rank {dump['taken_by']}" if "taken_by" in dump else ""
-            st.caption(f"rank {rank}{by}" + (f" ({dump['method']})" if "method" in dump else ""))
-            st.code(str(dump.get("text", "")), language="text")
+    """The dumps attached to the incident (a hang's evidence: its roots' own, and a stopped root's taken
+    from outside by a sibling), else those stored for its ranks."""
+    own = finding.evidence.get("stacks")
+    if isinstance(own, str) and own:
+        st.code(own, language="text")
         return
-    if isinstance(attached, str) and attached:
-        st.code(attached, language="text")
+    attached = [(rank, dump) for key in ("stacks", "stacks_from_outside") if isinstance(finding.evidence.get(key), dict)
+                for rank, dump in finding.evidence[key].items()]  # fmt: skip
+    for rank, dump in attached:
+        dump = dump if isinstance(dump, dict) else {"text": dump}
+        by = f", taken from outside by rank {dump['taken_by']}" if "taken_by" in dump else ""
+        st.caption(f"rank {rank}{by}" + (f" ({dump['method']})" if "method" in dump else ""))
+        st.code(str(dump.get("text", "")), language="text")
+    if attached:
         return
     dumps = data.stacks(run, tuple(finding.ranks))
     if dumps.empty:
