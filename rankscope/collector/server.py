@@ -15,6 +15,7 @@ and closes the store: what was acknowledged survives a restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import os
@@ -191,17 +192,46 @@ class _TimelineLane:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
+class _Arrivals:
+    """Calls that arrived and whose rows are not in the writer's buffers yet (decoding, looking up their
+    run): a stopping collector lets them reach the writer before it writes its buffers for the last time."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.none = asyncio.Event()
+        self.none.set()
+
+    def enter(self) -> Callable[[], None]:
+        """Count one call; the callable (idempotent) says its rows reached the writer, or that it ended."""
+        self.count += 1
+        self.none.clear()
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            if not left:
+                left, self.count = True, self.count - 1
+                if not self.count:
+                    self.none.set()
+
+        return leave
+
+
 class IngestService(ingest_pb2_grpc.IngestServicer):
     def __init__(self, collector: Collector):
         self.c = collector
         self.timelines = _TimelineLane()
+        self.arrivals = _Arrivals()
 
     async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
         received_ns = time.time_ns()
+        arrived = self.arrivals.enter()
         try:
-            written, ranks = await self._store(request, received_ns)
+            written, ranks = await self._store(request, received_ns, arrived)
         except _Refusal as refusal:
             await self.c.refuse(context, refusal)
+        finally:
+            arrived()
         self.c.telemetry.seen(request.run_id, ranks)
         return ingest_pb2.Ack(
             batch_id=request.batch_id,
@@ -211,8 +241,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             replied_ns=time.time_ns(),
         )
 
-    async def _store(self, batch: ingest_pb2.Batch, received_ns: int) -> tuple[bool, tuple[int, ...]]:
-        """Decode and write ``batch``: whether it was written (not a duplicate), and the ranks it speaks for."""
+    async def _store(self, batch: ingest_pb2.Batch, received_ns: int, arrived: Callable[[], None]) -> tuple[bool, tuple[int, ...]]:
+        """Decode and write ``batch``: whether it was written (not a duplicate), and the ranks it speaks for;
+        ``arrived()`` once its rows are handed to the writer."""
         c = self.c
         try:
             kind = check_envelope(batch)
@@ -243,6 +274,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         key = BatchKey(batch.run_id, batch.rank, batch.batch_id, decoded.kind)
         c.heard.note(decoded, received_ns)
         try:
+            arrived()  # no await before the writer takes the rows
             written = await c.writer.write(decoded.parts, key)
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"batch not stored, send it again: {e}") from None
@@ -415,6 +447,8 @@ async def _run(
         # acks while the server waits for them (up to the grace time).
         stop.set()
         stopping = asyncio.create_task(server.stop(SHUTDOWN_GRACE_S))
+        with contextlib.suppress(TimeoutError):  # calls still decoding hand their rows to the writer first
+            await asyncio.wait_for(ingest.arrivals.none.wait(), SHUTDOWN_GRACE_S)
         await writer.close()
         await stopping
         await asyncio.to_thread(collector.reads.close)
