@@ -18,8 +18,8 @@ collector twice (the rank sends it again).
 
 The acknowledgement carries the relay's clock offset estimate (collector clock minus this host's),
 so the ranks' own estimates agree with it; the relay stamps its batches with the same estimate.
-Stack-dump requests reach a rank only in acknowledgements of batches it sent itself: through a
-relay they are delivered to the first rank of each merged batch (see docs/relay.md).
+Stack-dump requests reach a rank only in acknowledgements of batches it sent the collector itself:
+the relay does not pass them on yet (docs/relay.md).
 """
 
 from __future__ import annotations
