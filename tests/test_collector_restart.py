@@ -65,7 +65,7 @@ def test_a_collector_killed_three_times_mid_run_stores_every_row_once_and_names_
     every row the ranks sent is stored exactly once (a killed flush cycle is rolled back, the spools
     replay it), and the healthy run has no incident (the collector's downtime is nobody's silence)."""
     outcome = collector_kills.run_with_kills(tmp_path, kills=3, seed=30, steps=100)  # room for slow restarts on a busy machine
-    assert outcome.simulate_rc == 0 and len(outcome.kills_s) == 3
+    assert outcome.rc == 0 and len(outcome.kills_s) == 3
     report = collector_kills.table([outcome])
     assert all(c.sent > 0 for c in outcome.counted), report
     assert [(c.table, c.duplicated, c.lost) for c in outcome.counted] == [(c.table, 0, 0) for c in outcome.counted], report
