@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CLI, Proc, ProcRunner, Running, incidents, start_collector
+from rankscope.common.incidents import from_rows
 from rankscope.common.processes import process_tree, training_rank
 from rankscope.harness import ddp_job
 
@@ -34,19 +36,43 @@ STARVED_RANK = 2
 JOB = [ddp_job.__file__, "--closure", "--width", "768", "--batch", "256"]
 
 
-def test_a_rank_stuck_outside_ddps_all_reduce_is_the_hangs_root(
+@pytest.mark.timeout(300)
+def test_a_rank_stuck_outside_ddps_all_reduce_then_stopped_is_the_hangs_root(
     proc_runner: ProcRunner, torchrun: Callable[..., Proc], tmp_path: Path
 ) -> None:
-    collector = start_collector(proc_runner, tmp_path / "store", "--hang-after", "6", "--diagnose-every", "1", "--flush-interval", "0.5")
+    """Rank 2 busy outside any collective before step 4 (its peers wait in DDP's all-reduce) is the
+    hang's root; then stopped with SIGSTOP (issue 29), silent, it is placed in the step its peers wait
+    in, and its own stack is attached, taken from outside by rank 3, its host-mate (a stopped rank cannot
+    dump itself). Resumed, the job ends, and `rankscope diagnose` replays the hang from when it was
+    raised live."""
+    thresholds = ("--hang-after", "6", "--silent-after", "10")
+    collector = start_collector(proc_runner, tmp_path / "store", *thresholds, "--diagnose-every", "1", "--flush-interval", "0.5")
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool"),
            "RANKSCOPE_RUN_ID": "plain-hang", "RANKSCOPE_HOST": "node-{rank//2}", **FAST}  # fmt: skip
-    proc = torchrun([str(SCRIPT), "--steps", "6", "--stall-rank", "2", "--stall-step", "4", "--stall-s", "25"], 4, env=env)
+    proc = torchrun([str(SCRIPT), "--steps", "6", "--stall-rank", "2", "--stall-step", "4", "--stall-s", "45"], 4, env=env)
+    pid = _rank_pid(proc, 2)
     found = incidents(collector.target, "plain-hang", lambda found, _: any(i["kind"] == "hang" for i in found), timeout_s=90)
     hangs = [i for i in found if i["kind"] == "hang"]
     assert hangs, f"no hang found\n{collector.proc.output(None)[-3000:]}"
     assert (hangs[0]["ranks"], hangs[0]["hosts"]) == ([2], ["node-1"]), hangs
     assert "default_pg" in hangs[0]["summary"]  # where the others wait: DDP's gradient all-reduce
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        found = incidents(collector.target, "plain-hang", lambda found, _: any("stack taken from outside" in i["summary"] for i in found),
+                          timeout_s=60)  # fmt: skip
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    (hang,) = [i for i in found if i["kind"] == "hang"]
+    evidence = json.loads(hang["evidence"])
+    stack = evidence["stacks_from_outside"]["2"]
+    assert stack["taken_by"] == 3 and stack["text"].startswith(f"Process {pid}:") and "ddp_plain.py" in stack["text"], stack
+    assert f"rank 2 (node-1) in step {evidence['step']} (its last stored " in hang["summary"], hang["summary"]
     assert proc.wait(90) == 0, proc.output()  # the stalled rank went on: the job ends normally
+    _ended(collector, "plain-hang")
+    offline = _offline(collector, "plain-hang", *thresholds)
+    assert [(i["kind"], i["ranks"], i["hosts"], i["seen"]) for i in offline] == [("hang", [2], ["node-1"], "live and offline")], offline
+    live = from_rows([hang])[0].as_json()
+    assert offline[0]["first_seen"] == live["first_seen"], (offline, live)  # replayed from the time it was raised live
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +153,8 @@ def _release(group: Path) -> None:
             pass
 
 
-def _offline(collector: Running, run: str) -> list[dict]:
-    done = subprocess.run([*CLI, "diagnose", "--run", run, "--collector", collector.target, "--format", "json"],
+def _offline(collector: Running, run: str, *thresholds: str) -> list[dict]:
+    done = subprocess.run([*CLI, "diagnose", "--run", run, "--collector", collector.target, "--format", "json", *thresholds],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
