@@ -28,9 +28,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="runs, each with its own seed and store (default: 1)")
     parser.add_argument("--seed", type=int, default=30, help="seed of the first run's kill moments (default: 30)")
     parser.add_argument("--ranks", type=int, default=8, help="simulated ranks, a multiple of 4 (default: 8; a trained run has 8)")
-    parser.add_argument("--steps", type=int, help="steps, enough for the kills (default: 150 simulated of 0.5 s, 3000 trained of about 0.1 s)")
+    parser.add_argument("--steps", type=int, help="steps, enough for the kills (default: 150 simulated of 0.5 s, 5000 trained of about 0.1 s)")
     args = parser.parse_args()
-    steps = args.steps or (3000 if args.job == "train" else 150)
+    steps = args.steps or (5000 if args.job == "train" else 150)
     outcomes = []
     for seed in range(args.seed, args.seed + args.runs):
         workdir = Path(tempfile.mkdtemp(prefix="rankscope-kills-"))
