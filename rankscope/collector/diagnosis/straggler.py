@@ -161,7 +161,18 @@ def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[
         # a rank of a host named before, alone now (its host-mate's slowness dipped): the same fault
         host = ctx.host.get(rank)
         findings.append(replace(found, absorbs=(f"straggler:host={host}",)) if host else found)
-    return [f for f in findings if f.evidence.get("critical_path_cost", {}).get("share", 1.0) >= ctx.settings.straggler_step_share]
+    return _waiting_left_out(findings, ctx.settings.straggler_step_share)
+
+
+def _waiting_left_out(findings: list[Finding], floor: float) -> list[Finding]:
+    """``findings`` less the slow ranks that cost their steps nothing while another finding's cost them at
+    least ``floor``: those wait for it (a 1.5x tensor-parallel peer of a 2x one). A finding alone keeps
+    its place whatever its measured cost: the cost is evidence, never the only reason to lose an incident
+    (a path walked on rows still arriving can miss the rank that holds everyone)."""
+    share = [f.evidence.get("critical_path_cost", {}).get("share") for f in findings]
+    if not any(s is not None and s >= floor for s in share):
+        return findings
+    return [f for f, s in zip(findings, share) if s is None or s >= floor]
 
 
 def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: dict[int, tuple[int, int]], summary: str) -> Finding:
