@@ -221,7 +221,7 @@ def test_a_collector_that_stores_late_names_nobody_lost_while_it_hears_every_ran
     assert sim.wait(60) == 0, sim.output()
     assert lag_s > 5, f"the stored heartbeats were never more than {lag_s:.1f} s behind: the collector was not slowed"
     found = incidents(slow, "lagging", lambda found, client: False, timeout_s=12)
-    assert found == [], found
+    assert found == [], [(f["summary"], f["first_seen_ns"] / 1e9, f.get("evidence")) for f in found]
 
 
 @pytest.mark.slow

@@ -35,11 +35,16 @@ class LastHeard:
     this collector started count (it was down, or killed and restarted): ``of`` hears no rank of
     the run earlier than the start, whatever the store's heartbeats or a replayed spool say, so a
     rank silent since is named lost ``silent_after`` after the start.
+
+    A rank whose last word (its end) has arrived is never silent: the store may hold its end only
+    at the writer's next flush, seconds after the rank stopped talking, and a lost rank is one
+    that went silent *without* a last word.
     """
 
     def __init__(self, stale_ns: int, tick_s: float = 1.0, started_ns: int | None = None) -> None:
         self.stale_ns = stale_ns
         self._heard: dict[tuple[str, int], dict[int, int]] = {}
+        self._ended: dict[tuple[str, int], set[int]] = {}  # (run, attempt) -> ranks whose end arrived
         self._tick_ns = int(tick_s * 1e9)
         self._ticked_ns: int | None = None  # monotonic: the loop's last tick
         self._deaf_ns = 0  # the stalls so far; heard times are kept less the stalls before them
@@ -59,7 +64,13 @@ class LastHeard:
         return late if late > self._tick_ns else 0
 
     def note(self, decoded: Decoded, received_ns: int) -> None:
-        """Every rank with a heartbeat in ``decoded`` is heard, each by its own newest heartbeat."""
+        """Every rank with a heartbeat in ``decoded`` is heard, each by its own newest heartbeat; every
+        rank with an end in it has said its last word."""
+        ends = decoded.parts.get("exits")
+        if ends is not None and ends.num_rows:
+            run_id = ends["run_id"][0].as_py()
+            for rank, attempt in zip(ends["rank"].to_pylist(), ends["attempt"].to_pylist()):
+                self._ended.setdefault((run_id, attempt), set()).add(rank)
         beats = decoded.parts.get("heartbeats")
         if beats is None or beats.num_rows == 0:
             return
@@ -80,8 +91,10 @@ class LastHeard:
         since (``now_ns``: monotonic, for the stall in progress)."""
         deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns)
         heard = {**dict.fromkeys(ranks, 0), **self._heard.get((run_id, attempt), {})}
-        return {rank: max(at, self._started_ns) + deaf for rank, at in heard.items()}
+        ended, now = self._ended.get((run_id, attempt), ()), time.time_ns()
+        return {rank: now if rank in ended else max(at, self._started_ns) + deaf for rank, at in heard.items()}
 
     def forget(self, run_id: str) -> None:
         """Drop every rank of ``run_id``: the diagnosis has let the run go."""
         self._heard = {key: ranks for key, ranks in self._heard.items() if key[0] != run_id}
+        self._ended = {key: ranks for key, ranks in self._ended.items() if key[0] != run_id}
