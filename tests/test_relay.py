@@ -4,7 +4,9 @@ The merge in process: several ranks' batches of a kind become one whose rows the
 exactly as it stores the ranks' own. The relay end to end: a real 4-rank training run (``rankscope
 train``, which starts the relay on $RANKSCOPE_RELAY) sends through a relay that is killed with
 SIGKILL mid-run; the ranks go on to the collector directly, adopt what the relay left in its spool,
-and the run is whole in the store, no row twice.
+and the run is whole in the store, no row twice. The relay killed between its spool's write and its
+reply (its test hook): the ranks' Transports send those batches again themselves, and the
+collector stores every row once, whichever of the two copies comes first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import pytest
 
 from conftest import CLI, ProcRunner, start_collector
 
-from rankscope.agent.relay_merge import merge
+from rankscope.agent.config import load_config
+from rankscope.agent.node_relay import DIE_AFTER_SPOOL
+from rankscope.agent.relay_merge import merge, select
+from rankscope.agent.transport import Transport
 from rankscope.collector.decode import decode
 from rankscope.collector.run_registry import RunRegistry
 from rankscope.protos.v1 import telemetry_pb2 as pb
@@ -43,10 +48,51 @@ def test_merged_batches_are_stored_as_the_ranks_own_and_a_bad_one_is_refused_alo
     assert merged.ranks == (0, 1, 2)
     beats = [(rank, pb.HeartbeatBatch(heartbeats=[pb.Heartbeat(time_ns=now, step=2, phase="forward", status="running")])) for rank in range(3)]
     assert decode(envelope("r", 0, heartbeats=merge("heartbeats", beats)), registry, now).parts["heartbeats"]["rank"].to_pylist() == [0, 1, 2]
+    # the way back, for the collector: the rows of the parts not stored before, as if merged alone
+    def rows(kind: str, payload: pb.SpanBatch | pb.HeartbeatBatch) -> dict[str, list[dict]]:
+        return {table: t.to_pylist() for table, t in decode(envelope("r", 0, **{kind: payload}), registry, now).parts.items()}
+
+    assert rows("spans", select("spans", merge("spans", own), [3, 4, 5], [True, False, True])) == rows("spans", merge("spans", [own[0], own[2]]))
+    waiting = [pb.InFlight(group="world", seq=s, op="all_reduce", peer=-1, issue_ns=now) for s in range(3)]
+    beats[1][1].heartbeats[0].in_flight.extend(waiting[:2])
+    beats[2][1].heartbeats[0].in_flight.extend(waiting[2:])
+    kept = rows("heartbeats", select("heartbeats", merge("heartbeats", beats), [1, 1, 1], [False, True, False]))
+    assert kept == rows("heartbeats", merge("heartbeats", [beats[1]])) and kept["heartbeats"][0]["inflight_seq"] == [0, 1], kept
     bad = spans("r", 2, 2).spans
     bad.name = bad.name[:-1]
     with pytest.raises(ValueError, match="name: 7 bytes"):
         merge("spans", [own[0], (2, bad)])
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    collector = start_collector(proc_runner, tmp_path / "store", "--flush-interval", "0.3", "--no-diagnosis")
+    spool, socket = tmp_path / "spool", f"unix:{tmp_path / 'relay.sock'}"
+    relay = proc_runner.start([*CLI, "relay", "--listen", socket, "--collector", collector.target, "--spool-dir", str(spool), "--flush", "0.5"],
+                              env={DIE_AFTER_SPOOL: "spans"}, name="relay")  # fmt: skip
+    relay.wait_for("ready on", 60)
+    config = load_config({"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_RELAY": socket, "RANKSCOPE_SPOOL_DIR": str(spool)})
+    assert config is not None
+    ranks = [Transport(config, "parts", rank) for rank in range(2)]
+    for rank, transport in enumerate(ranks):
+        transport.start()
+        transport.submit(register("parts", rank, 2, host="node-0").register)
+        transport.submit(spans("parts", rank, 5 + rank).spans)  # merged into one batch, spooled, and then the relay dies
+    assert relay.wait(60) == -signal.SIGKILL, relay.output()
+    for rank, transport in enumerate(ranks):
+        transport.submit(spans("parts", rank, 7).spans, rank=rank)
+        transport.close(60)
+    assert sum(t.stats().duplicates for t in ranks) >= 1, [t.stats() for t in ranks]  # the second copy of the merged batch's parts
+    assert not list(spool.glob("*.seg")), "what the relay spooled was adopted and acknowledged"
+    from rankscope.collector.client import Client
+
+    with Client(collector.target) as client:
+        deadline = time.monotonic() + 60
+        while (stored := client.query(
+            "SELECT rank, count() AS rows, uniqExact(start_time) AS distinct_rows FROM spans WHERE run_id = 'parts' GROUP BY rank ORDER BY rank",
+            {}).to_pylist()) != [{"rank": 0, "rows": 12, "distinct_rows": 12}, {"rank": 1, "rows": 13, "distinct_rows": 13}]:  # fmt: skip
+            assert time.monotonic() < deadline, stored
+            time.sleep(0.3)
 
 
 STEPS = 40

@@ -11,15 +11,20 @@ Delivery: a rank's batch is acknowledged once the relay has written the batch it
 spool (a durable ``Transport``: what is on disk survives the relay's death, SIGKILL included);
 from there it is sent, and deleted once the collector has acknowledged it. A rank whose relay
 does not answer sends to the collector directly (``Transport``), and adopts what the dead relay
-left in the spool directory they share. So nothing acknowledged to a rank is lost, and nothing is
-stored twice: a spooled batch keeps its id whoever sends it. One window remains: a batch spooled
-in the instant before the relay died, whose acknowledgement was lost with it, reaches the
-collector twice (the rank sends it again).
+left in the spool directory they share, and comes back to the relay once one answers again. So
+nothing acknowledged to a rank is lost, and nothing is stored twice: a spooled batch keeps its id
+whoever sends it, and names the ranks' batches it holds (``Batch.parts``), so that the collector
+stores a rank's batch once also when the relay died between its spool's write and its reply and
+the rank sent the batch again itself.
 
 The acknowledgement carries the relay's clock offset estimate (collector clock minus this host's),
 so the ranks' own estimates agree with it; the relay stamps its batches with the same estimate.
-Stack-dump requests reach a rank only in acknowledgements of batches it sent the collector itself:
-the relay does not pass them on yet (docs/relay.md).
+The collector's commands (stack-dump requests) for a rank come in the acknowledgement of a relay's
+batch that speaks for it; the relay passes them on in that rank's next acknowledgement.
+
+Test hook: ``RANKSCOPE_RELAY_TEST_DIE_AFTER_SPOOL=<kind>`` (read once, at the start) makes the relay
+kill itself with SIGKILL right after it has spooled its first batch of that kind, before any rank
+hears of it: the moment tests/test_relay.py needs.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from google.protobuf.message import Message
 
 from rankscope.agent.config import AgentConfig
 from rankscope.agent.relay_merge import MERGED, merge
-from rankscope.agent.transport import REGISTRATIONS, Transport
+from rankscope.agent.transport import REGISTRATIONS, Transport, event_count
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc
 
 __all__ = ["FLUSH_S", "Relay", "serve"]
@@ -58,6 +63,10 @@ RETRY_AFTER_MS = 200
 #: the order of a flush's batches: who a rank is first, its last word last
 _FIRST, _LAST = REGISTRATIONS, frozenset({"end", "ends"})
 
+BATCH_ID_BYTES = 16
+#: the test hook (module doc)
+DIE_AFTER_SPOOL = "RANKSCOPE_RELAY_TEST_DIE_AFTER_SPOOL"
+
 _REFUSALS = {
     grpc.StatusCode.UNAVAILABLE: "the relay could not spool this batch: send it to the collector",
     grpc.StatusCode.INVALID_ARGUMENT: "a column of this batch does not hold together (its length, count or string indices)",
@@ -67,6 +76,7 @@ _REFUSALS = {
 @dataclass(eq=False)
 class _Part:
     rank: int
+    batch_id: bytes
     payload: Message
     done: asyncio.Future[grpc.StatusCode | None]
 
@@ -81,15 +91,18 @@ class Relay(ingest_pb2_grpc.IngestServicer):
         self._bytes = 0
         self._wake = asyncio.Event()
         self._transports: dict[str, Transport] = {}
+        #: (run, rank) -> the collector's commands for that rank, until its next acknowledgement
+        self._commands: dict[tuple[str, int], list[ingest_pb2.Command]] = {}
+        self._die_after = os.environ.get(DIE_AFTER_SPOOL)
         self.received = 0  # batches from ranks, acknowledged or not
 
     async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
         received_ns = time.time_ns()
         kind = request.WhichOneof("payload")
-        if kind is None or not request.run_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the relay takes batches that name their run and carry a payload")
+        if kind is None or not request.run_id or len(request.batch_id) != BATCH_ID_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the relay takes batches that name their run, have a 16-byte id and carry a payload")
         self.received += 1
-        part = _Part(request.rank, getattr(request, kind), asyncio.get_running_loop().create_future())
+        part = _Part(request.rank, request.batch_id, getattr(request, kind), asyncio.get_running_loop().create_future())
         self._waiting.setdefault((request.run_id, kind), []).append(part)
         self._bytes += request.ByteSize()
         if self._bytes >= FLUSH_BYTES:
@@ -100,7 +113,8 @@ class Relay(ingest_pb2_grpc.IngestServicer):
         elif code is not None:
             await context.abort(code, _REFUSALS[code])
         offset = self._transports[request.run_id].clock_offset_ns
-        return ingest_pb2.Ack(batch_id=request.batch_id, received_ns=received_ns + offset, replied_ns=time.time_ns() + offset)
+        commands = self._commands.pop((request.run_id, request.rank), [])
+        return ingest_pb2.Ack(batch_id=request.batch_id, received_ns=received_ns + offset, replied_ns=time.time_ns() + offset, commands=commands)
 
     async def flushing(self) -> None:
         """Flush every ``flush_s`` (or sooner, once ``FLUSH_BYTES`` wait), until cancelled."""
@@ -117,15 +131,16 @@ class Relay(ingest_pb2_grpc.IngestServicer):
         waiting, self._waiting, self._bytes = self._waiting, {}, 0
         loop = asyncio.get_running_loop()
         for (run_id, kind), parts in sorted(waiting.items(), key=lambda item: (item[0][1] not in _FIRST, item[0][1] in _LAST)):
+            parts = _unique(parts)
             try:
-                transport = self._transport(run_id, parts[0].rank)
+                transport = self._transport(run_id, parts[0].rank, loop)
                 if kind in MERGED:
                     merged, parts = self._merged(kind, parts)
                     if parts:
-                        self._submit(transport, merged, parts, loop)
+                        self._submit(transport, kind, merged, parts, loop)
                 else:
                     for part in parts:
-                        self._submit(transport, part.payload, [part], loop)
+                        self._submit(transport, kind, part.payload, [part], loop)
             except Exception:  # a relay's bug: its ranks send these themselves, and it goes on
                 log.exception("rankscope relay: %d %s batches of run %s not taken", len(parts), kind, run_id)
                 for part in parts:
@@ -153,22 +168,41 @@ class Relay(ingest_pb2_grpc.IngestServicer):
                 _settle(part.done, grpc.StatusCode.INVALID_ARGUMENT)
         return merge(kind, [(p.rank, p.payload) for p in good]), good
 
-    def _transport(self, run_id: str, rank: int) -> Transport:
+    def _transport(self, run_id: str, rank: int, loop: asyncio.AbstractEventLoop) -> Transport:
         transport = self._transports.get(run_id)
         if transport is None:
-            transport = Transport(self.config, run_id, rank, name=f"relay-{run_id}", max_queue_bytes=QUEUE_BYTES, durable=True)
+            def on_command(command: ingest_pb2.Command) -> None:  # on the Transport's thread
+                loop.call_soon_threadsafe(lambda: self._commands.setdefault((run_id, command.rank), []).append(command))
+
+            transport = Transport(self.config, run_id, rank, name=f"relay-{run_id}", max_queue_bytes=QUEUE_BYTES, durable=True,
+                                  on_command=on_command)  # fmt: skip
             transport.start()
             self._transports[run_id] = transport
         return transport
 
-    def _submit(self, transport: Transport, payload: Message, parts: list[_Part], loop: asyncio.AbstractEventLoop) -> None:
+    def _submit(self, transport: Transport, kind: str, payload: Message, parts: list[_Part], loop: asyncio.AbstractEventLoop) -> None:
+        """Spool ``payload`` (naming the ranks' batches it holds); each part is acknowledged once it is on disk."""
         def spooled(ok: bool) -> None:  # on the Transport's thread
+            if ok and kind == self._die_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # the test hook: on disk, and no rank has heard
             for part in parts:
                 loop.call_soon_threadsafe(_settle, part.done, None if ok else grpc.StatusCode.UNAVAILABLE)
 
-        if not transport.submit(payload, rank=parts[0].rank, on_spooled=spooled):
+        held = tuple(ingest_pb2.BatchPart(rank=p.rank, batch_id=p.batch_id, count=event_count(p.payload)) for p in parts)
+        if not transport.submit(payload, rank=parts[0].rank, on_spooled=spooled, parts=held):
             for part in parts:
                 _settle(part.done, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def _unique(parts: list[_Part]) -> list[_Part]:
+    """One part per batch id (a rank's call sent again while the first waits): the merged batch
+    names each part once, and the second call is answered as the first."""
+    first: dict[bytes, _Part] = {}
+    for part in parts:
+        kept = first.setdefault(part.batch_id, part)
+        if kept is not part:
+            kept.done.add_done_callback(lambda done, part=part: _settle(part.done, done.result()))
+    return list(first.values())
 
 
 def _settle(future: asyncio.Future[grpc.StatusCode | None], code: grpc.StatusCode | None) -> None:
@@ -201,6 +235,7 @@ async def _serve(config: AgentConfig, listen: str, flush_s: float, on_ready: Cal
     await server.stop(grace=1.0)
     flushing.cancel()
     await relay.close(timeout_s=10.0)
+    log.warning("rankscope relay: stopped; %d batches received from ranks", relay.received)
 
 
 def _claim_socket(listen: str) -> None:

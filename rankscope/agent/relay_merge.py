@@ -6,6 +6,9 @@ size. Columns are concatenated, the string tables united (each index moved to th
 and every row gets its rank in the ``rank`` column. Heartbeats become columns (``heartbeat_columns``).
 Kinds that cannot name a row's rank (registrations, stacks, ends, metrics, run-level records) are
 not merged: the relay forwards them one by one.
+
+``select`` is the way back, for the collector: the rows of some of a merged payload's parts, when
+the others were stored before (a rank sent them again itself after its relay died).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from google.protobuf.message import Message
 from rankscope.agent.heartbeat_columns import to_columns
 from rankscope.protos.v1 import telemetry_pb2 as pb
 
-__all__ = ["MERGED", "merge"]
+__all__ = ["MERGED", "merge", "select"]
 
 #: (dtype, string index: -1 allowed for "none" or not, value of an absent optional column)
 _Column = tuple[str, bool | None, int | None]
@@ -92,4 +95,28 @@ def _merge(type_: type[Message], layout: Mapping[str, _Column], parts: Sequence[
         setattr(out, name, np.concatenate(columns[name]).astype(dtype).tobytes() if columns[name] else b"")
     if with_rank:
         out.rank = np.concatenate(ranks).astype("<i4").tobytes() if ranks else b""  # type: ignore[attr-defined]
+    return out
+
+
+def select(kind: str, payload: Message, counts: Sequence[int], keep: Sequence[bool]) -> Message:
+    """The rows of the parts of a merged ``payload`` that ``keep`` names; part i holds the
+    ``counts[i]`` rows after part i-1's. The string table is kept whole (indices stay true)."""
+    total = payload.columns.count if kind == "heartbeats" else payload.count  # type: ignore[attr-defined]
+    if len(counts) != len(keep) or sum(counts) != total:
+        raise ValueError(f"parts: {sum(counts)} rows in {len(counts)} parts for a payload of {total}")
+    rows = np.repeat(np.asarray(keep, dtype=bool), np.asarray(counts, dtype=np.int64))
+    if kind != "heartbeats":
+        return _select(payload, _LAYOUTS[kind], rows, with_rank=True)
+    columns = payload.columns  # type: ignore[attr-defined]
+    ops = np.repeat(rows, np.frombuffer(columns.in_flight, dtype="<i4"))
+    kept = _select(columns, _LAYOUTS[kind], rows, with_rank=True)
+    kept.ops.CopyFrom(_select(columns.ops, _IN_FLIGHT, ops, with_rank=False))
+    return pb.HeartbeatBatch(columns=kept)
+
+
+def _select(part: Message, layout: Mapping[str, _Column], rows: np.ndarray, *, with_rank: bool) -> Message:
+    out = type(part)(count=int(rows.sum()), strings=list(part.strings))  # type: ignore[attr-defined, call-arg]
+    for name, (dtype, _, _) in [*layout.items(), *([("rank", ("<i4", False, None))] if with_rank else [])]:
+        raw = getattr(part, name)
+        setattr(out, name, np.frombuffer(raw, dtype=dtype)[rows].tobytes() if raw else b"")
     return out

@@ -60,7 +60,7 @@ from rankscope.agent.config import AgentConfig, warn_once
 from rankscope.agent.spool import Segment, Spool
 from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2
 
-__all__ = ["Transport", "TransportStats", "replay_leftovers"]
+__all__ = ["Transport", "TransportStats", "event_count", "replay_leftovers"]
 
 log = logging.getLogger("rankscope.agent")
 
@@ -214,25 +214,29 @@ class Transport:
             self._thread = threading.Thread(target=self._run, name=f"rankscope-transport-{self.name}", daemon=True)
             self._thread.start()
 
-    def submit(self, payload: Message, rank: int | None = None, on_spooled: Callable[[bool], None] | None = None) -> bool:
+    def submit(
+        self, payload: Message, rank: int | None = None, on_spooled: Callable[[bool], None] | None = None,
+        parts: tuple[ingest_pb2.BatchPart, ...] = (),
+    ) -> bool:  # fmt: skip
         """Queue one telemetry payload; False when refused (queue full, closed). Never blocks.
 
         ``rank``: the rank it is about, when this Transport speaks for several ranks of its run
         (default: the rank it was made for). ``on_spooled`` (durable Transports): called on the
-        sender thread once the batch is on disk (True) or could not be written (False).
+        sender thread once the batch is on disk (True) or could not be written (False). ``parts``
+        (a relay's): the ranks' batches the payload holds, in its order.
 
         A refusal is counted in ``stats().rejected``; the caller decides whether it also counts
         it as lost events (the agent's runtime adds them to RankState.dropped). The Transport
         owns ``payload`` from now on: do not change it afterwards.
         """
-        events = _events(payload)
+        events = event_count(payload)
         size = _ESTIMATE_BASE + _ESTIMATE_PER_EVENT * events  # measuring would cost a serialization
         with self._budget_lock:
             if not self._accepting or self._queued_bytes + size > self.max_queue_bytes:
                 self._rejected = (self._rejected[0] + 1, self._rejected[1] + events)
                 return False
             self._queued_bytes += size
-        self._inbox.put((payload, size, self.rank if rank is None else rank, on_spooled))
+        self._inbox.put((payload, size, self.rank if rank is None else rank, on_spooled, parts))
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -343,8 +347,10 @@ class Transport:
             except queue.Empty:
                 return
 
-    def _accept(self, payload: Message, size: int, rank: int, on_spooled: Callable[[bool], None] | None = None) -> None:
-        out = self._wrap(payload, size, rank)
+    def _accept(
+        self, payload: Message, size: int, rank: int, on_spooled: Callable[[bool], None] | None = None, parts: tuple[ingest_pb2.BatchPart, ...] = ()
+    ) -> None:  # fmt: skip
+        out = self._wrap(payload, size, rank, parts)
         self._stats.events[out.kind] = self._stats.events.get(out.kind, 0) + out.events
         if out.kind in REGISTRATIONS:
             self._registers[rank] = payload
@@ -358,7 +364,7 @@ class Transport:
         if self._down:
             self._spool_memory()
 
-    def _wrap(self, payload: Message, estimate: int, rank: int) -> _Out:
+    def _wrap(self, payload: Message, estimate: int, rank: int, parts: tuple[ingest_pb2.BatchPart, ...] = ()) -> _Out:
         """The payload in ``rank``'s envelope; what it holds of the budget becomes its real size."""
         kind = _FIELDS[payload.DESCRIPTOR.full_name]
         self._seq += 1
@@ -367,13 +373,14 @@ class Transport:
             run_id=self.run_id,
             rank=rank,
             batch_id=self._instance + self._seq.to_bytes(8, "big"),
+            parts=parts,
             **{kind: payload},
         )
         data = batch.SerializeToString()
         if estimate:
             with self._budget_lock:
                 self._queued_bytes += len(data) - estimate
-        return _Out(self._seq, data, _events(payload), kind, len(data) if estimate else 0)
+        return _Out(self._seq, data, event_count(payload), kind, len(data) if estimate else 0)
 
     def _stamp(self) -> bytes:
         """The clock fields, appended to a serialized batch: a later field wins when parsed."""
@@ -607,7 +614,7 @@ class Transport:
         self._spool.forget_after_fork()
 
 
-def _events(payload: Message) -> int:
+def event_count(payload: Message) -> int:
     """How many events a payload carries: columnar batches say it, heartbeats are a list or columns."""
     kind = _FIELDS[payload.DESCRIPTOR.full_name]
     if kind in _COLUMNAR:

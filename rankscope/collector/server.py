@@ -43,7 +43,8 @@ from rankscope.collector.run_registry import RunRegistry, read_run
 from rankscope.collector.store.base import Store, StoreError, open_store
 from rankscope.collector.store.migrations import migrate
 from rankscope.collector.telemetry import Telemetry
-from rankscope.collector.writer import FLUSH_INTERVAL_S, BatchKey, Writer
+from rankscope.collector.relay_parts import held_parts, leave_out
+from rankscope.collector.writer import FLUSH_INTERVAL_S, BatchKey, PartsStored, Writer
 from rankscope.common.settings import Settings
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
@@ -237,13 +238,36 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             batch_id=request.batch_id,
             duplicate=not written,
             received_ns=received_ns,
-            commands=self.c.commands.take(request.run_id, request.rank),
+            commands=self._commands(request, ranks),
             replied_ns=time.time_ns(),
         )
 
+    def _commands(self, request: ingest_pb2.Batch, ranks: tuple[int, ...]) -> list[ingest_pb2.Command]:
+        """The commands for the batch's rank; for a relay's batch, those of every rank it speaks for,
+        each naming its rank, for the relay to pass on."""
+        if not request.parts:
+            return self.c.commands.take(request.run_id, request.rank)
+        commands = []
+        for rank in ranks:
+            for command in self.c.commands.take(request.run_id, rank):
+                command.rank = rank
+                commands.append(command)
+        return commands
+
     async def _store(self, batch: ingest_pb2.Batch, received_ns: int, arrived: Callable[[], None]) -> tuple[bool, tuple[int, ...]]:
         """Decode and write ``batch``: whether it was written (not a duplicate), and the ranks it speaks for;
-        ``arrived()`` once its rows are handed to the writer."""
+        ``arrived()`` once its rows are handed to the writer. A relay's batch is stored without the
+        parts its ranks stored themselves before (decoded again without them)."""
+        ranks = tuple(dict.fromkeys(p.rank for p in batch.parts))
+        while True:
+            try:
+                return await self._store_once(batch, received_ns, arrived)
+            except PartsStored as e:
+                batch = leave_out(batch, batch.WhichOneof("payload"), e.stored)
+                if not batch.parts:
+                    return False, ranks
+
+    async def _store_once(self, batch: ingest_pb2.Batch, received_ns: int, arrived: Callable[[], None]) -> tuple[bool, tuple[int, ...]]:
         c = self.c
         try:
             kind = check_envelope(batch)
@@ -252,6 +276,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
                 decoded = await self.timelines.decode(lambda: decode(batch, c.runs, received_ns, c.options.time_window))
             else:
                 decoded = decode(batch, c.runs, received_ns, c.options.time_window)
+            held = held_parts(batch, kind)
         except UnsupportedSchemaVersion as e:
             raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except IngestError as e:
@@ -275,10 +300,11 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         c.heard.note(decoded, received_ns)
         try:
             arrived()  # no await before the writer takes the rows
-            written = await c.writer.write(decoded.parts, key)
+            written = await c.writer.write(decoded.parts, key, held)
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"batch not stored, send it again: {e}") from None
         c.runs.stored(batch.run_id, decoded.parts)
+        c.heard.note(decoded, received_ns, answered_ns=time.time_ns())
         sent_ns = batch.sent_ns + batch.clock_offset_ns if batch.sent_ns else 0
         c.telemetry.delivered(decoded.kind, sent_ns, received_ns, time.time_ns())
         return written, decoded.ranks

@@ -7,7 +7,10 @@ table and inserts it as one Arrow table when it holds ``flush_rows`` rows or its
 in one flush cycle. A batch is acknowledged (``write`` returns) only once all its rows are stored;
 its id then goes into the ``batches`` table, after the data and in the same flush cycle, so a batch
 that an agent sends again (after a lost acknowledgement, or to a restarted collector) is recognised
-and not stored twice.
+and not stored twice. A relay's batch (``parts``) holds its ranks' batches: their ids go into
+``batches`` beside its own, in the same insert, so a part that its rank sends again itself after
+the relay died is acknowledged as stored; and a relay's batch whose part was stored first is told
+so (``PartsStored``) before anything of it is written, so the caller can leave that part out.
 
 Exactly once, also across a kill at any moment: every row carries its flush cycle, and the cycle's
 batch ids are its commit (``store/cycles.py``). A starting writer first rolls back the rows of
@@ -66,6 +69,14 @@ class BatchKey:
             raise ValueError(f"batch_id must be 16 bytes, got {len(self.batch_id)}")
 
 
+class PartsStored(Exception):
+    """Some parts of a relay's batch were stored before (their rank sent them itself)."""
+
+    def __init__(self, stored: frozenset[bytes]) -> None:
+        super().__init__(f"{len(stored)} parts stored before")
+        self.stored = stored
+
+
 @dataclass(eq=False)
 class _Pending:
     """A batch between write() and its acknowledgement."""
@@ -76,6 +87,7 @@ class _Pending:
     received_ns: int
     error: StoreError | None = None
     stored: int = 0  # parts (tables) inserted in the cycle being written
+    parts: tuple[BatchKey, ...] = ()  # a relay's batch: its ranks' batches, recorded with it
 
 
 @dataclass
@@ -154,12 +166,13 @@ class Writer:
             self._written[(row["run_id"], row["batch_id"])] = row["received_ns"] / 1e9
         self._task = asyncio.create_task(self._flusher(), name="rankscope-writer-flusher")
 
-    async def write(self, parts: Mapping[str, pa.Table], key: BatchKey) -> bool:
+    async def write(self, parts: Mapping[str, pa.Table], key: BatchKey, held: tuple[BatchKey, ...] = ()) -> bool:
         """Store one batch: True once all its rows are written, False for an id already written.
 
         ``parts`` maps table names to rows (the table's insert columns). A batch whose id is
         being written right now waits for that write and answers like it. Raises StoreError
-        when its rows could not be written.
+        when its rows could not be written. ``held``: the ranks' batches a relay's batch holds
+        (recorded with it); raises PartsStored, writing nothing, when some were stored before.
         """
         if self._task is None or self._closed:
             raise StoreError("the writer is not running (start() it, and do not use it after close())")
@@ -171,6 +184,12 @@ class Writer:
             self.duplicates += 1
             await asyncio.shield(self._inflight[ident].future)
             return False
+        held_ids = [(k.run_id, k.batch_id) for k in held]
+        if busy := [self._inflight[i].future for i in held_ids if i in self._inflight]:
+            await asyncio.wait(busy)  # a part its rank sent itself, being written: once stored or not, decide again
+            return await self.write(parts, key, held)
+        if stored := frozenset(i[1] for i in held_ids if i in self._written):
+            raise PartsStored(stored)
         for name in parts:
             table_spec(name)  # an unknown table fails here, not in a flush
         nonempty = {name: rows for name, rows in parts.items() if rows.num_rows}
@@ -179,8 +198,10 @@ class Writer:
             future=asyncio.get_running_loop().create_future(),
             rows=sum(rows.num_rows for rows in nonempty.values()),
             received_ns=time.time_ns(),
+            parts=held,
         )
-        self._inflight[ident] = pending
+        for i in (ident, *held_ids):
+            self._inflight[i] = pending
         self._buffered_rows += pending.rows
         if not nonempty:
             self._ready.append(pending)
@@ -253,11 +274,12 @@ class Writer:
         """Answer the writers of the batches whose every part went through an insert attempt."""
         now = time.time()
         for pending in completed:
-            ident = (pending.key.run_id, pending.key.batch_id)
-            del self._inflight[ident]
+            idents = [(k.run_id, k.batch_id) for k in (pending.key, *pending.parts)]
+            for ident in idents:
+                del self._inflight[ident]
             self._buffered_rows -= pending.rows
             if pending.error is None:
-                self._written[ident] = now
+                self._written.update(dict.fromkeys(idents, now))
                 self.batches_written += 1
                 batches, registrations = self.stored.get(pending.key.run_id, (0, 0))
                 self.stored[pending.key.run_id] = (batches + 1, registrations + (pending.key.kind in REGISTRATIONS))
@@ -373,16 +395,17 @@ class Writer:
         self.rows_written[name] += rows.num_rows
 
     def _records(self, stored: list[_Pending]) -> pa.Table:
-        """The ``batches`` rows for these batches."""
-        keys = [p.key for p in stored]
+        """The ``batches`` rows for these batches, and for the ranks' batches they hold (rows 0:
+        theirs are counted in the batch that holds them)."""
+        records = [(k, p.rows if k is p.key else 0, p.received_ns) for p in stored for k in (p.key, *p.parts)]
         return pa.table(
             {
-                "run_id": [k.run_id for k in keys],
-                "rank": [k.rank for k in keys],
-                "batch_id": [k.batch_id for k in keys],
-                "kind": [k.kind for k in keys],
-                "rows": [p.rows for p in stored],
-                "received": [p.received_ns for p in stored],
+                "run_id": [k.run_id for k, _, _ in records],
+                "rank": [k.rank for k, _, _ in records],
+                "batch_id": [k.batch_id for k, _, _ in records],
+                "kind": [k.kind for k, _, _ in records],
+                "rows": [rows for _, rows, _ in records],
+                "received": [received for _, _, received in records],
             },
             schema=arrow_schema(BY_NAME["batches"]),
         )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rankscope.protos.v1 import telemetry_pb2 as rankscope_dot_v1_dot_telemetry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rankscope/v1/ingest.proto\x12\x0crankscope.v1\x1a\x1crankscope/v1/telemetry.proto\"\xeb\x05\n\x05\x42\x61tch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x10\n\x08\x62\x61tch_id\x18\x04 \x01(\x0c\x12\x17\n\x0f\x63lock_offset_ns\x18\x05 \x01(\x03\x12\x0f\n\x07sent_ns\x18\x06 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12*\n\x08register\x18\n \x01(\x0b\x32\x16.rankscope.v1.RegisterH\x00\x12(\n\x05spans\x18\x0b \x01(\x0b\x32\x17.rankscope.v1.SpanBatchH\x00\x12\x34\n\x0b\x63ollectives\x18\x0c \x01(\x0b\x32\x1d.rankscope.v1.CollectiveBatchH\x00\x12\x32\n\nheartbeats\x18\r \x01(\x0b\x32\x1c.rankscope.v1.HeartbeatBatchH\x00\x12,\n\x07metrics\x18\x0e \x01(\x0b\x32\x19.rankscope.v1.MetricBatchH\x00\x12\x35\n\x0cstep_metrics\x18\x0f \x01(\x0b\x32\x1d.rankscope.v1.StepMetricBatchH\x00\x12(\n\x05stack\x18\x10 \x01(\x0b\x32\x17.rankscope.v1.StackDumpH\x00\x12&\n\x03\x65nd\x18\x11 \x01(\x0b\x32\x17.rankscope.v1.EndOfRankH\x00\x12&\n\x06\x61\x63tion\x18\x12 \x01(\x0b\x32\x14.rankscope.v1.ActionH\x00\x12,\n\tselfcheck\x18\x13 \x01(\x0b\x32\x17.rankscope.v1.SelfCheckH\x00\x12\x30\n\tregisters\x18\x14 \x01(\x0b\x32\x1b.rankscope.v1.RegisterBatchH\x00\x12&\n\x04\x65nds\x18\x15 \x01(\x0b\x32\x16.rankscope.v1.EndBatchH\x00\x12-\n\nnode_state\x18\x16 \x01(\x0b\x32\x17.rankscope.v1.NodeStateH\x00\x42\t\n\x07payload\"J\n\x07\x43ommand\x12\x34\n\nstack_dump\x18\x01 \x01(\x0b\x32\x1e.rankscope.v1.StackDumpRequestH\x00\x42\t\n\x07\x63ommand\"\"\n\x10StackDumpRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"|\n\x03\x41\x63k\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x0c\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x13\n\x0breceived_ns\x18\x03 \x01(\x03\x12\x12\n\nreplied_ns\x18\x04 \x01(\x03\x12\'\n\x08\x63ommands\x18\x05 \x03(\x0b\x32\x15.rankscope.v1.Command28\n\x06Ingest\x12.\n\x04Send\x12\x13.rankscope.v1.Batch\x1a\x11.rankscope.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rankscope/v1/ingest.proto\x12\x0crankscope.v1\x1a\x1crankscope/v1/telemetry.proto\"\x93\x06\n\x05\x42\x61tch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x10\n\x08\x62\x61tch_id\x18\x04 \x01(\x0c\x12\x17\n\x0f\x63lock_offset_ns\x18\x05 \x01(\x03\x12\x0f\n\x07sent_ns\x18\x06 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12&\n\x05parts\x18\x08 \x03(\x0b\x32\x17.rankscope.v1.BatchPart\x12*\n\x08register\x18\n \x01(\x0b\x32\x16.rankscope.v1.RegisterH\x00\x12(\n\x05spans\x18\x0b \x01(\x0b\x32\x17.rankscope.v1.SpanBatchH\x00\x12\x34\n\x0b\x63ollectives\x18\x0c \x01(\x0b\x32\x1d.rankscope.v1.CollectiveBatchH\x00\x12\x32\n\nheartbeats\x18\r \x01(\x0b\x32\x1c.rankscope.v1.HeartbeatBatchH\x00\x12,\n\x07metrics\x18\x0e \x01(\x0b\x32\x19.rankscope.v1.MetricBatchH\x00\x12\x35\n\x0cstep_metrics\x18\x0f \x01(\x0b\x32\x1d.rankscope.v1.StepMetricBatchH\x00\x12(\n\x05stack\x18\x10 \x01(\x0b\x32\x17.rankscope.v1.StackDumpH\x00\x12&\n\x03\x65nd\x18\x11 \x01(\x0b\x32\x17.rankscope.v1.EndOfRankH\x00\x12&\n\x06\x61\x63tion\x18\x12 \x01(\x0b\x32\x14.rankscope.v1.ActionH\x00\x12,\n\tselfcheck\x18\x13 \x01(\x0b\x32\x17.rankscope.v1.SelfCheckH\x00\x12\x30\n\tregisters\x18\x14 \x01(\x0b\x32\x1b.rankscope.v1.RegisterBatchH\x00\x12&\n\x04\x65nds\x18\x15 \x01(\x0b\x32\x16.rankscope.v1.EndBatchH\x00\x12-\n\nnode_state\x18\x16 \x01(\x0b\x32\x17.rankscope.v1.NodeStateH\x00\x42\t\n\x07payload\":\n\tBatchPart\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x0c\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"X\n\x07\x43ommand\x12\x34\n\nstack_dump\x18\x01 \x01(\x0b\x32\x1e.rankscope.v1.StackDumpRequestH\x00\x12\x0c\n\x04rank\x18\n \x01(\x05\x42\t\n\x07\x63ommand\"\"\n\x10StackDumpRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"|\n\x03\x41\x63k\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x0c\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x13\n\x0breceived_ns\x18\x03 \x01(\x03\x12\x12\n\nreplied_ns\x18\x04 \x01(\x03\x12\'\n\x08\x63ommands\x18\x05 \x03(\x0b\x32\x15.rankscope.v1.Command28\n\x06Ingest\x12.\n\x04Send\x12\x13.rankscope.v1.Batch\x1a\x11.rankscope.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rankscope.v1.ingest_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BATCH']._serialized_start=74
-  _globals['_BATCH']._serialized_end=821
-  _globals['_COMMAND']._serialized_start=823
-  _globals['_COMMAND']._serialized_end=897
-  _globals['_STACKDUMPREQUEST']._serialized_start=899
-  _globals['_STACKDUMPREQUEST']._serialized_end=933
-  _globals['_ACK']._serialized_start=935
-  _globals['_ACK']._serialized_end=1059
-  _globals['_INGEST']._serialized_start=1061
-  _globals['_INGEST']._serialized_end=1117
+  _globals['_BATCH']._serialized_end=861
+  _globals['_BATCHPART']._serialized_start=863
+  _globals['_BATCHPART']._serialized_end=921
+  _globals['_COMMAND']._serialized_start=923
+  _globals['_COMMAND']._serialized_end=1011
+  _globals['_STACKDUMPREQUEST']._serialized_start=1013
+  _globals['_STACKDUMPREQUEST']._serialized_end=1047
+  _globals['_ACK']._serialized_start=1049
+  _globals['_ACK']._serialized_end=1173
+  _globals['_INGEST']._serialized_start=1175
+  _globals['_INGEST']._serialized_end=1231
 # @@protoc_insertion_point(module_scope)

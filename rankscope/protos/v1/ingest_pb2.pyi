@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Batch(_message.Message):
-    __slots__ = ("schema_version", "run_id", "rank", "batch_id", "clock_offset_ns", "sent_ns", "attempt", "register", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stack", "end", "action", "selfcheck", "registers", "ends", "node_state")
+    __slots__ = ("schema_version", "run_id", "rank", "batch_id", "clock_offset_ns", "sent_ns", "attempt", "parts", "register", "spans", "collectives", "heartbeats", "metrics", "step_metrics", "stack", "end", "action", "selfcheck", "registers", "ends", "node_state")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Batch(_message.Message):
     CLOCK_OFFSET_NS_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +37,7 @@ class Batch(_message.Message):
     clock_offset_ns: int
     sent_ns: int
     attempt: int
+    parts: _containers.RepeatedCompositeFieldContainer[BatchPart]
     register: _telemetry_pb2.Register
     spans: _telemetry_pb2.SpanBatch
     collectives: _telemetry_pb2.CollectiveBatch
@@ -49,13 +51,25 @@ class Batch(_message.Message):
     registers: _telemetry_pb2.RegisterBatch
     ends: _telemetry_pb2.EndBatch
     node_state: _telemetry_pb2.NodeState
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., clock_offset_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., register: _Optional[_Union[_telemetry_pb2.Register, _Mapping]] = ..., spans: _Optional[_Union[_telemetry_pb2.SpanBatch, _Mapping]] = ..., collectives: _Optional[_Union[_telemetry_pb2.CollectiveBatch, _Mapping]] = ..., heartbeats: _Optional[_Union[_telemetry_pb2.HeartbeatBatch, _Mapping]] = ..., metrics: _Optional[_Union[_telemetry_pb2.MetricBatch, _Mapping]] = ..., step_metrics: _Optional[_Union[_telemetry_pb2.StepMetricBatch, _Mapping]] = ..., stack: _Optional[_Union[_telemetry_pb2.StackDump, _Mapping]] = ..., end: _Optional[_Union[_telemetry_pb2.EndOfRank, _Mapping]] = ..., action: _Optional[_Union[_telemetry_pb2.Action, _Mapping]] = ..., selfcheck: _Optional[_Union[_telemetry_pb2.SelfCheck, _Mapping]] = ..., registers: _Optional[_Union[_telemetry_pb2.RegisterBatch, _Mapping]] = ..., ends: _Optional[_Union[_telemetry_pb2.EndBatch, _Mapping]] = ..., node_state: _Optional[_Union[_telemetry_pb2.NodeState, _Mapping]] = ...) -> None: ...
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., clock_offset_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[BatchPart, _Mapping]]] = ..., register: _Optional[_Union[_telemetry_pb2.Register, _Mapping]] = ..., spans: _Optional[_Union[_telemetry_pb2.SpanBatch, _Mapping]] = ..., collectives: _Optional[_Union[_telemetry_pb2.CollectiveBatch, _Mapping]] = ..., heartbeats: _Optional[_Union[_telemetry_pb2.HeartbeatBatch, _Mapping]] = ..., metrics: _Optional[_Union[_telemetry_pb2.MetricBatch, _Mapping]] = ..., step_metrics: _Optional[_Union[_telemetry_pb2.StepMetricBatch, _Mapping]] = ..., stack: _Optional[_Union[_telemetry_pb2.StackDump, _Mapping]] = ..., end: _Optional[_Union[_telemetry_pb2.EndOfRank, _Mapping]] = ..., action: _Optional[_Union[_telemetry_pb2.Action, _Mapping]] = ..., selfcheck: _Optional[_Union[_telemetry_pb2.SelfCheck, _Mapping]] = ..., registers: _Optional[_Union[_telemetry_pb2.RegisterBatch, _Mapping]] = ..., ends: _Optional[_Union[_telemetry_pb2.EndBatch, _Mapping]] = ..., node_state: _Optional[_Union[_telemetry_pb2.NodeState, _Mapping]] = ...) -> None: ...
+
+class BatchPart(_message.Message):
+    __slots__ = ("rank", "batch_id", "count")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    batch_id: bytes
+    count: int
+    def __init__(self, rank: _Optional[int] = ..., batch_id: _Optional[bytes] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("stack_dump",)
+    __slots__ = ("stack_dump", "rank")
     STACK_DUMP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     stack_dump: StackDumpRequest
-    def __init__(self, stack_dump: _Optional[_Union[StackDumpRequest, _Mapping]] = ...) -> None: ...
+    rank: int
+    def __init__(self, stack_dump: _Optional[_Union[StackDumpRequest, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class StackDumpRequest(_message.Message):
     __slots__ = ("reason",)
