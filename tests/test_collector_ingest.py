@@ -362,10 +362,21 @@ def _registers(run_id: str, ranks: list[int], world_size: int, **kw: object) -> 
 
 def test_one_call_registers_several_ranks_as_their_own_calls_would() -> None:
     """A sender for many ranks registers them in one batch: a ranks row each (its host, coordinates and
-    version), the shared group stored once, the run running; the batch speaks for all of them."""
+    version), the shared group stored once, the run running; the batch speaks for all of them, and they are
+    heard from then on (by when they registered, for a registration that arrives late)."""
+    from rankscope.collector.liveness import LastHeard
+
     registry = RunRegistry()
     decoded = _decode(_registers("r", [0, 1, 2, 3], 4, world="10.0.0.1:5000/4"), registry)
     assert decoded.kind == "registers" and decoded.ranks == (0, 1, 2, 3)
+    heard, now = LastHeard(stale_ns=10**9, started_ns=0), time.time_ns()
+    heard.note(decoded, now)  # registered ranks are heard before their first heartbeat
+    assert heard.of("r", 0) == dict.fromkeys([0, 1, 2, 3], now)
+    heard.note(decoded, now, answered_ns=now + 9 * 10**9)  # the writer kept the sender waiting 9 s for its answer
+    assert heard.of("r", 0) == dict.fromkeys([0, 1, 2, 3], now + 9 * 10**9)
+    late = LastHeard(stale_ns=10**9, started_ns=0)
+    late.note(decoded, now + 60 * 10**9)  # a registration replayed a minute late: heard when it was sent
+    assert max(late.of("r", 0).values()) < now
     ranks = decoded.parts["ranks"].to_pydict()
     assert ranks["rank"] == [0, 1, 2, 3] and ranks["host"] == ["node-0", "node-0", "node-1", "node-1"]
     assert ranks["dp_rank"] == [0, 1, 2, 3] and ranks["pid"] == [1000, 1001, 1002, 1003] and ranks["attempt"] == [0] * 4

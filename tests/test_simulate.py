@@ -198,8 +198,6 @@ def test_one_transport_for_many_ranks_registers_each_again_with_a_new_collector(
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=False, reason="open (issue 30): since session 27 the run's ranks are named a lost host in about half the runs, "
-                   "'without a last word' although the simulator sent their ends; not yet found why (the lane processes are suspect)")
 def test_a_collector_that_stores_late_names_nobody_lost_while_it_hears_every_rank(proc_runner, tmp_path: Path) -> None:
     """The collector is slowed on purpose: it writes each table once its rows are 10 s old, twice
     the 5 s after which a silent rank is lost. The ranks are judged by when the collector last

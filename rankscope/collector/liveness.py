@@ -22,9 +22,9 @@ class LastHeard:
 
     A collector that falls behind (short of CPU, replaying a spool, a slow store) stores heartbeats
     late: judged by its newest stored heartbeat, every rank would look silent while it keeps
-    sending. A rank is heard when a heartbeat batch of it arrives, at the arrival time; a batch
-    whose newest heartbeat is older than ``stale_ns`` on arrival (a spool replayed after the rank's
-    end) says only that the rank lived until that heartbeat. Written on the event loop, read by the
+    sending. A rank is heard when a heartbeat or registration of it arrives, at the arrival time; one
+    older than ``stale_ns`` on arrival (a spool replayed after the rank's end) says only that the
+    rank lived until then. Written on the event loop, read by the
     diagnosis thread (``of`` copies).
 
     Silence counts only the time the collector could listen. While its event loop stalls (the
@@ -63,25 +63,34 @@ class LastHeard:
         late = now_ns - self._ticked_ns - self._tick_ns
         return late if late > self._tick_ns else 0
 
-    def note(self, decoded: Decoded, received_ns: int) -> None:
-        """Every rank with a heartbeat in ``decoded`` is heard, each by its own newest heartbeat; every
-        rank with an end in it has said its last word."""
+    def note(self, decoded: Decoded, received_ns: int, answered_ns: int | None = None) -> None:
+        """Every rank with a heartbeat or a registration in ``decoded`` is heard, each by its own newest
+        (a rank registers seconds before its first heartbeat: a pass between the two must not judge it
+        from the collector's start); every rank with an end in it has said its last word.
+
+        ``answered_ns``: noted again once the batch is answered, a writer that kept the sender waiting
+        (its store slow, its flush far) kept it from talking: heard until the answer, not the arrival.
+        """
         ends = decoded.parts.get("exits")
         if ends is not None and ends.num_rows:
             run_id = ends["run_id"][0].as_py()
             for rank, attempt in zip(ends["rank"].to_pylist(), ends["attempt"].to_pylist()):
                 self._ended.setdefault((run_id, attempt), set()).add(rank)
-        beats = decoded.parts.get("heartbeats")
-        if beats is None or beats.num_rows == 0:
-            return
-        run_id = beats["run_id"][0].as_py()
-        newest = beats["time"].cast(pa.int64()).to_numpy()
-        heard = np.where(received_ns - newest <= self.stale_ns, received_ns, newest) - self._deaf_ns
-        attempts = beats["attempt"].to_numpy()
+        for table, said_at in (("heartbeats", "time"), ("ranks", "registered")):
+            rows = decoded.parts.get(table)
+            if rows is not None and rows.num_rows:
+                self._hear(rows, rows[said_at].cast(pa.int64()).to_numpy(), received_ns, answered_ns or received_ns)
+
+    def _hear(self, rows: pa.Table, said_ns: np.ndarray, received_ns: int, answered_ns: int) -> None:
+        """Each row's rank heard at ``answered_ns``, or when it spoke (``said_ns``) if that was older than
+        ``stale_ns`` on arrival."""
+        run_id = rows["run_id"][0].as_py()
+        heard = np.where(received_ns - said_ns <= self.stale_ns, answered_ns, said_ns) - self._deaf_ns
+        attempts = rows["attempt"].to_numpy()
         for attempt in np.unique(attempts).tolist():
             mine = attempts == attempt
             ranks = self._heard.setdefault((run_id, attempt), {})
-            for rank, at in zip(beats["rank"].to_numpy()[mine].tolist(), heard[mine].tolist()):
+            for rank, at in zip(rows["rank"].to_numpy()[mine].tolist(), heard[mine].tolist()):
                 if at > ranks.get(rank, 0):
                     ranks[rank] = at
 
