@@ -12,6 +12,7 @@ collector stores every row once, whichever of the two copies comes first.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -64,8 +65,11 @@ def test_merged_batches_are_stored_as_the_ranks_own_and_a_bad_one_is_refused_alo
         merge("spans", [own[0], (2, bad)])
 
 
-@pytest.mark.timeout(120)
-def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice(proc_runner: ProcRunner, tmp_path: Path) -> None:
+@pytest.mark.timeout(150)
+def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice_and_its_ranks_come_back_to_the_next(
+    proc_runner: ProcRunner, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "rankscope.agent")
     collector = start_collector(proc_runner, tmp_path / "store", "--flush-interval", "0.3", "--no-diagnosis")
     spool, socket = tmp_path / "spool", f"unix:{tmp_path / 'relay.sock'}"
     relay = proc_runner.start([*CLI, "relay", "--listen", socket, "--collector", collector.target, "--spool-dir", str(spool), "--flush", "0.5"],
@@ -80,17 +84,30 @@ def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice(pro
         transport.submit(spans("parts", rank, 5 + rank).spans)  # merged into one batch, spooled, and then the relay dies
     assert relay.wait(60) == -signal.SIGKILL, relay.output()
     for rank, transport in enumerate(ranks):
-        transport.submit(spans("parts", rank, 7).spans, rank=rank)
+        transport.submit(spans("parts", rank, 7).spans)  # to the collector directly: the relay is gone
+    deadline = time.monotonic() + 60
+    while sum(t.stats().duplicates for t in ranks) < 1:  # the second copy of the merged batch's parts
+        assert time.monotonic() < deadline, [t.stats() for t in ranks]
+        time.sleep(0.2)
+    relay = proc_runner.start([*CLI, "relay", "--listen", socket, "--collector", collector.target, "--spool-dir", str(spool)], name="relay-again")
+    relay.wait_for("ready on", 60)
+    deadline = time.monotonic() + 60
+    while sum("answers again" in r.getMessage() for r in caplog.records) < len(ranks):  # each rank looks every 5 s
+        assert time.monotonic() < deadline, relay.output()
+        time.sleep(0.2)
+    for rank, transport in enumerate(ranks):
+        transport.submit(spans("parts", rank, 9).spans)
         transport.close(60)
-    assert sum(t.stats().duplicates for t in ranks) >= 1, [t.stats() for t in ranks]  # the second copy of the merged batch's parts
-    assert not list(spool.glob("*.seg")), "what the relay spooled was adopted and acknowledged"
+    relay.popen.send_signal(signal.SIGTERM)
+    assert relay.wait(60) == 0 and "stopped; 2 batches received from ranks" in relay.stderr, relay.output()  # the later ones, through it
+    assert not list(spool.glob("*.seg")), "what the relays spooled was adopted or sent, and acknowledged"
     from rankscope.collector.client import Client
 
     with Client(collector.target) as client:
         deadline = time.monotonic() + 60
         while (stored := client.query(
             "SELECT rank, count() AS rows, uniqExact(start_time) AS distinct_rows FROM spans WHERE run_id = 'parts' GROUP BY rank ORDER BY rank",
-            {}).to_pylist()) != [{"rank": 0, "rows": 12, "distinct_rows": 12}, {"rank": 1, "rows": 13, "distinct_rows": 13}]:  # fmt: skip
+            {}).to_pylist()) != [{"rank": 0, "rows": 21, "distinct_rows": 21}, {"rank": 1, "rows": 22, "distinct_rows": 22}]:  # fmt: skip
             assert time.monotonic() < deadline, stored
             time.sleep(0.3)
 

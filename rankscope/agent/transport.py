@@ -32,7 +32,9 @@ Through a relay (``RANKSCOPE_RELAY``, ``node_relay.py``): the calls go to this h
 acknowledges a batch once it is in its own spool. When the relay cannot be reached (it died, it
 was never started), the Transport sends to the collector directly from then on: its
 registrations first, then what the relay did not acknowledge, then what the relay left in its
-spool (adopted as any dead owner's leftovers: same spool directory), then new data.
+spool (adopted as any dead owner's leftovers: same spool directory), then new data. Every
+``RELAY_PROBE_S`` it then tries the relay's socket (a connect, on the sender thread), and goes back
+to the relay once one answers there and no call is in flight.
 
 ``durable`` (the relay's own Transport): every batch is written to the spool as it is accepted,
 and sent from there; ``submit``'s ``on_spooled`` hears when it is on disk (or could not be).
@@ -44,6 +46,7 @@ import logging
 import os
 import queue
 import random
+import socket
 import threading
 import time
 import weakref
@@ -71,6 +74,7 @@ BACKOFF_FIRST_S = 0.2
 BACKOFF_MAX_S = 5.0
 MAX_ATTEMPTS = 5  # for failures that are neither the network's nor the batch's fault
 IDLE_WAKE_S = 1.0
+RELAY_PROBE_S = 5.0  # how often a Transport that left its relay looks whether one answers again
 # What submit charges the in-memory budget per payload, until the sender knows the real size.
 # A columnar event takes 24 to 61 bytes.
 _ESTIMATE_BASE = 256
@@ -171,6 +175,7 @@ class Transport:
         #: where the calls go: this host's relay while it answers, else the collector
         self._target = config.relay or config.collector
         self._route = 0
+        self._relay_probe = 0.0  # when to look whether the relay answers again (once left)
         self._instance = os.urandom(8)
         self._seq = 0
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -272,6 +277,7 @@ class Transport:
             self._adopt_leftovers()
             while not self._finished():
                 self._receive(self._wait_s())
+                self._return_to_relay()
                 self._issue()
         except Exception as exc:  # noqa: BLE001 - a sender bug must not reach training
             warn_once("sender", f"the sender of {self.name} stopped ({exc!r}); its telemetry goes to the spool")
@@ -531,6 +537,23 @@ class Transport:
             old.close()  # its calls still in flight end CANCELLED, and are sent again on the new route
         self._reregister.extend(self._wrap(p, 0, r) for r, p in self._registers.items())
         self._adopt_leftovers()
+        self._relay_probe = time.monotonic() + RELAY_PROBE_S
+
+    def _return_to_relay(self) -> None:
+        """Back to this host's relay once one answers on its socket again (between calls, so that
+        nothing sent to the collector is sent again through it)."""
+        relay = self.config.relay
+        if relay is None or self._target == relay or self._inflight or time.monotonic() < self._relay_probe:
+            return
+        self._relay_probe = time.monotonic() + RELAY_PROBE_S
+        if not _answers(relay):
+            return
+        log.warning("rankscope agent: this host's relay at %s answers again; %s sends through it", relay, self.name)
+        old, self._target = self._channel, relay
+        self._route += 1
+        self._connect()
+        if old is not None:
+            old.close()
 
     def _went_down(self, code: str, details: str) -> None:
         self._reregister.clear()  # the next probe starts the registrations over
@@ -637,6 +660,21 @@ def _retry_after_ms(future: Any) -> float | None:
             except ValueError:
                 return None
     return None
+
+
+def _answers(target: str, timeout_s: float = 0.5) -> bool:
+    """Whether something listens at a gRPC target (``unix:/path`` or ``host:port``)."""
+    try:
+        if target.startswith("unix:"):
+            with socket.socket(socket.AF_UNIX) as probe:
+                probe.settimeout(timeout_s)
+                probe.connect(target.removeprefix("unix:"))
+        else:
+            host, _, port = target.rpartition(":")
+            socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _safe(name: str) -> str:
