@@ -320,6 +320,18 @@ def test_a_plain_ddp_job_is_data_parallel_without_stages(store):
     st.cache_data.clear()
     incident = open_page("incidents", run="ddp")
     assert "rank 2, taken from outside by rank 3 (py-spy)" in said(incident) and incident.code[0].value == "Process 1002: python ddp_job.py"
+    # a straggler named by its late arrivals (a rank starved of CPU: its own segments look even): the heat map boxes
+    # the rank the diagnosis named, not the slowest colour
+    _insert(store, "incidents", {
+        "run_id": ["ddp"], "incident_id": ["straggler:rank=3"], "kind": ["straggler"], "severity": ["warning"], "status": ["closed"],
+        "ranks": [[3]], "hosts": [["node-b"]], "first_seen": [start + 3 * S], "last_seen": [start + 6 * S],
+        "summary": ["straggler: rank 3 (node-b) arrives last at default_pg's collectives"], "evidence": ["{}"], "sql": ["SELECT 1"], "version": [1],
+    })  # fmt: skip
+    st.cache_data.clear()
+    heat = open_page("heatmap", run="ddp", segment="forward")
+    assert "Named by the diagnosis (boxed): rank 3 (node-b)**: its forward time is within its stage's here" in said(heat), said(heat)
+    boxes = [shape["y0"] + 0.5 for shape in json.loads(heat.get("plotly_chart")[0].proto.spec)["layout"]["shapes"] if shape["type"] == "rect"]
+    assert boxes == [3], boxes  # row 3 (rank 3), not row 1
 
 
 def test_evidence_that_is_not_a_json_object_is_read_back_as_unreadable_text():

@@ -48,7 +48,16 @@ def body(run: Run) -> None:
         st.caption("The run was restarted: a step run again shows its latest run, and the dashed lines mark where each attempt "
                    "began. A row is a rank as the latest attempt numbers it (after a restart, the same rank may be another "
                    "process on another host); a rank only an earlier attempt had is blank after it.")  # fmt: skip
-    highlight = [str(r) for r in slow["row"]] + [str(r) for r in ui.ints_param("ranks") if by == "rank"]
+    named = sorted({rank for f in suspects for rank in f.ranks})
+    if named:  # the diagnosis weighs more than this segment's colours (arrival order, critical path): its ranks are boxed
+        who = ", ".join(ui.who(rank, hosts) for rank in named)
+        even = not set(named) & set(slow["rank"].astype(int))
+        st.markdown(f"**Named by the diagnosis (boxed): {who}**" + (f": its {segment} time is within its stage's here, its delay "
+                    "shows elsewhere (the incident's evidence, and when it arrives at collectives on the timeline)" if even else ""))  # fmt: skip
+        boxed = [str(rank) for rank in named] if by == "rank" else sorted({hosts.get(rank, "") for rank in named})
+    else:
+        boxed = [str(r) for r in slow["row"]]
+    highlight = boxed + [str(r) for r in ui.ints_param("ranks") if by == "rank"]
     fig = figures.heatmap_figure(cells, segment, highlight, restarts)
     event = st.plotly_chart(fig, on_select="rerun", selection_mode="points", key="heat")
     rows = figures.heat_rows(cells)
