@@ -6,7 +6,8 @@ train``, which starts the relay on $RANKSCOPE_RELAY) sends through a relay that 
 SIGKILL mid-run; the ranks go on to the collector directly, adopt what the relay left in its spool,
 and the run is whole in the store, no row twice. The relay killed between its spool's write and its
 reply (its test hook): the ranks' Transports send those batches again themselves, and the
-collector stores every row once, whichever of the two copies comes first.
+collector stores every row once, whichever of the two copies comes first; they come back to the
+relay started next, and a real agent behind it gets the stack dump the collector asks of it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -65,6 +67,17 @@ def test_merged_batches_are_stored_as_the_ranks_own_and_a_bad_one_is_refused_alo
         merge("spans", [own[0], (2, bad)])
 
 
+#: a real agent: steps of 50 ms until killed
+AGENT = """
+import time, rankscope.agent as agent
+assert agent.init()
+for step in range(1, 10**6):
+    agent.set_step(step)
+    with agent.span("forward", kind="compute"):
+        time.sleep(0.05)
+"""
+
+
 @pytest.mark.timeout(150)
 def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice_and_its_ranks_come_back_to_the_next(
     proc_runner: ProcRunner, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -98,11 +111,24 @@ def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice_and
     for rank, transport in enumerate(ranks):
         transport.submit(spans("parts", rank, 9).spans)
         transport.close(60)
-    relay.popen.send_signal(signal.SIGTERM)
-    assert relay.wait(60) == 0 and "stopped; 2 batches received from ranks" in relay.stderr, relay.output()  # the later ones, through it
-    assert not list(spool.glob("*.seg")), "what the relays spooled was adopted or sent, and acknowledged"
+    # a real agent behind the relay: a stack the collector asks of it reaches it through the relay
+    agent = proc_runner.start([sys.executable, "-c", AGENT], name="agent", env={
+        "RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_RELAY": socket, "RANKSCOPE_SPOOL_DIR": str(spool),
+        "RANKSCOPE_RUN_ID": "stacked", "RANK": "0", "WORLD_SIZE": "1", "RANKSCOPE_HEARTBEAT_S": "0.5"})  # fmt: skip
     from rankscope.collector.client import Client
 
+    with Client(collector.target) as client:
+        assert client.request_stack("stacked", 0, "test")
+        deadline = time.monotonic() + 60
+        while not (stacks := client.query("SELECT rank, reason FROM stacks WHERE run_id = 'stacked'", {}).to_pylist()):
+            assert agent.returncode is None and time.monotonic() < deadline, f"{agent.output()}\n{relay.output()}"
+            time.sleep(0.3)
+        assert stacks == [{"rank": 0, "reason": "requested"}], stacks
+    agent.kill()
+    assert "does not answer" not in agent.stderr, agent.output()  # the agent sent through the relay only
+    relay.popen.send_signal(signal.SIGTERM)
+    assert relay.wait(60) == 0 and "parts 2" in relay.stderr, relay.output()  # the ranks' later batches, through it
+    assert not list(spool.glob("*.seg")), "what the relays spooled was adopted or sent, and acknowledged"
     with Client(collector.target) as client:
         deadline = time.monotonic() + 60
         while (stored := client.query(

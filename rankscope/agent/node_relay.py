@@ -94,14 +94,14 @@ class Relay(ingest_pb2_grpc.IngestServicer):
         #: (run, rank) -> the collector's commands for that rank, until its next acknowledgement
         self._commands: dict[tuple[str, int], list[ingest_pb2.Command]] = {}
         self._die_after = os.environ.get(DIE_AFTER_SPOOL)
-        self.received = 0  # batches from ranks, acknowledged or not
+        self.received: dict[str, int] = {}  # run -> batches from its ranks, acknowledged or not
 
     async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
         received_ns = time.time_ns()
         kind = request.WhichOneof("payload")
         if kind is None or not request.run_id or len(request.batch_id) != BATCH_ID_BYTES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the relay takes batches that name their run, have a 16-byte id and carry a payload")
-        self.received += 1
+        self.received[request.run_id] = self.received.get(request.run_id, 0) + 1
         part = _Part(request.rank, request.batch_id, getattr(request, kind), asyncio.get_running_loop().create_future())
         self._waiting.setdefault((request.run_id, kind), []).append(part)
         self._bytes += request.ByteSize()
@@ -235,7 +235,7 @@ async def _serve(config: AgentConfig, listen: str, flush_s: float, on_ready: Cal
     await server.stop(grace=1.0)
     flushing.cancel()
     await relay.close(timeout_s=10.0)
-    log.warning("rankscope relay: stopped; %d batches received from ranks", relay.received)
+    log.warning("rankscope relay: stopped; batches received from ranks, by run: %s", ", ".join(f"{r} {n}" for r, n in relay.received.items()))
 
 
 def _claim_socket(listen: str) -> None:
