@@ -1,7 +1,7 @@
 """Readers against ingest: how long a new run's batches wait for their acks while slow queries run,
 and what the queries that once broke the limits cost the collector now.
 
-    python benchmarks/reads.py [--slow 6] [--batches 20]
+    python benchmarks/reads.py [--slow 6] [--batches 20] [--hogs 0]
 
 One ``rankscope collector`` (embedded chDB, no diagnosis). First a new run's batches are sent one
 at a time with nothing else running; then ``--slow`` queries that sleep in the engine are started
@@ -10,7 +10,9 @@ they run; then the same with queries that keep the CPU busy; then with the three
 30 (903 MB of one repeated string, 1 GB in one array, ``system.processes``), sent together, the
 batches going on until all three are answered. Printed: each phase's ack latency (median, slowest)
 and the batches that missed their 30 s deadline; then each limit query's answer, and the
-collector's peak RSS before and after them.
+collector's peak RSS before and after them. ``--hogs N`` keeps N busy processes running through
+every phase, each in a session of its own as another user's job is: the loaded machine on which
+reads once delayed acks by seconds, made repeatable.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -69,6 +74,23 @@ def acks(stub: ingest_pb2_grpc.IngestStub, run_id: str, batches: int, until: Cal
     return took, missed
 
 
+@contextmanager
+def hogs(n: int) -> Iterator[None]:
+    """``n`` processes that keep a core busy, each in a session (an autogroup) of its own, until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def quantile(took: list[float], q: float) -> float:
+    """The ``q`` quantile of ``took`` (nearest rank), in ms."""
+    return sorted(took)[min(len(took) - 1, int(q * len(took)))] * 1e3
+
+
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident memory (VmHWM), in MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -90,30 +112,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slow", type=int, default=6, help="slow queries running while the second run sends (default: 6)")
     parser.add_argument("--batches", type=int, default=20, help="batches per run (default: 20)")
+    parser.add_argument("--hogs", type=int, default=0, help="busy processes running meanwhile, each in a session of its own (default: 0)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rankscope-bench-reads-"))
     proc, address = start_collector(work / "store", work / "collector.log", "--no-diagnosis", "--flush-interval", "0.2")
     try:
-        with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
-            ingest, query = ingest_pb2_grpc.IngestStub(channel), query_pb2_grpc.QueryStub(channel)
-            rows = [("no queries", *acks(ingest, "reads-idle", args.batches))]
-            for kind, sql in SLOW.items():
-                slow = [query.Query.future(query_pb2.QueryRequest(sql=sql), timeout=DEADLINE_S) for _ in range(args.slow)]
-                time.sleep(1.0)  # every slow query started
-                rows.append((f"{args.slow} {kind} queries", *acks(ingest, f"reads-{kind}", args.batches)))
-                for call in slow:
-                    call.cancel()
-                time.sleep(1.0)
-            idle_rss = peak_rss_mb(proc.pid)
-            limits = [query.Query.future(query_pb2.QueryRequest(sql=sql), timeout=120) for sql in LIMIT_QUERIES]
-            rows.append(("the 3 limit queries", *acks(ingest, "reads-limits", args.batches, lambda: all(c.done() for c in limits))))
-            print(f"{'phase':<28} {'batches':>7} {'ack median ms':>14} {'ack max ms':>11} {'deadline missed':>16}")
-            for phase, took, missed in rows:
-                print(f"{phase:<28} {len(took):>7} {statistics.median(took) * 1e3:>14.1f} {max(took) * 1e3:>11.1f} {missed:>16}")
-            print()
-            print(f"collector peak RSS: {idle_rss:.0f} MB before the limit queries, {peak_rss_mb(proc.pid):.0f} MB after\n")
-            for sql, call in zip(LIMIT_QUERIES, limits):
-                print(f"{sql:<76} {answer(call)}")
+        with hogs(args.hogs):
+            with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
+                ingest, query = ingest_pb2_grpc.IngestStub(channel), query_pb2_grpc.QueryStub(channel)
+                rows = [("no queries", *acks(ingest, "reads-idle", args.batches))]
+                for kind, sql in SLOW.items():
+                    slow = [query.Query.future(query_pb2.QueryRequest(sql=sql), timeout=DEADLINE_S) for _ in range(args.slow)]
+                    time.sleep(1.0)  # every slow query started
+                    rows.append((f"{args.slow} {kind} queries", *acks(ingest, f"reads-{kind}", args.batches)))
+                    for call in slow:
+                        call.cancel()
+                    time.sleep(1.0)
+                idle_rss = peak_rss_mb(proc.pid)
+                limits = [query.Query.future(query_pb2.QueryRequest(sql=sql), timeout=120) for sql in LIMIT_QUERIES]
+                rows.append(("the 3 limit queries", *acks(ingest, "reads-limits", args.batches, lambda: all(c.done() for c in limits))))
+                print(f"{'phase':<28} {'batches':>7} {'ack median ms':>14} {'ack p90 ms':>11} {'ack max ms':>11} {'deadline missed':>16}")
+                for phase, took, missed in rows:
+                    print(f"{phase:<28} {len(took):>7} {statistics.median(took) * 1e3:>14.1f} {quantile(took, 0.9):>11.1f} {max(took) * 1e3:>11.1f} {missed:>16}")
+                print()
+                print(f"collector peak RSS: {idle_rss:.0f} MB before the limit queries, {peak_rss_mb(proc.pid):.0f} MB after\n")
+                for sql, call in zip(LIMIT_QUERIES, limits):
+                    print(f"{sql:<76} {answer(call)}")
     finally:
         stop(proc)
         shutil.rmtree(work, ignore_errors=True)

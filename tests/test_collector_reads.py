@@ -7,12 +7,14 @@ while a new run's batches are timed from send to acknowledgement.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -78,6 +80,15 @@ def send_until(ingest: ingest_pb2_grpc.IngestStub, run_id: str, stop: threading.
     return took
 
 
+def priorities(pid: int) -> list[int]:
+    """The nice value of each thread of process ``pid``."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            found.append(int(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return found
+
+
 def await_queries(url: str, running: int, waiting: int, timeout_s: float) -> float:
     """Seconds until the collector reports this many queries running and waiting; fails after ``timeout_s``."""
     started = time.monotonic()
@@ -97,6 +108,8 @@ def test_batches_are_acknowledged_at_once_while_slow_and_limit_queries_fill_ever
     await_queries(collector.metrics_url, CONCURRENCY, 6 - CONCURRENCY, timeout_s=10)
     slow += [stub.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=20) for _ in range(4)]
     await_queries(collector.metrics_url, CONCURRENCY, 4 * CONCURRENCY, timeout_s=10)  # as many as may wait
+    # the reads run below the collector's own priority (--nice 10), in the engine and in the read pool
+    assert priorities(collector.proc.pid).count(19) >= 2 * CONCURRENCY
     stop = threading.Event()
     with Client(collector.target) as client, ThreadPoolExecutor(1 + len(LIMIT_QUERIES)) as pool:
         acks = pool.submit(send_until, ingest, "under-reads", stop)  # a new run: its first batch reads what the store knows of it
@@ -114,6 +127,8 @@ def test_batches_are_acknowledged_at_once_while_slow_and_limit_queries_fill_ever
         took = acks.result(timeout=30)
     assert len(took) >= 5 and max(took) < 3.0, f"acks took {[round(a, 2) for a in took]} s while queries ran"
     await_queries(collector.metrics_url, 0, 0, timeout_s=10)
+    # the engine puts the threads it lowered back to nice 0; the read pool brings them back to the collector's 10
+    assert 0 not in priorities(collector.proc.pid)
 
 
 @pytest.mark.timeout(60)
@@ -154,8 +169,8 @@ def test_reads_run_readonly_in_the_engine_within_the_databases_and_limits_given(
     with pytest.raises(QueryRefused, match="getSetting"):
         run_read_only(engine, guard, "SELECT getSetting('readonly')")
     settings = engine_settings(Limits(max_memory_bytes=2**29, max_threads=1), tag="rankscope-read-t")
-    sql = "SELECT getSetting('readonly') AS ro, getSetting('max_memory_usage') AS m, getSetting('max_threads') AS t"
-    assert engine.query_arrow(sql, settings=settings).to_pylist() == [{"ro": 1, "m": 2**29, "t": 1}]
+    sql = "SELECT getSetting('readonly') AS ro, getSetting('max_memory_usage') AS m, getSetting('max_threads') AS t, getSetting('os_thread_priority') AS n"
+    assert engine.query_arrow(sql, settings=settings).to_pylist() == [{"ro": 1, "m": 2**29, "t": 1, "n": 19}]
     assert "spans" in run_read_only(engine, guard, "SHOW TABLES")["name"].to_pylist()
     empty = run_read_only(engine, guard, "SELECT 1 AS a, 'x' AS b WHERE 0")
     assert (empty.num_rows, empty.column_names) == (0, ["a", "b"])

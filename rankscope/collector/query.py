@@ -309,6 +309,9 @@ class Limits:
     max_memory_bytes: int = 2**30
     #: the engine's threads for one read (max_threads): a read never takes every core from the inserts
     max_threads: int = 2
+    #: the CPU priority (nice, 0-19) of a read's threads in the engine (os_thread_priority; where the
+    #: engine may lower it: CAP_SYS_NICE) and in the collector (read_pool): inserts come first
+    nice: int = 19
 
 
 #: ClickHouse error names that mean "over a limit" rather than "wrong statement"
@@ -331,6 +334,7 @@ def engine_settings(limits: Limits, max_rows: int = 0, *, tag: str = "", within_
         "timeout_overflow_mode": "throw",
         "max_memory_usage": limits.max_memory_bytes,
         "max_threads": limits.max_threads,
+        **({"os_thread_priority": limits.nice} if limits.nice else {}),
         **({"log_comment": tag} if tag else {}),
         "readonly": 1,
     }
