@@ -13,8 +13,10 @@ waited for; a first pass warms up what the diagnosis keeps between passes (as th
 does); then ``--repeats`` times one more step is written and a pass timed: each detector as
 ``diagnose`` calls it, on the run's context kept between passes, plus the loop's query for the
 active runs. The table gives the median of the repeats per checkpoint, and the ratio of the last
-checkpoint to the first (flat: 1.0). ``--baseline REV`` times the detectors of another revision
-(git) on the same store after the same inserts, each side first in turn. ``--heatmap`` also times
+checkpoint to the first (flat: 1.0), then the straggler detector's mean and slowest pass.
+``--baseline REV`` times the detectors of another revision (git) on the same store after the same
+inserts, each side first in turn, each with its own windows (``WINDOW_MODULES`` of ``REV``) and
+state, and counts the passes where the two straggler detectors' findings differ. ``--heatmap`` also times
 the dashboard's heat map of the whole job, as it first draws it at that size (the newest 100
 steps of the backward segment, a row per host above 1,024 ranks). The store is removed at the end.
 """
@@ -51,35 +53,47 @@ HEATMAP = "heat map (dashboard)"
 
 
 DETECTOR_MODULES = ("engine", "hang", "crash", "straggler", "nan", "slow_link", "gpu")
+#: what the detectors keep between passes: a baseline's detectors use its own
+WINDOW_MODULES = ("segment_window", "arrivals", "transfer_window")
 CURRENT = SimpleNamespace(engine=engine, hang=hang, crash=crash, straggler=straggler, nan=nan, slow_link=slow_link, gpu=gpu, paths={})
 
 
 def detectors_of(rev: str, into: Path) -> SimpleNamespace:
     """The diagnosis modules of git revision ``rev``, loaded beside this one's (they import what they
-    share, the run context and incidents, from this checkout)."""
+    share, the run context and incidents, from this checkout; their windows, ``WINDOW_MODULES``, from
+    ``rev`` where it has them)."""
     root = Path(__file__).resolve().parent.parent
     modules: dict[str, ModuleType] = {}
-    for name in DETECTOR_MODULES:
+    package = sys.modules.setdefault("rankscope_baseline", ModuleType("rankscope_baseline"))
+    package.__path__ = []
+    for name in (*WINDOW_MODULES, *DETECTOR_MODULES):
         for folder in ("rankscope/collector/diagnosis", "collector/diagnosis"):  # the layout since session 24, and before it
             shown = subprocess.run(["git", "show", f"{rev}:{folder}/{name}.py"], cwd=root, capture_output=True, text=True)
             if shown.returncode == 0:
                 break
         else:
+            if name in WINDOW_MODULES:
+                continue  # not in that revision: its detectors had none
             raise SystemExit(f"{rev}: no diagnosis module {name}: {shown.stderr.strip()}")
         source = shown.stdout
+        for own in (n for n in WINDOW_MODULES if n in modules):
+            source = source.replace(f"from rankscope.collector.diagnosis import {own}", f"from rankscope_baseline import {own}")
+            source = source.replace(f"rankscope.collector.diagnosis.{own} ", f"rankscope_baseline.{own} ")
         path = into / f"baseline_{name}.py"
         path.write_text(source)
         spec = importlib.util.spec_from_file_location(f"rankscope_baseline.{name}", path)
         assert spec is not None and spec.loader is not None
         modules[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        setattr(package, name, modules[name])
         spec.loader.exec_module(modules[name])
     return SimpleNamespace(**modules, paths={})
 
 
-def one_pass(store: EmbeddedStore, ctx: RunContext, now_ns: int, d: SimpleNamespace = CURRENT) -> dict[str, float]:
+def one_pass(store: EmbeddedStore, ctx: RunContext, now_ns: int, d: SimpleNamespace = CURRENT) -> tuple[dict[str, float], list]:
     """Seconds of each part of one live pass over the run (``diagnose``'s detectors, in its order), by
     the detector modules ``d``, with the critical paths they kept (incidents' costs) as their own
-    collector would have kept them: neither side walks a step's path for the other."""
+    collector would have kept them: neither side walks a step's path for the other; and the straggler
+    detector's findings (each side's the same, or the faster one lost something)."""
     anatomy_path._PATHS = d.paths
     engine, hang, crash, straggler, nan, slow_link, gpu = (getattr(d, n) for n in DETECTOR_MODULES)
     parts: dict[str, Callable[[], object]] = {
@@ -91,12 +105,12 @@ def one_pass(store: EmbeddedStore, ctx: RunContext, now_ns: int, d: SimpleNamesp
         "slow_link": lambda: slow_link.detect(ctx),
         "gpu": lambda: gpu.detect(ctx),
     }
-    seconds = {}
+    seconds, found = {}, {}
     for name, part in parts.items():
         started = time.perf_counter()
-        part()
+        found[name] = part()
         seconds[name] = time.perf_counter() - started
-    return seconds
+    return seconds, found["straggler"]
 
 
 def heat_map_s(store: EmbeddedStore, world_size: int, last_step: int, repeats: int) -> float:
@@ -144,7 +158,9 @@ def main() -> None:
     try:
         migrate(store, store.database, None)
         print(f"store: {store.describe()}; {topo.world_size:,} ranks (tp {args.tp}, pp {args.pp}, dp {args.dp})\n", flush=True)
-        written, end_ns, ctx = 0, anatomy_rows.T0, None
+        written, end_ns, ctxs = 0, anatomy_rows.T0, {}
+        differ = passes = named = 0
+        every: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
         results: dict[tuple[str, int], dict[str, float]] = {}
         for checkpoint in checkpoints:
             started = time.perf_counter()
@@ -154,17 +170,23 @@ def main() -> None:
             written, end_ns = upto, steps[-1].end_ns
             waited = settle(store, limit_s=600)
             print(f"step {checkpoint}: wrote up to step {upto} in {time.perf_counter() - started:.0f} s, merges {waited:.0f} s", flush=True)
-            ctx = ctx or RunContext.load(RUN, store.query_arrow, Settings())
-            for d in sides.values():
-                one_pass(store, ctx, end_ns, d)  # what a live pass keeps from the one before
+            ctxs = ctxs or {side: RunContext.load(RUN, store.query_arrow, Settings()) for side in sides}  # a side's state its own
+            for side, d in sides.items():
+                one_pass(store, ctxs[side], end_ns, d)  # what a live pass keeps from the one before
             timings: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
             for repeat in range(args.repeats):
                 steps = anatomy_rows.write_run(store, topo, model, range(written + 1, written + 2), run_id=RUN, start_ns=end_ns,
                                             register=False, steps_per_insert=1, signals=True)  # fmt: skip
                 written, end_ns = written + 1, steps[-1].end_ns
                 # each side first after the insert in turn: the first pass meets its parts unmerged
+                found = {}
                 for side in list(sides)[:: 1 if repeat % 2 == 0 else -1]:
-                    timings[side].append(one_pass(store, ctx, end_ns, sides[side]))
+                    seconds, found[side] = one_pass(store, ctxs[side], end_ns, sides[side])
+                    timings[side].append(seconds)
+                    every[side].append(seconds)
+                passes += 1
+                differ += any(found[side] != found["this"] for side in sides)
+                named += len(found["this"])
             for side in sides:
                 got = {name: statistics.median(t[name] for t in timings[side]) for name in DETECTORS}
                 if args.heatmap and side == "this":
@@ -176,7 +198,14 @@ def main() -> None:
         rows_n = sum(store.query_arrow(f"SELECT count() AS n FROM {t} WHERE run_id = {{run:String}}", {"run": RUN})["n"][0].as_py()
                      for t in ("spans", "collectives", "heartbeats", "step_metrics", "metrics"))  # fmt: skip
         first, last = checkpoints[0], checkpoints[-1]
-        print(f"\n{rows_n:,} rows at step {written:,}\n")
+        print(f"\n{rows_n:,} rows at step {written:,}")
+        for side in sides:
+            taken = [t["straggler"] for t in every[side]]
+            print(f"straggler ({side}): mean {statistics.mean(taken) * 1e3:.0f} ms, slowest {max(taken) * 1e3:.0f} ms "
+                  f"over {len(taken)} timed passes")  # fmt: skip
+        if args.baseline:
+            print(f"the straggler's findings differ between the sides in {differ} of {passes} timed passes ({named} findings in all)")
+        print()
         print("| part of a pass | " + " | ".join(f"step {c:,}" for c in checkpoints) + f" | step {last:,} / step {first:,} |")
         print("|---|" + "---|" * (len(checkpoints) + 1))
         for name in (*DETECTORS, "pass", *([HEATMAP] if args.heatmap else [])):
