@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,11 +27,13 @@ import pytest
 from conftest import CLI, ProcRunner, start_collector
 
 from rankscope.agent.config import load_config
+from rankscope.agent.host_relay import answers
 from rankscope.agent.node_relay import DIE_AFTER_SPOOL
 from rankscope.agent.relay_merge import merge, select
 from rankscope.agent.transport import Transport
 from rankscope.collector.decode import decode
 from rankscope.collector.run_registry import RunRegistry
+from rankscope.healing.elastic import agent_command, host_relay
 from rankscope.protos.v1 import telemetry_pb2 as pb
 from test_collector_ingest import envelope, register, spans
 
@@ -198,3 +201,21 @@ def _parent(stat: Path) -> int:
 def _last_step(metrics: Path) -> int:
     lines = metrics.read_text().splitlines() if metrics.exists() else []
     return json.loads(lines[-1])["step"] if lines else 0
+
+
+#: a host's command under `rankscope launch`: whether its relay answers at the address its ranks are given
+SEES_RELAY = "import os, sys; from rankscope.agent.host_relay import answers; r = os.environ['RANKSCOPE_RELAY']; print(r, answers(r)); sys.exit(3)"
+
+
+@pytest.mark.timeout(60)
+def test_a_launched_host_runs_beside_a_relay_of_its_own(tmp_path: Path) -> None:
+    env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_RELAY": f"unix:{tmp_path / 'relay.sock'}", "RANKSCOPE_COLLECTOR": "127.0.0.1:1"}
+    assert host_relay(env) == env["RANKSCOPE_RELAY"]  # under Slurm: each node's own disk
+    listen = host_relay(env, "h1")  # on a test bed the hosts share the file system
+    assert listen == f"unix:{tmp_path / 'relay-h1.sock'}" and host_relay({**env, "RANKSCOPE_ENABLE": "0"}, "h1") is None
+    command = agent_command(["-c", "pass"], run_id="r", nnodes="1", ranks_per_host=1, endpoint="x:1", max_restarts=0, rdzv_conf={}, relay=listen)
+    assert command[:7] == [sys.executable, "-m", "rankscope.agent.host_relay", "--listen", listen, "--", sys.executable]
+    done = subprocess.run([*command[:6], sys.executable, "-c", SEES_RELAY], env={**os.environ, **env, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool")},
+                          capture_output=True, text=True, timeout=50)  # fmt: skip
+    assert (done.returncode, done.stdout) == (3, f"{listen} True\n"), done  # the command's own status, its relay up
+    assert "rankscope relay: stopped" in done.stderr and not answers(listen), done.stderr  # and stopped after it

@@ -46,7 +46,6 @@ import logging
 import os
 import queue
 import random
-import socket
 import threading
 import time
 import weakref
@@ -60,6 +59,7 @@ from google.protobuf.message import Message
 
 from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import AgentConfig, warn_once
+from rankscope.agent.host_relay import answers
 from rankscope.agent.spool import Segment, Spool
 from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2
 
@@ -546,7 +546,7 @@ class Transport:
         if relay is None or self._target == relay or self._inflight or time.monotonic() < self._relay_probe:
             return
         self._relay_probe = time.monotonic() + RELAY_PROBE_S
-        if not _answers(relay):
+        if not answers(relay):
             return
         log.warning("rankscope agent: this host's relay at %s answers again; %s sends through it", relay, self.name)
         old, self._target = self._channel, relay
@@ -660,21 +660,6 @@ def _retry_after_ms(future: Any) -> float | None:
             except ValueError:
                 return None
     return None
-
-
-def _answers(target: str, timeout_s: float = 0.5) -> bool:
-    """Whether something listens at a gRPC target (``unix:/path`` or ``host:port``)."""
-    try:
-        if target.startswith("unix:"):
-            with socket.socket(socket.AF_UNIX) as probe:
-                probe.settimeout(timeout_s)
-                probe.connect(target.removeprefix("unix:"))
-        else:
-            host, _, port = target.rpartition(":")
-            socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
-    except (OSError, ValueError):
-        return False
-    return True
 
 
 def _safe(name: str) -> str:

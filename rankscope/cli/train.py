@@ -13,63 +13,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 
 HELP = "run the bundled trainer (all arguments go to it: see `rankscope train --help`)"
 PASSTHROUGH = True
 #: how long the launcher spends sending what the ranks left in their spool
 REPLAY_TIMEOUT_S = 120.0
-#: how long the relay has to spool and send what waits once the ranks have ended
-RELAY_STOP_S = 30.0
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `rankscope --help` never imports torch.
+    from rankscope.agent import host_relay
     from rankscope.trainer.torchrun import main as launch_main
 
-    relay = _start_relay()
+    relay = host_relay.start(os.environ, "rankscope train")
     try:
         status = launch_main(list(args.argv))
     finally:
-        if relay is not None:
-            relay.terminate()  # it spools what waits and sends what it can within seconds
-            relay.wait(RELAY_STOP_S)
+        host_relay.stop(relay)
     _replay_leftovers()
     return status
-
-
-def _start_relay() -> subprocess.Popen[bytes] | None:
-    """``rankscope relay`` on $RANKSCOPE_RELAY for the job, once it listens; None when none is asked
-    for (or one answers there already)."""
-    from rankscope.agent.config import load_config
-
-    if os.environ.get("RANKSCOPE_ENABLE") != "1" or not os.environ.get("RANKSCOPE_RELAY"):
-        return None
-    config = load_config(os.environ)
-    if config is None or config.relay is None or _answers(config.relay):
-        return None
-    relay = subprocess.Popen([sys.executable, "-m", "rankscope.cli.main", "relay"], stdout=subprocess.PIPE)
-    line = relay.stdout.readline() if relay.stdout is not None else b""  # "ready on ...", or nothing: it failed
-    if b"ready" not in line:
-        relay.wait(RELAY_STOP_S)
-        print(f"rankscope train: the relay on {config.relay} did not start; the ranks send to the collector directly", flush=True)
-        return None
-    return relay
-
-
-def _answers(address: str) -> bool:
-    """Whether something listens on the Unix socket ``address`` already."""
-    import socket
-
-    if not address.startswith("unix:"):
-        return True  # another host's address: not ours to start
-    with socket.socket(socket.AF_UNIX) as probe:
-        try:
-            probe.connect(address.removeprefix("unix:"))
-        except OSError:
-            return False
-    return True
 
 
 def _replay_leftovers() -> None:

@@ -5,7 +5,8 @@ a process of its own (``rankscope.healing.rendezvous``) outside the training hos
 whose keep-alive stops is dropped from the rendezvous within a few seconds (``keep_alive_interval``
 x ``keep_alive_max_attempt``), and the survivors wait ``last_call_timeout`` for late joiners before
 they go on without it. The test bed (``rankscope.testbed.healing_job``) and a Slurm allocation
-(``rankscope.healing.slurm_job``) start the same command line.
+(``rankscope.healing.slurm_job``) start the same command line. When the job asks for relays
+(``RANKSCOPE_RELAY``), the agent runs beside its host's relay (``rankscope.agent.host_relay``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from rankscope.common.processes import terminate_tree
 
-__all__ = ["RDZV_CONF", "RDZV_PORT", "RendezvousError", "agent_command", "start_rendezvous"]
+__all__ = ["RDZV_CONF", "RDZV_PORT", "RendezvousError", "agent_command", "host_relay", "start_rendezvous"]
 
 RDZV_PORT = 29400
 #: torchrun's c10d rendezvous settings of a self-healing job (seconds)
@@ -32,16 +33,32 @@ class RendezvousError(RuntimeError):
 
 def agent_command(
     program: Sequence[str], *, run_id: str, nnodes: str, ranks_per_host: int, endpoint: str, max_restarts: int,
-    rdzv_conf: Mapping[str, object],
+    rdzv_conf: Mapping[str, object], relay: str | None = None,
 ) -> list[str]:  # fmt: skip
     """torchrun's elastic agent for one host: ``program`` (a script and its arguments, or ``-m
-    module ...``) on ``ranks_per_host`` ranks, meeting the others at ``endpoint`` under ``run_id``."""
+    module ...``) on ``ranks_per_host`` ranks, meeting the others at ``endpoint`` under ``run_id``;
+    with this host's relay on ``relay`` (``unix:PATH``) beside it, its ranks sending through it."""
+    beside = [sys.executable, "-m", "rankscope.agent.host_relay", "--listen", relay, "--"] if relay else []
     return [
+        *beside,
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={ranks_per_host}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
         f"--rdzv-conf={','.join(f'{k}={v}' for k, v in rdzv_conf.items())}", f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5", *program,
     ]  # fmt: skip
+
+
+def host_relay(environ: Mapping[str, str], host: str | None = None) -> str | None:
+    """Where a host's relay listens when the job asks for relays (the agent on, $RANKSCOPE_RELAY a
+    ``unix:`` path), else None. ``host``: hosts that share one file system (a test bed's) each get
+    a socket of their own, the path with the host's name added."""
+    relay = environ.get("RANKSCOPE_RELAY", "")
+    if environ.get("RANKSCOPE_ENABLE") != "1" or not relay.startswith("unix:"):
+        return None
+    if host is None:
+        return relay
+    path = Path(relay.removeprefix("unix:"))
+    return f"unix:{path.with_name(f'{path.stem}-{host}{path.suffix}')}"
 
 
 def start_rendezvous(listen: str, log: Path, *, prefix: Sequence[str] = (), timeout_s: float = 30) -> subprocess.Popen[bytes]:
