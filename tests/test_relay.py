@@ -35,7 +35,7 @@ from rankscope.collector.decode import decode
 from rankscope.collector.run_registry import RunRegistry
 from rankscope.healing.elastic import agent_command, host_relay
 from rankscope.protos.v1 import telemetry_pb2 as pb
-from test_collector_ingest import envelope, register, spans
+from test_collector_ingest import envelope, metrics, register, spans
 
 
 @pytest.mark.timeout(30)
@@ -113,6 +113,7 @@ def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice_and
         time.sleep(0.2)
     for rank, transport in enumerate(ranks):
         transport.submit(spans("parts", rank, 9).spans)
+        transport.submit(metrics("parts", rank).metrics)  # 2 gauges: a kind passed on one by one
         transport.close(60)
     # a real agent behind the relay: a stack the collector asks of it reaches it through the relay
     agent = proc_runner.start([sys.executable, "-c", AGENT], name="agent", env={
@@ -130,7 +131,7 @@ def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice_and
     agent.kill()
     assert "does not answer" not in agent.stderr, agent.output()  # the agent sent through the relay only
     relay.popen.send_signal(signal.SIGTERM)
-    assert relay.wait(60) == 0 and "parts 2" in relay.stderr, relay.output()  # the ranks' later batches, through it
+    assert relay.wait(60) == 0 and "by run: parts 4, stacked" in relay.stderr, relay.output()  # the ranks' later batches, through it
     assert not list(spool.glob("*.seg")), "what the relays spooled was adopted or sent, and acknowledged"
     with Client(collector.target) as client:
         deadline = time.monotonic() + 60
@@ -139,6 +140,7 @@ def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice_and
             {}).to_pylist()) != [{"rank": 0, "rows": 21, "distinct_rows": 21}, {"rank": 1, "rows": 22, "distinct_rows": 22}]:  # fmt: skip
             assert time.monotonic() < deadline, stored
             time.sleep(0.3)
+        assert client.query("SELECT count() AS n FROM metrics WHERE run_id = 'parts'", {})["n"][0].as_py() == 4
 
 
 STEPS = 40

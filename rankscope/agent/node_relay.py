@@ -79,6 +79,7 @@ class _Part:
     batch_id: bytes
     payload: Message
     done: asyncio.Future[grpc.StatusCode | None]
+    twins: list[_Part] = dataclasses.field(default_factory=list)  # the same batch sent again while this one waits
 
 
 class Relay(ingest_pb2_grpc.IngestServicer):
@@ -144,7 +145,7 @@ class Relay(ingest_pb2_grpc.IngestServicer):
             except Exception:  # a relay's bug: its ranks send these themselves, and it goes on
                 log.exception("rankscope relay: %d %s batches of run %s not taken", len(parts), kind, run_id)
                 for part in parts:
-                    _settle(part.done, grpc.StatusCode.UNAVAILABLE)
+                    _settle(part, grpc.StatusCode.UNAVAILABLE)
 
     async def close(self, timeout_s: float) -> None:
         """Spool what waits; send what can be sent within ``timeout_s``; the rest stays spooled."""
@@ -165,7 +166,7 @@ class Relay(ingest_pb2_grpc.IngestServicer):
                 good.append(part)
             except ValueError as exc:
                 log.warning("rankscope relay: a %s batch of rank %d refused: %s", kind, part.rank, exc)
-                _settle(part.done, grpc.StatusCode.INVALID_ARGUMENT)
+                _settle(part, grpc.StatusCode.INVALID_ARGUMENT)
         return merge(kind, [(p.rank, p.payload) for p in good]), good
 
     def _transport(self, run_id: str, rank: int, loop: asyncio.AbstractEventLoop) -> Transport:
@@ -186,12 +187,12 @@ class Relay(ingest_pb2_grpc.IngestServicer):
             if ok and kind == self._die_after:
                 os.kill(os.getpid(), signal.SIGKILL)  # the test hook: on disk, and no rank has heard
             for part in parts:
-                loop.call_soon_threadsafe(_settle, part.done, None if ok else grpc.StatusCode.UNAVAILABLE)
+                loop.call_soon_threadsafe(_settle, part, None if ok else grpc.StatusCode.UNAVAILABLE)
 
         held = tuple(ingest_pb2.BatchPart(rank=p.rank, batch_id=p.batch_id, count=event_count(p.payload)) for p in parts)
         if not transport.submit(payload, rank=parts[0].rank, on_spooled=spooled, parts=held):
             for part in parts:
-                _settle(part.done, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                _settle(part, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def _unique(parts: list[_Part]) -> list[_Part]:
@@ -201,13 +202,15 @@ def _unique(parts: list[_Part]) -> list[_Part]:
     for part in parts:
         kept = first.setdefault(part.batch_id, part)
         if kept is not part:
-            kept.done.add_done_callback(lambda done, part=part: _settle(part.done, done.result()))
+            kept.twins.append(part)
     return list(first.values())
 
 
-def _settle(future: asyncio.Future[grpc.StatusCode | None], code: grpc.StatusCode | None) -> None:
-    if not future.done():  # the rank's call may have been cancelled meanwhile
-        future.set_result(code)
+def _settle(part: _Part, code: grpc.StatusCode | None) -> None:
+    """Answer the part's call (and its twins'), unless it was cancelled meanwhile."""
+    for future in (part.done, *(twin.done for twin in part.twins)):
+        if not future.done():
+            future.set_result(code)
 
 
 def serve(config: AgentConfig, listen: str, *, flush_s: float = FLUSH_S, on_ready: Callable[[], None] | None = None) -> None:

@@ -9,6 +9,8 @@ batch leaves out the parts stored before it (``relay_merge.select``).
 
 from __future__ import annotations
 
+from google.protobuf.message import Message
+
 from rankscope.agent.relay_merge import MERGED, select
 from rankscope.collector.batch_limits import IngestError
 from rankscope.collector.writer import BatchKey
@@ -24,11 +26,16 @@ def held_parts(batch: ingest_pb2.Batch, kind: str) -> tuple[BatchKey, ...]:
     ids = {p.batch_id for p in batch.parts}
     if len(ids) != len(batch.parts) or batch.batch_id in ids or any(len(i) != len(batch.batch_id) for i in ids):
         raise IngestError("parts: each names its own 16-byte batch_id, none the batch's", "malformed")
-    payload = getattr(batch, kind)
-    rows = (payload.columns.count if kind == "heartbeats" else payload.count) if kind in MERGED else 1
-    if sum(p.count for p in batch.parts) != rows or (kind not in MERGED and len(batch.parts) != 1):
+    if kind not in MERGED:  # passed on as it came: the one batch it is
+        if len(batch.parts) != 1:
+            raise IngestError(f"parts: {len(batch.parts)} parts of a {kind} batch, which a relay passes on one by one", "count")
+    elif sum(p.count for p in batch.parts) != (rows := _rows(kind, getattr(batch, kind))):
         raise IngestError(f"parts: {sum(p.count for p in batch.parts)} rows in {len(batch.parts)} parts of a {kind} batch of {rows}", "count")
     return tuple(BatchKey(batch.run_id, p.rank, p.batch_id, kind) for p in batch.parts)
+
+
+def _rows(kind: str, payload: Message) -> int:
+    return payload.columns.count if kind == "heartbeats" else payload.count  # type: ignore[attr-defined, no-any-return]
 
 
 def leave_out(batch: ingest_pb2.Batch, kind: str, stored: frozenset[bytes]) -> ingest_pb2.Batch:
