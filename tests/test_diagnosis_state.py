@@ -180,6 +180,8 @@ def test_a_pass_reads_from_the_newest_step_it_saw(run: tuple[EmbeddedStore, int]
     assert straggler.detect(again) == before
     assert [p["since"] for p in asked if "since" in p] == [STEPS]
     assert not [p for p in asked if "steps" in p]  # nothing new was stored: no point is read again
+    assert before[0].evidence["critical_path_cost"]["share"] > 0
+    assert not [p for p in asked if "step" in p]  # nor the frame of a step whose cost it kept
 
 
 def test_rows_that_come_late_are_read_with_their_step(run: tuple[EmbeddedStore, int]) -> None:

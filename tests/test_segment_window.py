@@ -59,7 +59,13 @@ def test_a_step_where_the_stage_splits_is_no_evidence_against_one_rank() -> None
         if step >= 9:
             cpu[2] *= 1.3
         cells[("forward", step)] = (cpu.copy(), cpu)
-    found = window(cells).slow_series(STAGE, **CPU)
+    w = window(cells)
+    found = w.slow_series(STAGE, **CPU)
     assert [x.rank for x in found] == [2]
     bars = {p[0]: p[4] for p in found[0].points}
     assert min(bars[s] for s in (3, 4, 7, 8)) > 1.3 and max(bars[s] for s in (9, 10, 11, 12)) < 1.2
+    assert w.slow_series(STAGE, **CPU) == found  # kept: nothing new
+    for step in (11, 12):  # rank 2 back to speed in the newest two steps: the cells that changed are judged again
+        cpu = 40 * MS * noise(step, "forward")
+        w.cells[("forward", step)] = Cell(RANKS, cpu.copy(), cpu, True)
+    assert w.slow_series(STAGE, **CPU) == []

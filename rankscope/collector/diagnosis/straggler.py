@@ -19,6 +19,7 @@ A host is named when every rank on it (two or more) is a straggler.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import numpy as np
@@ -145,22 +146,24 @@ def _arrivals(ctx: RunContext, first_step: int, ranks: list[int]) -> dict[int, t
 def _findings(ctx: RunContext, slow: dict[int, dict], arrivals: dict[int, tuple[int, int]]) -> list[Finding]:
     slow_hosts = ctx.whole_hosts(slow)
     findings: list[Finding] = []
+    costs: dict[tuple, tuple] = {}  # what this pass's findings cost, kept for the next (``_cost``)
     for host in sorted(slow_hosts):
         ranks = ctx.ranks_of_host[host]
         worst = max(ranks, key=lambda r: slow[r]["ratio"])
         info = slow[worst]
         summary = (f"host {host}: ranks {', '.join(map(str, ranks))} are all slower than their stage peers; "
                    f"{ctx.who(worst)} {info.get('text') or _pct(info['ratio']) + ' slower'} since step {info['since_step']}")  # fmt: skip
-        found = _finding(ctx, f"straggler:host={host}", ranks, info, arrivals, summary)
+        found = _finding(ctx, f"straggler:host={host}", ranks, info, arrivals, summary, costs)
         findings.append(replace(found, absorbs=tuple(f"straggler:rank={r}" for r in sorted(ranks, key=lambda r: slow[r]["since_step"]))))
     for rank in sorted(r for r in slow if ctx.host.get(r) not in slow_hosts):
         info = slow[rank]
         what = info.get("text") or f"{info['segment']} {_pct(info['ratio'])} slower than its stage peers"
         summary = f"{ctx.who(rank)}: {what} since step {info['since_step']}"
-        found = _finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary)
+        found = _finding(ctx, f"straggler:rank={rank}", [rank], info, arrivals, summary, costs)
         # a rank of a host named before, alone now (its host-mate's slowness dipped): the same fault
         host = ctx.host.get(rank)
         findings.append(replace(found, absorbs=(f"straggler:host={host}",)) if host else found)
+    ctx.seen["straggler.costs"] = costs
     return _waiting_left_out(findings, ctx.settings.straggler_step_share)
 
 
@@ -175,7 +178,8 @@ def _waiting_left_out(findings: list[Finding], floor: float) -> list[Finding]:
     return [f for f, s in zip(findings, share) if s is None or s >= floor]
 
 
-def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: dict[int, tuple[int, int]], summary: str) -> Finding:
+def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: dict[int, tuple[int, int]], summary: str,
+             costs: dict[tuple, tuple]) -> Finding:  # fmt: skip
     stage_ranks = sorted(r for r, st in ctx.stage.items() if st == ctx.stage.get(ranks[0], 0))
     segments = info["segments"]
     evidence = {
@@ -194,9 +198,7 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
         sql = ctx.literal_sql(late_arrivals.EVIDENCE_SQL, first_step=info["since_step"], last_step=info["steps"][-1]["step"])
     else:
         sql = ctx.literal_sql(EVIDENCE_SQL, segments=segments, ranks=stage_ranks)
-    # what its links on the critical paths of the latest steps cost them (rankscope/collector/anatomy)
-    cost = incident_cost(ctx.query, ctx.run_id, [p["step"] for p in info["steps"][-INCIDENT_STEPS:]], ranks, attempt=ctx.attempt,
-                         groups=ctx.group_index, world=len(ctx.host))  # fmt: skip
+    cost = _cost(ctx, [p["step"] for p in info["steps"][-INCIDENT_STEPS:]], ranks, costs)
     if cost is not None:
         evidence["critical_path_cost"] = cost
         summary = f"{summary}; {cost['text']}"
@@ -212,6 +214,24 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
         evidence=evidence,
         sql=sql,
     )
+
+
+def _cost(ctx: RunContext, steps: list[int], ranks: list[int], costs: dict[tuple, tuple]) -> dict | None:
+    """What the links of ``ranks`` on the critical paths of ``steps`` cost them (rankscope/collector/anatomy),
+    as the pass before found it while the store holds as many pieces of those steps (their paths, and
+    so the cost, are the same): at 100,000 ranks asking each step's frame again took 0.2 s a pass.
+    ``costs``: what this pass found, kept for the next."""
+    pieces = SegmentWindow.of(ctx).step_pieces
+    held = tuple(pieces.get(s) for s in steps)
+    kept: dict = ctx.seen.get("straggler.costs", {})
+    key = (tuple(steps), tuple(ranks))
+    if key in kept and kept[key][0] == held and None not in held:
+        cost = kept[key][1]
+    else:
+        cost = incident_cost(ctx.query, ctx.run_id, steps, ranks, attempt=ctx.attempt, groups=ctx.group_index, world=len(ctx.host))
+    if cost is not None:  # a failed read is asked again next pass
+        costs[key] = (held, cost)
+    return copy.deepcopy(cost)
 
 
 def _pct(ratio: float) -> str:
