@@ -81,6 +81,7 @@ for step in range(1, 10**6):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_relay_killed_between_its_spool_and_its_reply_stores_nothing_twice_and_its_ranks_come_back_to_the_next(
     proc_runner: ProcRunner, tmp_path: Path, caplog: pytest.LogCaptureFixture
