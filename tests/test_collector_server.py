@@ -340,6 +340,7 @@ def test_prometheus_serves_the_collector_counters(collector: Running, ingest: in
     assert values['rankscope_delivery_seconds_count{kind="spans"}'] >= 1
     assert values['rankscope_store_seconds_count{kind="spans"}'] >= 1
     assert values['rankscope_connected_ranks'] >= 1
+    assert 0 <= values['rankscope_calls_wait_seconds'] < 60  # how long calls waited for it (the least of a second's)
     await_diagnosis(collector.metrics_url, passes=1, timeout_s=60)  # each lane every 5 s, once its process is up
     assert "rankscope_buffered_rows" in values and "rankscope_duplicate_batches_total" in values
     assert "rankscope_batches_written_total" in values

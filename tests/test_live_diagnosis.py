@@ -212,6 +212,24 @@ def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) ->
     assert _lost(migrated, steady) == ["lost_host"]
 
 
+def test_the_time_calls_wait_for_a_collector_behind_them_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
+    """A loop that ticks on time but takes up each call 20 s after it was sent (a starved collector's
+    backlog): heartbeats said 20 s ago arrive now, stale, so the ranks are heard 20 s ago: not lost while
+    every call waits that long, lost once the calls come in on time again and the ranks stay quiet."""
+    now = time.time_ns()
+    beats = _two_ranks_stored_until(migrated, now - 20 * 10**9)
+    heard = LastHeard(stale_ns=5 * 10**9, started_ns=now - 60 * 10**9)
+    for late_by in (2, 1):  # two seconds of calls, each 20 s late (a replayed one: its own send is stamped anew)
+        heard.sent(now - (late_by + 20) * 10**9, now - late_by * 10**9)
+        heard.sent(now - late_by * 10**9 - 10**8 - 10**9 * 60, now - late_by * 10**9 + 10**8)
+    heard.note(Decoded("heartbeats", {"heartbeats": beats}), now)
+    assert heard.behind_ns() == 20 * 10**9
+    assert _lost(migrated, heard) == []
+    heard.sent(now, now + 10**6)  # on time again: a new second ends the late one
+    heard.sent(now + 10**9, now + 10**9 + 10**6)
+    assert heard.behind_ns() == 0 and _lost(migrated, heard) == ["lost_host"]
+
+
 def test_a_lane_closes_only_the_incidents_of_its_own_kinds() -> None:
     """The urgent lane finds no straggler because it does not look for one: that closes nothing."""
     from rankscope.collector.diagnosis.ledger import Ledger

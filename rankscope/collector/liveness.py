@@ -8,6 +8,7 @@ listen.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -15,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from rankscope.collector.decode import Decoded
+
+log = logging.getLogger("rankscope.collector")
 
 
 class LastHeard:
@@ -36,6 +39,15 @@ class LastHeard:
     the run earlier than the start, whatever the store's heartbeats or a replayed spool say, so a
     rank silent since is named lost ``silent_after`` after the start.
 
+    Nor does the time calls wait for the collector: a loop that ticks on time can still be behind
+    its calls (a process at a low priority on a saturated machine decodes a batch a second while
+    they queue). ``sent(sent_ns, received_ns)``, for every batch the loop takes up, measures how far
+    behind: the least wait of a second's batches (one sent just now by a live rank waited only for
+    the collector; an old one replayed is stamped when sent again). While that exceeds ``stale_ns``
+    every rank's heartbeats arrive stale and are heard when said, so ``of`` adds the wait to them:
+    a rank is silent once it has been quiet for ``silent_after`` beyond how far behind the collector
+    is. A second without a batch keeps the last measure (the ranks all gone say nothing about it).
+
     A rank whose last word (its end) has arrived is never silent: the store may hold its end only
     at the writer's next flush, seconds after the rank stopped talking, and a lost rank is one
     that went silent *without* a last word.
@@ -49,6 +61,8 @@ class LastHeard:
         self._ticked_ns: int | None = None  # monotonic: the loop's last tick
         self._deaf_ns = 0  # the stalls so far; heard times are kept less the stalls before them
         self._started_ns = time.time_ns() if started_ns is None else started_ns  # when the collector began to listen
+        self._behind_ns = 0  # how long the calls of the last second with any waited for the loop (their least)
+        self._second: tuple[int, int] = (0, 0)  # (the second in progress, its least wait so far)
 
     def listening(self, now_ns: int | None = None) -> None:
         """The event loop's tick (``now_ns``: monotonic): the time since the last one beyond a tick's
@@ -56,6 +70,37 @@ class LastHeard:
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         self._deaf_ns += self._stalled(now_ns)
         self._ticked_ns = now_ns
+
+    def sent(self, sent_ns: int, received_ns: int) -> None:
+        """A batch sent at ``sent_ns`` (this collector's clock; 0: the sender did not say) is taken up at ``received_ns``."""
+        if sent_ns <= 0:
+            return
+        second, least = self._second
+        waited = max(0, received_ns - sent_ns)
+        if received_ns // 10**9 != second:
+            if second:
+                self._took_up(least)
+            self._second = (received_ns // 10**9, waited)
+        elif waited < least:
+            self._second = (second, waited)
+
+    def _took_up(self, waited_ns: int) -> None:
+        """A second's least wait becomes the measure; crossing ``stale_ns`` either way is said once."""
+        was, self._behind_ns = self.behind_ns(), waited_ns
+        if not was and self.behind_ns():
+            log.warning("rankscope collector: calls wait %.1f s for this collector (short of CPU?): a rank is judged silent "
+                        "that much later while it lasts", waited_ns / 1e9)  # fmt: skip
+        elif was and not self.behind_ns():
+            log.warning("rankscope collector: calls are taken up on time again (%.1f s)", waited_ns / 1e9)
+
+    @property
+    def waited_s(self) -> float:
+        """The last measure of how long calls wait for this collector (the metric)."""
+        return self._behind_ns / 1e9
+
+    def behind_ns(self) -> int:
+        """How long calls wait for this collector now, counted when beyond ``stale_ns`` (0 otherwise)."""
+        return self._behind_ns if self._behind_ns > self.stale_ns else 0
 
     def _stalled(self, now_ns: int) -> int:
         if self._ticked_ns is None:
@@ -98,7 +143,7 @@ class LastHeard:
         """rank -> when it was last heard (ns, collector clock), for one attempt of a run and at least
         ``ranks`` (its registered ranks), none before the collector started, moved later by the stalls
         since (``now_ns``: monotonic, for the stall in progress)."""
-        deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns)
+        deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns) + self.behind_ns()
         heard = {**dict.fromkeys(ranks, 0), **self._heard.get((run_id, attempt), {})}
         ended, now = self._ended.get((run_id, attempt), ()), time.time_ns()
         return {rank: now if rank in ended else max(at, self._started_ns) + deaf for rank, at in heard.items()}

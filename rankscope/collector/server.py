@@ -226,6 +226,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
 
     async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
         received_ns = time.time_ns()
+        self.c.heard.sent(request.sent_ns + request.clock_offset_ns if request.sent_ns else 0, received_ns)
         arrived = self.arrivals.enter()
         try:
             written, ranks = await self._store(request, received_ns, arrived)
@@ -548,6 +549,7 @@ async def _tick(collector: Collector, stop: asyncio.Event) -> None:
     while not stop.is_set():
         collector.telemetry.tick()
         collector.heard.listening()
+        collector.telemetry.calls_wait.set(collector.heard.waited_s)
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except asyncio.TimeoutError:

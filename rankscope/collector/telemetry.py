@@ -102,6 +102,10 @@ class Telemetry:
             "rankscope_diagnosis_restarts_total", "Live diagnosis lane processes started again after they exited, per lane.",
             ["lane"], registry=self.registry,
         )  # fmt: skip
+        self.calls_wait = Gauge(
+            "rankscope_calls_wait_seconds", "How long calls waited for the collector to take them up (the least of a second's), "
+            "from the sender's stamp: beyond --silent-after, silence is judged that much later.", registry=self.registry,
+        )  # fmt: skip
         connected = Gauge(
             "rankscope_connected_ranks", f"Distinct (run, rank) that sent a batch in the last {CONNECTED_WINDOW_S:.0f} s.",
             registry=self.registry,
