@@ -182,6 +182,7 @@ def test_a_pass_reads_from_the_newest_step_it_saw(run: tuple[EmbeddedStore, int]
     assert not [p for p in asked if "steps" in p]  # nothing new was stored: no point is read again
     assert before[0].evidence["critical_path_cost"]["share"] > 0
     assert not [p for p in asked if "step" in p]  # nor the frame of a step whose cost it kept
+    assert [p["path_steps"] for p in asked if "path_steps" in p] == [before[0].evidence["critical_path_cost"]["steps"]]  # only counts its pieces
 
 
 def test_rows_that_come_late_are_read_with_their_step(run: tuple[EmbeddedStore, int]) -> None:

@@ -48,11 +48,9 @@ STEP_NOISE_FROM = 5
 SMALL_CELL = 4
 
 _WINDOW = "run_id = {run:String} AND attempt = {attempt:UInt16} AND kind IN " + KINDS
-#: how much of each (segment, step) cell the store holds: pieces only add up (merges keep the sum);
-#: ``every``: of all the step's segments, communication too (what its critical path's frame is made of)
+#: how much of each (segment, step) cell the store holds: pieces only add up (merges keep the sum)
 CELLS_SQL = (
-    f"SELECT name, step, sumIf(pieces, kind IN {KINDS}) AS cell_pieces, countIf(kind IN {KINDS}) > 0 AS work, sum(pieces) AS every "
-    "FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
+    f"SELECT name, step, sum(pieces) AS pieces FROM step_segments WHERE {_WINDOW} "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} GROUP BY name, step"
 )
 READ_SQL = (
@@ -120,9 +118,6 @@ class SegmentWindow:
     stages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: step -> (its cells' pieces, every rank's compute in wall time, its stage's medians), ranks by stage
     step_rows: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = field(default_factory=dict)
-    #: step -> the pieces the store holds of it, all its segments (``CELLS_SQL``'s ``every``): a step
-    #: whose count did not change has the same critical path
-    step_pieces: dict[int, int] = field(default_factory=dict)
     #: (wall, min_excess_ns, excess, window, min_steps) -> (the cells judged, the slow series found):
     #: a pass with nothing new (most of them: a step of 100,000 ranks arrives every several passes) judges nothing again
     judged: dict[tuple, tuple[list[tuple[tuple[str, int], Cell]], list[Series]]] = field(default_factory=dict)
@@ -138,10 +133,7 @@ class SegmentWindow:
     def refresh(self, ctx: RunContext, first: int, last: int) -> None:
         """Hold steps ``first``..``last``: cells that are new or grew in the store are read (again)."""
         held = ctx.query(CELLS_SQL, {"run": ctx.run_id, "first_step": first, "last_step": last}).to_pydict()
-        stored = {(n, s): p for n, s, p, work in zip(held["name"], held["step"], held["cell_pieces"], held["work"]) if work}
-        self.step_pieces = dict.fromkeys(held["step"], 0)
-        for s, every in zip(held["step"], held["every"]):
-            self.step_pieces[s] += every
+        stored = {(n, s): p for n, s, p in zip(held["name"], held["step"], held["pieces"])}
         self.cells = {key: cell for key, cell in self.cells.items() if key in stored}
         stale = {key for key, pieces in stored.items() if key not in self.cells or self.cells[key].pieces != pieces}
         # a step's read is a row per (segment, rank): 500,000 at 100,096 ranks, so a page of steps at a time
