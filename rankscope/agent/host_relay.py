@@ -61,7 +61,11 @@ def stop(relay: subprocess.Popen[bytes] | None) -> None:
     """SIGTERM: it spools what waits and sends what it can within seconds; the rest stays spooled."""
     if relay is not None:
         relay.terminate()
-        relay.wait(RELAY_STOP_S)
+        try:
+            relay.wait(RELAY_STOP_S)
+        except subprocess.TimeoutExpired:  # what it had not sent stays in its spool, replayed with the ranks' leftovers
+            relay.kill()
+            relay.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
