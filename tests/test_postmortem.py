@@ -12,7 +12,7 @@ from test_detector_registry import RUN, _first_attempt
 from test_diagnosis_state import rows
 from test_store import T0, migrated, sample_rows, store  # noqa: F401 (fixtures)
 
-from rankscope.collector.diagnosis import postmortem, registry
+from rankscope.collector.diagnosis import hang, postmortem, registry
 from rankscope.collector.diagnosis.context import RunContext, pages
 from rankscope.collector.diagnosis.detector import FunctionDetector, Scan
 from rankscope.collector.diagnosis.engine import LAST_DATA_SQL, diagnose, listening_s, offline_now, write_to
@@ -120,6 +120,35 @@ def test_a_hang_that_resolved_is_replayed_from_when_it_began(migrated: Store) ->
     hang = found[0].finding
     assert hang.first_seen_ns == T0 + 5 * S and T0 + 11 * S <= hang.last_seen_ns < T0 + 30 * S
     assert "rank 2 (node-1) in forward at step 4" in hang.summary and "3 ranks wait on it (default_pg #9) since step 4" in hang.summary
+
+
+def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(migrated: Store) -> None:  # noqa: F811
+    """node-1 (ranks 2, 3) frozen from 4 s while node-0's ranks wait in default_pg #9 of step 4: silent,
+    the two are one hang naming the host. Thawed at 20 s, rank 2 works again and rank 3 has made no
+    progress yet: the stall is ending, and rank 3 is not named alone (seed 555533734: a second live
+    hang, for rank 3, the frozen host's other rank)."""
+    ranks = [0, 1, 2, 3]
+    migrated.insert_arrow("ranks", rows("ranks", 4, run_id="thawed", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
+                                        tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
+    migrated.insert_arrow("groups", rows("groups", 1, run_id="thawed", name="default_pg", ranks=[ranks], registered=T0))
+    beats = [(r, t) for t in range(21) for r in ranks if r < 2 or t < 4 or t == 20]
+    waiting = [r < 2 and t >= 6 for r, t in beats]
+    progress = [t if t < 5 or r == 2 else 5 if r < 2 else 3 for r, t in beats]  # after the thaw rank 2 works, rank 3 not yet
+    migrated.insert_arrow("heartbeats", rows(
+        "heartbeats", len(beats), run_id="thawed", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
+        time=[T0 + t * S for _, t in beats], step=[3 if t < 5 else 4 for _, t in beats], phase="backward", status="running",
+        last_progress=[T0 + p * S for p in progress], inflight_group=[["default_pg"] if w else [] for w in waiting],
+        inflight_seq=[[9] if w else [] for w in waiting], inflight_op=[["all_reduce"] if w else [] for w in waiting],
+        inflight_peer=[[-1] if w else [] for w in waiting], inflight_issue=[[T0 + 6 * S] if w else [] for w in waiting],
+        inflight_waiting=[[1] if w else [] for w in waiting],
+    ))  # fmt: skip
+    settings = Settings(hang_after_s=6, silent_after_s=10)
+    ctx = RunContext.load("thawed", migrated.query_arrow, settings)
+    (frozen,) = hang.detect(replace(ctx, until_ns=T0 + 15 * S))
+    assert (frozen.ranks, frozen.hosts) == ((2, 3), ("node-1",)) and frozen.summary.startswith("hang: host node-1 ("), frozen.summary
+    assert hang.detect(ctx) == []  # thawed: rank 2 moving, rank 3 quiet (was: rank 3 named alone)
+    hangs = [i for i in postmortem.replay("thawed", migrated.query_arrow, settings, over=True) if i.finding.kind == "hang"]
+    assert [(i.status, i.finding.ranks, i.finding.hosts) for i in hangs] == [("closed", (2, 3), ("node-1",))], hangs
 
 
 def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_mate_attached(migrated: Store) -> None:  # noqa: F811

@@ -150,7 +150,9 @@ def detect(ctx: RunContext) -> list[Finding]:
     # report one by one. Only the ranks heard from since the stall, quiet for a while by their own
     # account (no span or collective ended), wait or can be named; the others are not heard yet.
     quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
-    heard = alive & (st.time_ns > advanced) & (st.time_ns - st.progress_ns >= quiet_ns)
+    since_stall = alive & (st.time_ns > advanced)
+    quiet = st.time_ns - st.progress_ns >= quiet_ns
+    heard, moving = since_stall & quiet, since_stall & ~quiet
     waits = _waits(st, heard)
     entered = _entered(ctx, st, sorted({st.names[g] for g in np.unique(waits["group"])}))
     edges = pd.concat([_collective_edges(ctx, st, waits, entered), _p2p_edges(waits, entered)]).drop_duplicates()
@@ -158,6 +160,11 @@ def detect(ctx: RunContext) -> list[Finding]:
     reached = np.unique(edges["on"].to_numpy())
     found = np.setdiff1d(reached, waiting)  # waited on, waiting on nobody
     roots = {int(r) for r in (found if found.size or not reached.size else reached)}  # none: a cycle, all of it
+    # A rank waited on that works again (heard since the stall, progress by its own account) will
+    # enter what the others wait in: the stall is ending, as a frozen host's ranks resume one by one
+    # (seed 555533734: the host thawed, its rank 2 moving, its rank 3 not yet, was named alone).
+    if any(moving[st.row[r]] for r in roots if r in st.row):
+        return []
     # A root gone silent while the others wait on it (no exit came) stopped answering: a frozen
     # process or host, or one cut off the network. A rank not heard since the stall but not
     # silent may be blocked too: its report is not in yet.
