@@ -340,10 +340,33 @@ def test_prometheus_serves_the_collector_counters(collector: Running, ingest: in
     assert values['rankscope_delivery_seconds_count{kind="spans"}'] >= 1
     assert values['rankscope_store_seconds_count{kind="spans"}'] >= 1
     assert values['rankscope_connected_ranks'] >= 1
-    assert 0 <= values['rankscope_calls_wait_seconds'] < 60  # how long calls waited for it (the least of a second's)
     await_diagnosis(collector.metrics_url, passes=1, timeout_s=60)  # each lane every 5 s, once its process is up
     assert "rankscope_buffered_rows" in values and "rankscope_duplicate_batches_total" in values
     assert "rankscope_batches_written_total" in values
+
+
+@pytest.mark.timeout(120)
+def test_the_calls_wait_metric_measures_how_long_calls_waited(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:
+    """Batches stamped 20 s before they arrive waited 20 s for the collector: the metric says so once
+    their second is over (the least wait of a second), and falls back once calls arrive on time."""
+    assert collector.metrics_url
+    send(ingest, register("calls-wait", 0, 1))
+
+    def waited_s(stale_s: float) -> float:
+        batch = heartbeats("calls-wait", 0)
+        batch.sent_ns -= int(stale_s * 1e9)
+        send(ingest, batch)
+        return _metric_values(collector.metrics_url)["rankscope_calls_wait_seconds"]
+
+    deadline = time.monotonic() + 40
+    while (late := waited_s(20.0)) < 20:  # every batch of a second 20 s late; measured at the next second's first
+        assert time.monotonic() < deadline, f"a 20 s wait never measured: {late}"
+        time.sleep(0.3)
+    assert late < 30  # the 20 s, and at most the time this loaded machine held them besides
+    while (on_time := waited_s(0.0)) >= 20:
+        assert time.monotonic() < deadline, f"calls on time, still measured {on_time} s"
+        time.sleep(0.3)
+    assert on_time < 10
 
 
 def test_a_script_awaits_the_diagnosis_passes_over_what_it_sent(collector: Running) -> None:

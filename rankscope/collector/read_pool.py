@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from rankscope.collector.query import Limits, QueryBusy, ReadOnlyGuard, cancel_read, run_read_only, to_ipc
 from rankscope.collector.store.base import Store, StoreError
+from rankscope.common.processes import lower_threads
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +132,6 @@ class ReadPool:
 
 def _renice(nice: int) -> None:
     """This thread at ``nice``, and every thread of the process below the process's own priority
-    (the engine's, reset to 0 after a read) back to it. Only ever lowers a priority: no privilege needed."""
-    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            if os.getpriority(os.PRIO_PROCESS, int(tid)) < base:
-                os.setpriority(os.PRIO_PROCESS, int(tid), base)
-        except OSError:
-            pass  # ended meanwhile
-    own = threading.get_native_id()
-    if nice > os.getpriority(os.PRIO_PROCESS, own):
-        os.setpriority(os.PRIO_PROCESS, own, nice)
+    (the engine's, reset to 0 after a read) back to it."""
+    lower_threads(os.getpriority(os.PRIO_PROCESS, os.getpid()))
+    lower_threads(nice, [threading.get_native_id()])

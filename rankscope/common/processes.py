@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["alive", "process_tree", "signal_each", "terminate_tree", "training_rank", "yield_cpu"]
+__all__ = ["alive", "lower_threads", "process_tree", "signal_each", "terminate_tree", "training_rank", "yield_cpu"]
 
 
 def _proc_table() -> dict[int, tuple[int, int, str, int]]:
@@ -112,12 +112,7 @@ def yield_cpu(nice: int) -> None:
     shell's job) leaves it alone: that would lower everything else started from the same
     terminal. Failures change nothing.
     """
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
-        try:
-            if nice > os.getpriority(os.PRIO_PROCESS, int(tid)):
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except OSError:
-            pass  # ended meanwhile, or not allowed
+    lower_threads(nice)
     if os.getsid(0) != os.getpid():
         return
     try:
@@ -128,6 +123,19 @@ def yield_cpu(nice: int) -> None:
                 f.write(str(nice))
     except (OSError, ValueError, IndexError):
         pass
+
+
+def lower_threads(nice: int, tids: Iterable[int] | None = None) -> None:
+    """Each thread of this process (or each of ``tids``; 0 is the calling one) at CPU priority ``nice``
+    or lower. Only ever lowers a priority, so it needs no privilege; a thread that ended meanwhile is skipped."""
+    if tids is None:
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in tids:
+        try:
+            if nice > os.getpriority(os.PRIO_PROCESS, tid):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass  # ended meanwhile, or not allowed
 
 
 def signal_each(pids: Iterable[int], sig: signal.Signals) -> int:
