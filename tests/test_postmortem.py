@@ -74,11 +74,12 @@ def test_window_reads_come_in_pages_under_the_result_limit() -> None:
 S = 10**9
 
 
-def _stall_resolved(into: Store, run: str, *, frozen: bool = False) -> None:
+def _stall_resolved(into: Store, run: str, *, frozen: bool = False, entered_s: int = 30) -> None:
     """Four ranks (node-0: 0, 1; node-1: 2, 3) heard every second for 40 s: step 4 begins at 5 s and rank
     2 does nothing in it until 30 s (heard, quiet), the others waiting in default_pg #9; then it enters
     #9, step 5 begins and the run ends normally at 40 s. ``frozen``: rank 2 is stopped from 4 s to 30 s
-    instead (no heartbeat; its backward of step 4, ended at 7 s, stored), rank 3 took its stack at 9 s."""
+    instead (no heartbeat; its backward of step 4, ended at 7 s, stored), rank 3 took its stack at 9 s.
+    ``entered_s``: when rank 2 entered #9 (its row of it issued then)."""
     ranks = [0, 1, 2, 3]
     into.insert_arrow("ranks", rows("ranks", 4, run_id=run, rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
                                     pid=[1000 + r for r in ranks], tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
@@ -94,7 +95,7 @@ def _stall_resolved(into: Store, run: str, *, frozen: bool = False) -> None:
         inflight_op=[["all_reduce"] if waiting(r, t) else [] for r, t in beats], inflight_peer=[[-1] if waiting(r, t) else [] for r, t in beats],
         inflight_issue=[[T0 + 6 * S] if waiting(r, t) else [] for r, t in beats], inflight_waiting=[[1] if waiting(r, t) else [] for r, t in beats],
     ))  # fmt: skip
-    ops = [(r, seq, T0 + (seq - 5) * S if seq < 9 or r != 2 else T0 + 30 * S) for r in ranks for seq in range(1, 10)]
+    ops = [(r, seq, T0 + (seq - 5) * S if seq < 9 or r != 2 else T0 + entered_s * S) for r in ranks for seq in range(1, 10)]
     into.insert_arrow("collectives", rows(
         "collectives", len(ops), run_id=run, rank=[o[0] for o in ops], group_name="default_pg", seq=[o[1] for o in ops], op="all_reduce",
         peer=-1, issue_time=[o[2] for o in ops], start_time=[o[2] for o in ops], end_time=[T0 + 30 * S + S // 2 if o[1] == 9 else o[2] + S // 2 for o in ops],
@@ -151,10 +152,13 @@ def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(mi
     assert [(i.status, i.finding.ranks, i.finding.hosts) for i in hangs] == [("closed", (2, 3), ("node-1",))], hangs
 
 
-def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_mate_attached(migrated: Store) -> None:  # noqa: F811
+@pytest.mark.parametrize("entered_s", [30, 3], ids=["entered-after", "stopped-inside"])
+def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_mate_attached(migrated: Store, entered_s: int) -> None:  # noqa: F811
     """Rank 2 stopped (SIGSTOP) in step 4: its last heartbeat said step 3, its stored backward of step 4
-    and its waiters place it in step 4; rank 3's dump of pid 1002 (rank 2's, on node-1) is its stack."""
-    _stall_resolved(migrated, "frozen", frozen=True)
+    and its waiters place it in step 4; rank 3's dump of pid 1002 (rank 2's, on node-1) is its stack.
+    Stopped inside the all-reduce the others wait in (its row of it stored: seed 111028093, whose row
+    came only after it resumed, named live and not offline), silent, it is still what they wait on."""
+    _stall_resolved(migrated, "frozen", frozen=True, entered_s=entered_s)
     found = postmortem.replay("frozen", migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10), over=True)
     assert [(i.finding.kind, i.finding.ranks) for i in found] == [("hang", (2,))], found
     hang = found[0].finding

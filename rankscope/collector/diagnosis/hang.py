@@ -156,6 +156,8 @@ def detect(ctx: RunContext) -> list[Finding]:
     waits = _waits(st, heard)
     entered = _entered(ctx, st, sorted({st.names[g] for g in np.unique(waits["group"])}))
     edges = pd.concat([_collective_edges(ctx, st, waits, entered), _p2p_edges(waits, entered)]).drop_duplicates()
+    if edges.empty:  # every member entered what the others wait in: a silent one's part of it never comes
+        edges = _collective_edges(ctx, st, waits, entered, st.rank[~alive])
     waiting = np.unique(edges["rank"].to_numpy())
     reached = np.unique(edges["on"].to_numpy())
     found = np.setdiff1d(reached, waiting)  # waited on, waiting on nobody
@@ -196,7 +198,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     state = "not in any collective the others wait in"
     if silent:
         quiet_s = (last_heartbeat - max(int(st.time_ns[st.row[r]]) for r in silent)) / 1e9
-        state = f"silent for {quiet_s:.0f} s (frozen, stopped or cut off), {state}"
+        state = f"silent for {quiet_s:.0f} s (frozen, stopped or cut off)"  # inside what the others wait in, or not
     summary = (
         f"hang: {where} {what} {state}; {len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on "
         f"{'it' if len(root_list) == 1 else 'them'} ({', '.join(blocked_in)}) since step {step}"
@@ -356,8 +358,12 @@ def _entered(ctx: RunContext, st: _States, groups: list[str]) -> pd.DataFrame:
     return both.groupby(["rank", "group", "peer", "sends"], as_index=False)["seq"].max()
 
 
-def _collective_edges(ctx: RunContext, st: _States, waits: pd.DataFrame, entered: pd.DataFrame) -> pd.DataFrame:
-    """(rank, on): a rank blocked in collective n of a group waits on the members that have not entered n."""
+def _collective_edges(
+    ctx: RunContext, st: _States, waits: pd.DataFrame, entered: pd.DataFrame, silent: np.ndarray = np.empty(0, dtype=np.int64)
+) -> pd.DataFrame:  # fmt: skip
+    """(rank, on): a rank blocked in collective n of a group waits on the members that have not entered n,
+    or on the ``silent`` ones, entered or not: a frozen member's part of n never comes (seed 111028093:
+    rank 2, stopped inside DDP's all-reduce, was named live before its row of it came, not offline after)."""
     blocked = waits[waits["peer"] < 0][["rank", "group", "seq"]]
     keys = blocked[["group", "seq"]].drop_duplicates()
     codes = np.unique(keys["group"].to_numpy())
@@ -368,7 +374,8 @@ def _collective_edges(ctx: RunContext, st: _States, waits: pd.DataFrame, entered
     })  # fmt: skip
     has = entered[entered["peer"] < 0][["rank", "group", "seq"]].rename(columns={"rank": "on", "seq": "has"})
     behind = keys.merge(members, on="group").merge(has, on=["on", "group"], how="left")
-    behind = behind[behind["has"].fillna(0).to_numpy() < behind["seq"].to_numpy()][["group", "seq", "on"]]
+    late = (behind["has"].fillna(0).to_numpy() < behind["seq"].to_numpy()) | behind["on"].isin(silent).to_numpy()
+    behind = behind[late][["group", "seq", "on"]]
     edges = blocked.merge(behind, on=["group", "seq"])
     return edges[edges["rank"] != edges["on"]][["rank", "on"]]
 
