@@ -33,7 +33,7 @@ from rankscope.agent.relay_merge import merge, select
 from rankscope.agent.transport import Transport
 from rankscope.collector.decode import decode
 from rankscope.collector.run_registry import RunRegistry
-from rankscope.healing.elastic import agent_command, host_relay
+from rankscope.healing.elastic import agent_command, relay_socket
 from rankscope.protos.v1 import telemetry_pb2 as pb
 from test_collector_ingest import envelope, metrics, register, spans
 
@@ -68,6 +68,12 @@ def test_merged_batches_are_stored_as_the_ranks_own_and_a_bad_one_is_refused_alo
     bad.name = bad.name[:-1]
     with pytest.raises(ValueError, match="name: 7 bytes"):
         merge("spans", [own[0], (2, bad)])
+    # the ends (and registrations) of senders that speak for several ranks: one batch, each part's entries kept or left out whole
+    end = pb.EndOfRank(time_ns=now, reason=pb.EndOfRank.REASON_NORMAL)
+    ends = [(0, pb.EndBatch(ends=[end], ranks=[0])), (1, pb.EndBatch(ends=[end, end], ranks=[1, 2]))]
+    exits = rows("ends", merge("ends", ends))["exits"]
+    assert [e["rank"] for e in exits] == [0, 1, 2] and exits == [*rows("ends", ends[0][1])["exits"], *rows("ends", ends[1][1])["exits"]]
+    assert select("ends", merge("ends", ends), [1, 2], [False, True]) == ends[1][1]
 
 
 #: a real agent: steps of 50 ms until killed
@@ -213,9 +219,9 @@ SEES_RELAY = "import os, sys; from rankscope.agent.host_relay import answers; r 
 @pytest.mark.timeout(60)
 def test_a_launched_host_runs_beside_a_relay_of_its_own(tmp_path: Path) -> None:
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_RELAY": f"unix:{tmp_path / 'relay.sock'}", "RANKSCOPE_COLLECTOR": "127.0.0.1:1"}
-    assert host_relay(env) == env["RANKSCOPE_RELAY"]  # under Slurm: each node's own disk
-    listen = host_relay(env, "h1")  # on a test bed the hosts share the file system
-    assert listen == f"unix:{tmp_path / 'relay-h1.sock'}" and host_relay({**env, "RANKSCOPE_ENABLE": "0"}, "h1") is None
+    assert relay_socket(env) == env["RANKSCOPE_RELAY"]  # under Slurm: each node's own disk
+    listen = relay_socket(env, "h1")  # on a test bed the hosts share the file system
+    assert listen == f"unix:{tmp_path / 'relay-h1.sock'}" and relay_socket({**env, "RANKSCOPE_ENABLE": "0"}, "h1") is None
     command = agent_command(["-c", "pass"], run_id="r", nnodes="1", ranks_per_host=1, endpoint="x:1", max_restarts=0, rdzv_conf={}, relay=listen)
     assert command[:7] == [sys.executable, "-m", "rankscope.agent.host_relay", "--listen", listen, "--", sys.executable]
     done = subprocess.run([*command[:6], sys.executable, "-c", SEES_RELAY], env={**os.environ, **env, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool")},

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["RELAY_STOP_S", "answers", "main", "start", "stop"]
+__all__ = ["RELAY_STOP_S", "answers", "main", "requested", "start", "stop"]
 
 #: how long the relay has to spool and send what waits once the ranks have ended
 RELAY_STOP_S = 30.0
@@ -38,16 +38,23 @@ def answers(target: str, timeout_s: float = 0.5) -> bool:
     return True
 
 
+def requested(environ: Mapping[str, str]) -> str | None:
+    """This host's relay (``unix:PATH``) when ``environ`` asks for one: the agent on and $RANKSCOPE_RELAY
+    a Unix socket; else None (another host's address is not ours to start)."""
+    relay = environ.get("RANKSCOPE_RELAY", "")
+    return relay if environ.get("RANKSCOPE_ENABLE") == "1" and relay.startswith("unix:") else None
+
+
 def start(environ: Mapping[str, str], who: str) -> subprocess.Popen[bytes] | None:
     """``rankscope relay`` on ``environ``'s $RANKSCOPE_RELAY, once it listens; None when none is asked
     for, one answers there already, or it did not start (``who`` says so)."""
     from rankscope.agent.config import load_config
 
-    if environ.get("RANKSCOPE_ENABLE") != "1" or not environ.get("RANKSCOPE_RELAY"):
+    if requested(environ) is None:
         return None
     config = load_config(environ)
-    if config is None or config.relay is None or not config.relay.startswith("unix:") or answers(config.relay):
-        return None  # another host's address is not ours to start
+    if config is None or config.relay is None or answers(config.relay):
+        return None
     relay = subprocess.Popen([sys.executable, "-m", "rankscope.cli.main", "relay"], stdout=subprocess.PIPE, env=dict(environ))
     line = relay.stdout.readline() if relay.stdout is not None else b""  # "ready on ...", or nothing: it failed
     if b"ready" not in line:

@@ -5,7 +5,8 @@ per rank and kind every few seconds; the collector pays about a millisecond per 
 per host (the OpenTelemetry agent's place) takes its ranks' ``Ingest/Send`` calls on a Unix
 socket, and every ``flush_s`` sends the collector one batch per run and kind: the spans,
 collectives, step scalars and heartbeats of all its ranks merged, rows naming their rank, the
-heartbeats in columns (``relay_merge``). Registrations, ends, stacks and gauges go on one by one.
+heartbeats in columns, and the registrations and ends of senders that speak for several ranks
+(``relay_merge``). One rank's registration or end, stacks and gauges go on one by one.
 
 Delivery: a rank's batch is acknowledged once the relay has written the batch it went into to its
 spool (a durable ``Transport``: what is on disk survives the relay's death, SIGKILL included);
@@ -43,7 +44,7 @@ import grpc
 from google.protobuf.message import Message
 
 from rankscope.agent.config import AgentConfig
-from rankscope.agent.relay_merge import MERGED, merge
+from rankscope.agent.relay_merge import MERGED, merge, rows, world
 from rankscope.agent.transport import REGISTRATIONS, Transport, event_count
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc
 
@@ -59,6 +60,10 @@ FLUSH_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 #: the relay's Transport may hold this much not yet on disk (then ranks are told to retry shortly)
 QUEUE_BYTES = 256 << 20
+#: the relay's calls in flight to the collector. Each waits for the collector's next write (a second
+#: or more), and a flush makes a call per kind: with the agent's 64, a relay fell behind its own
+#: flushes once the collector took 1.5 s to acknowledge, for good, since what waits is never merged again
+WINDOW = 512
 RETRY_AFTER_MS = 200
 #: the order of a flush's batches: who a rank is first, its last word last
 _FIRST, _LAST = REGISTRATIONS, frozenset({"end", "ends"})
@@ -88,7 +93,7 @@ class Relay(ingest_pb2_grpc.IngestServicer):
     def __init__(self, config: AgentConfig, flush_s: float = FLUSH_S) -> None:
         self.config = dataclasses.replace(config, relay=None)  # the relay itself sends to the collector
         self.flush_s = flush_s
-        self._waiting: dict[tuple[str, str], list[_Part]] = {}  # (run, kind) -> parts, in arrival order
+        self._waiting: dict[tuple[str, str, str], list[_Part]] = {}  # (run, kind, world) -> parts, in arrival order
         self._bytes = 0
         self._wake = asyncio.Event()
         self._transports: dict[str, Transport] = {}
@@ -104,7 +109,7 @@ class Relay(ingest_pb2_grpc.IngestServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the relay takes batches that name their run, have a 16-byte id and carry a payload")
         self.received[request.run_id] = self.received.get(request.run_id, 0) + 1
         part = _Part(request.rank, request.batch_id, getattr(request, kind), asyncio.get_running_loop().create_future())
-        self._waiting.setdefault((request.run_id, kind), []).append(part)
+        self._waiting.setdefault((request.run_id, kind, world(kind, part.payload)), []).append(part)
         self._bytes += request.ByteSize()
         if self._bytes >= FLUSH_BYTES:
             self._wake.set()
@@ -131,7 +136,7 @@ class Relay(ingest_pb2_grpc.IngestServicer):
         """Hand what waits to the Transports: a merged batch per (run, kind), the rest one by one."""
         waiting, self._waiting, self._bytes = self._waiting, {}, 0
         loop = asyncio.get_running_loop()
-        for (run_id, kind), parts in sorted(waiting.items(), key=lambda item: (item[0][1] not in _FIRST, item[0][1] in _LAST)):
+        for (run_id, kind, _), parts in sorted(waiting.items(), key=lambda item: (item[0][1] not in _FIRST, item[0][1] in _LAST)):
             parts = _unique(parts)
             try:
                 transport = self._transport(run_id, parts[0].rank, loop)
@@ -176,7 +181,7 @@ class Relay(ingest_pb2_grpc.IngestServicer):
                 loop.call_soon_threadsafe(lambda: self._commands.setdefault((run_id, command.rank), []).append(command))
 
             transport = Transport(self.config, run_id, rank, name=f"relay-{run_id}", max_queue_bytes=QUEUE_BYTES, durable=True,
-                                  on_command=on_command)  # fmt: skip
+                                  window=WINDOW, on_command=on_command)  # fmt: skip
             transport.start()
             self._transports[run_id] = transport
         return transport
@@ -189,7 +194,7 @@ class Relay(ingest_pb2_grpc.IngestServicer):
             for part in parts:
                 loop.call_soon_threadsafe(_settle, part, None if ok else grpc.StatusCode.UNAVAILABLE)
 
-        held = tuple(ingest_pb2.BatchPart(rank=p.rank, batch_id=p.batch_id, count=event_count(p.payload)) for p in parts)
+        held = tuple(ingest_pb2.BatchPart(rank=p.rank, batch_id=p.batch_id, count=rows(kind, p.payload) if kind in MERGED else event_count(p.payload)) for p in parts)
         if not transport.submit(payload, rank=parts[0].rank, on_spooled=spooled, parts=held):
             for part in parts:
                 _settle(part, grpc.StatusCode.RESOURCE_EXHAUSTED)

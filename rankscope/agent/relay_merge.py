@@ -4,8 +4,12 @@ A relay (``node_relay.py``) takes its host's ranks' batches as they come and sen
 batch per kind and flush instead: the collector pays about a millisecond per call whatever its
 size. Columns are concatenated, the string tables united (each index moved to the united table),
 and every row gets its rank in the ``rank`` column. Heartbeats become columns (``heartbeat_columns``).
-Kinds that cannot name a row's rank (registrations, stacks, ends, metrics, run-level records) are
-not merged: the relay forwards them one by one.
+Registrations and ends sent several ranks to a batch (``registers``, ``ends``: each entry names its
+rank) are merged too, a world's to a batch: a host of 8 ranks sent one by one is 8 calls, but a
+sender that speaks for thousands of ranks (the simulator's worker) would make the relay's
+Transport, a call in flight per batch, pass on thousands of them before its ranks' first rows.
+Kinds whose rows cannot name their rank (one rank's ``register`` or ``end``, stacks, metrics,
+run-level records) are not merged: the relay forwards them one by one.
 
 ``select`` is the way back, for the collector: the rows of some of a merged payload's parts, when
 the others were stored before (a rank sent them again itself after its relay died).
@@ -21,7 +25,7 @@ from google.protobuf.message import Message
 from rankscope.agent.heartbeat_columns import to_columns
 from rankscope.protos.v1 import telemetry_pb2 as pb
 
-__all__ = ["MERGED", "merge", "select"]
+__all__ = ["MERGED", "merge", "rows", "select", "world"]
 
 #: (dtype, string index: -1 allowed for "none" or not, value of an absent optional column)
 _Column = tuple[str, bool | None, int | None]
@@ -49,13 +53,29 @@ _IN_FLIGHT: Mapping[str, _Column] = {
     "group": ("<i4", _STR, None), "seq": ("<i8", _NUM, None), "op": ("<i4", _STR, None), "peer": ("<i4", _NUM, None),
     "issue_ns": ("<i8", _NUM, None), "waiting": ("u1", _NUM, None),
 }  # fmt: skip
+#: kinds of several ranks' entries (in the field named after the kind), each entry's rank in ``ranks`` beside it
+_LISTED: dict[str, type[Message]] = {"registers": pb.RegisterBatch, "ends": pb.EndBatch}
 #: the payload kinds a relay merges
-MERGED = frozenset(_LAYOUTS)
+MERGED = frozenset(_LAYOUTS) | frozenset(_LISTED)
+
+
+def rows(kind: str, payload: Message) -> int:
+    """The rows (entries, heartbeats) of a payload of a merged ``kind``: what a part's count counts."""
+    if kind in _LISTED:
+        return len(getattr(payload, kind))
+    return payload.columns.count if kind == "heartbeats" else payload.count  # type: ignore[attr-defined, no-any-return]
+
+
+def world(kind: str, payload: Message) -> str:
+    """The world a payload's registrations join (the collector takes one world's to a batch); "" for other kinds."""
+    return payload.registers[0].world if kind == "registers" and payload.registers else ""  # type: ignore[attr-defined, no-any-return]
 
 
 def merge(kind: str, parts: Sequence[tuple[int, Message]]) -> Message:
     """One payload of ``kind`` from ``(rank, payload)`` pairs, in order; rows keep their own rank
     where they name one, else take the rank of the batch they came in."""
+    if kind in _LISTED:
+        return _merge_listed(kind, parts)
     if kind == "heartbeats":
         beats = [(rank, p.columns if p.HasField("columns") else to_columns(p.heartbeats, p.ranks or [rank] * len(p.heartbeats)).columns)
                  for rank, p in parts]  # type: ignore[attr-defined]  # fmt: skip
@@ -66,6 +86,17 @@ def merge(kind: str, parts: Sequence[tuple[int, Message]]) -> Message:
         return pb.HeartbeatBatch(columns=merged)
     type_ = {"spans": pb.SpanBatch, "collectives": pb.CollectiveBatch, "step_metrics": pb.StepMetricBatch}[kind]
     return _merge(type_, _LAYOUTS[kind], parts, with_rank=True)
+
+
+def _merge_listed(kind: str, parts: Sequence[tuple[int, Message]]) -> Message:
+    out = _LISTED[kind]()
+    for _, part in parts:
+        entries, ranks = getattr(part, kind), part.ranks  # type: ignore[attr-defined]
+        if len(entries) != len(ranks):
+            raise ValueError(f"{kind}: {len(ranks)} ranks for {len(entries)} entries")
+        getattr(out, kind).extend(entries)
+        out.ranks.extend(ranks)  # type: ignore[attr-defined]
+    return out
 
 
 def _merge(type_: type[Message], layout: Mapping[str, _Column], parts: Sequence[tuple[int, Message]], *, with_rank: bool) -> Message:
@@ -101,15 +132,20 @@ def _merge(type_: type[Message], layout: Mapping[str, _Column], parts: Sequence[
 def select(kind: str, payload: Message, counts: Sequence[int], keep: Sequence[bool]) -> Message:
     """The rows of the parts of a merged ``payload`` that ``keep`` names; part i holds the
     ``counts[i]`` rows after part i-1's. The string table is kept whole (indices stay true)."""
-    total = payload.columns.count if kind == "heartbeats" else payload.count  # type: ignore[attr-defined]
+    total = rows(kind, payload)
     if len(counts) != len(keep) or sum(counts) != total:
         raise ValueError(f"parts: {sum(counts)} rows in {len(counts)} parts for a payload of {total}")
-    rows = np.repeat(np.asarray(keep, dtype=bool), np.asarray(counts, dtype=np.int64))
+    kept_rows = np.repeat(np.asarray(keep, dtype=bool), np.asarray(counts, dtype=np.int64))
+    if kind in _LISTED:
+        out = _LISTED[kind]()
+        getattr(out, kind).extend(e for e, k in zip(getattr(payload, kind), kept_rows) if k)
+        out.ranks.extend(np.asarray(payload.ranks, dtype=np.int64)[kept_rows].tolist())  # type: ignore[attr-defined]
+        return out
     if kind != "heartbeats":
-        return _select(payload, _LAYOUTS[kind], rows, with_rank=True)
+        return _select(payload, _LAYOUTS[kind], kept_rows, with_rank=True)
     columns = payload.columns  # type: ignore[attr-defined]
-    ops = np.repeat(rows, np.frombuffer(columns.in_flight, dtype="<i4"))
-    kept = _select(columns, _LAYOUTS[kind], rows, with_rank=True)
+    ops = np.repeat(kept_rows, np.frombuffer(columns.in_flight, dtype="<i4"))
+    kept = _select(columns, _LAYOUTS[kind], kept_rows, with_rank=True)
     kept.ops.CopyFrom(_select(columns.ops, _IN_FLIGHT, ops, with_rank=False))
     return pb.HeartbeatBatch(columns=kept)
 

@@ -9,9 +9,7 @@ batch leaves out the parts stored before it (``relay_merge.select``).
 
 from __future__ import annotations
 
-from google.protobuf.message import Message
-
-from rankscope.agent.relay_merge import MERGED, select
+from rankscope.agent.relay_merge import MERGED, rows, select
 from rankscope.collector.batch_limits import IngestError
 from rankscope.collector.writer import BatchKey
 from rankscope.protos.v1 import ingest_pb2
@@ -29,13 +27,9 @@ def held_parts(batch: ingest_pb2.Batch, kind: str) -> tuple[BatchKey, ...]:
     if kind not in MERGED:  # passed on as it came: the one batch it is
         if len(batch.parts) != 1:
             raise IngestError(f"parts: {len(batch.parts)} parts of a {kind} batch, which a relay passes on one by one", "count")
-    elif sum(p.count for p in batch.parts) != (rows := _rows(kind, getattr(batch, kind))):
-        raise IngestError(f"parts: {sum(p.count for p in batch.parts)} rows in {len(batch.parts)} parts of a {kind} batch of {rows}", "count")
+    elif sum(p.count for p in batch.parts) != (total := rows(kind, getattr(batch, kind))):
+        raise IngestError(f"parts: {sum(p.count for p in batch.parts)} rows in {len(batch.parts)} parts of a {kind} batch of {total}", "count")
     return tuple(BatchKey(batch.run_id, p.rank, p.batch_id, kind) for p in batch.parts)
-
-
-def _rows(kind: str, payload: Message) -> int:
-    return payload.columns.count if kind == "heartbeats" else payload.count  # type: ignore[attr-defined, no-any-return]
 
 
 def leave_out(batch: ingest_pb2.Batch, kind: str, stored: frozenset[bytes]) -> ingest_pb2.Batch:

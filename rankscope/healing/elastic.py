@@ -18,9 +18,10 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rankscope.agent.host_relay import requested
 from rankscope.common.processes import terminate_tree
 
-__all__ = ["RDZV_CONF", "RDZV_PORT", "RendezvousError", "agent_command", "host_relay", "start_rendezvous"]
+__all__ = ["RDZV_CONF", "RDZV_PORT", "RendezvousError", "agent_command", "relay_socket", "start_rendezvous"]
 
 RDZV_PORT = 29400
 #: torchrun's c10d rendezvous settings of a self-healing job (seconds)
@@ -48,12 +49,12 @@ def agent_command(
     ]  # fmt: skip
 
 
-def host_relay(environ: Mapping[str, str], host: str | None = None) -> str | None:
-    """Where a host's relay listens when the job asks for relays (the agent on, $RANKSCOPE_RELAY a
-    ``unix:`` path), else None. ``host``: hosts that share one file system (a test bed's) each get
-    a socket of their own, the path with the host's name added."""
-    relay = environ.get("RANKSCOPE_RELAY", "")
-    if environ.get("RANKSCOPE_ENABLE") != "1" or not relay.startswith("unix:"):
+def relay_socket(environ: Mapping[str, str], host: str | None = None) -> str | None:
+    """Where a host's relay listens when the job asks for relays (``agent.host_relay.requested``), else
+    None. ``host``: hosts that share one file system (a test bed's) each get a socket of their own,
+    the path with the host's name added."""
+    relay = requested(environ)
+    if relay is None:
         return None
     if host is None:
         return relay

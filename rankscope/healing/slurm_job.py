@@ -24,7 +24,7 @@ from rankscope.collector.client import Client
 from rankscope.common.agent_env import agent_environment
 from rankscope.common.processes import terminate_tree
 from rankscope.healing.driver import Driver
-from rankscope.healing.elastic import RDZV_CONF, RDZV_PORT, agent_command, host_relay, start_rendezvous
+from rankscope.healing.elastic import RDZV_CONF, RDZV_PORT, agent_command, relay_socket, start_rendezvous
 from rankscope.healing.launchers import Launchers
 from rankscope.healing.policy import Policy
 from rankscope.healing.slurm_fleet import SlurmError, SlurmFleet, Wrap, node_list
@@ -77,7 +77,7 @@ def run(
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
     agent = agent_command(program, run_id=run_id, nnodes=f"{policy.min_hosts}:{len(starting)}", ranks_per_host=ranks_per_node,
                           endpoint=endpoint, max_restarts=max_restarts, rdzv_conf={"is_host": "false", **RDZV_CONF},
-                          relay=host_relay(env))  # a path on each node's own disk: one relay per node  # fmt: skip
+                          relay=relay_socket(env))  # a path on each node's own disk: one relay per node  # fmt: skip
 
     def start_on(node: str) -> tuple[subprocess.Popen[bytes], Path]:
         path = workdir / f"{node}.log"

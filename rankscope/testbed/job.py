@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.common.processes import training_rank
-from rankscope.healing.elastic import RDZV_PORT, agent_command, host_relay
+from rankscope.healing.elastic import RDZV_PORT, agent_command, relay_socket
 from rankscope.healing.launchers import Launchers
 from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, command_on, pin_rank
 
@@ -102,7 +102,7 @@ def launch(
         conf = {"is_host": str(rendezvous is None and host is head).lower(), **(rdzv_conf or {})}
         torchrun = agent_command(program, run_id=run_id, nnodes=nnodes, ranks_per_host=ranks_per_host,
                                  endpoint=rendezvous or f"{head.address}:{RDZV_PORT}", max_restarts=max_restarts, rdzv_conf=conf,
-                                 relay=host_relay(base, host.name))  # fmt: skip
+                                 relay=relay_socket(base, host.name))  # fmt: skip
         log = workdir / f"{host.name}.log"
         with open(log, "wb") as out:
             launcher = subprocess.Popen(
