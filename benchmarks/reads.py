@@ -1,7 +1,7 @@
 """Readers against ingest: how long a new run's batches wait for their acks while slow queries run,
 and what the queries that once broke the limits cost the collector now.
 
-    python benchmarks/reads.py [--slow 6] [--batches 20] [--replies 3] [--hogs 0]
+    python benchmarks/reads.py [--slow 6] [--batches 20] [--replies 3] [--reply-mb 120] [--hogs 0]
 
 One ``rankscope collector`` (embedded chDB, no diagnosis). First a new run's batches are sent one
 at a time with nothing else running; then ``--slow`` queries that sleep in the engine are started
@@ -9,9 +9,10 @@ at a time with nothing else running; then ``--slow`` queries that sleep in the e
 they run; then the same with queries that keep the CPU busy; then with the three queries of issue
 30 (903 MB of one repeated string, 1 GB in one array, ``system.processes``), sent together, the
 batches going on until all three are answered; then while a reader on a connection of its own
-takes ``--replies`` results of 450 MB one after another (answered, not refused). Printed: each
+takes ``--replies`` results of ``--reply-mb`` MB one after another (answered under the
+result limit, refused over it). Printed: each
 phase's ack latency (median, 90th percentile, slowest) and the batches that missed their 30 s
-deadline; then each limit query's answer, and the collector's peak RSS before and after them. ``--hogs N`` keeps N busy processes running through
+deadline; then each limit query's answer, and the collector's peak RSS before and after them and after the replies. ``--hogs N`` keeps N busy processes running through
 every phase, each in a session of its own as another user's job is: the loaded machine on which
 reads once delayed acks by seconds, made repeatable.
 """
@@ -44,8 +45,8 @@ SLOW = {
     "sleeping": "SELECT sum(sleep(0.5)) AS s FROM numbers(100000000)",
     "CPU-bound": "SELECT count() AS n FROM numbers(100000000000) WHERE intHash64(number) % 7 = 3",
 }
-#: a result of 450 MB, under the 512 MiB limit: answered
-LARGE = "SELECT repeat('x', 1000) AS s FROM numbers(450000)"
+#: a result of about ``--reply-mb`` MB (a row of 1 kB per 1,000)
+LARGE = "SELECT repeat('x', 1000) AS s FROM numbers({rows})"
 LIMIT_QUERIES = (
     "SELECT repeat('x', 1000) FROM numbers(900000)",
     "SELECT max(length(arrayMap(x -> repeat('y', 100), range(10000000)))) AS n",
@@ -116,7 +117,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slow", type=int, default=6, help="slow queries running while the second run sends (default: 6)")
     parser.add_argument("--batches", type=int, default=20, help="batches per run (default: 20)")
-    parser.add_argument("--replies", type=int, default=3, help="450 MB results taken while a fifth run sends (default: 3)")
+    parser.add_argument("--replies", type=int, default=3, help="large results taken while a fifth run sends (default: 3)")
+    parser.add_argument("--reply-mb", type=int, default=120, help="the large results' size: 120 MB (default) is under the 128 MiB limit")
     parser.add_argument("--hogs", type=int, default=0, help="busy processes running meanwhile, each in a session of its own (default: 0)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rankscope-bench-reads-"))
@@ -136,20 +138,23 @@ def main() -> None:
                 idle_rss = peak_rss_mb(proc.pid)
                 limits = [query.Query.future(query_pb2.QueryRequest(sql=sql), timeout=120) for sql in LIMIT_QUERIES]
                 rows.append(("the 3 limit queries", *acks(ingest, "reads-limits", args.batches, lambda: all(c.done() for c in limits))))
+                limits_rss = peak_rss_mb(proc.pid)
                 # a reader's own connection, as `rankscope sql` has: not the agents' (HTTP/2 would queue their acks behind the reply)
                 options = [("grpc.max_receive_message_length", -1), ("grpc.use_local_subchannel_pool", 1)]
                 with grpc.insecure_channel(address, options=options) as reader, ThreadPoolExecutor(1) as pool:
                     large = query_pb2_grpc.QueryStub(reader)
-                    taken = pool.submit(lambda: [answer(large.Query.future(query_pb2.QueryRequest(sql=LARGE), timeout=120)) for _ in range(args.replies)])
-                    rows.append((f"{args.replies} replies of 450 MB", *acks(ingest, "reads-large", args.batches, taken.done)))
+                    request = query_pb2.QueryRequest(sql=LARGE.format(rows=args.reply_mb * 1000))
+                    taken = pool.submit(lambda: [answer(large.Query.future(request, timeout=120)) for _ in range(args.replies)])
+                    rows.append((f"{args.replies} replies of {args.reply_mb} MB", *acks(ingest, "reads-large", args.batches, taken.done)))
                 print(f"{'phase':<28} {'batches':>7} {'ack median ms':>14} {'ack p90 ms':>11} {'ack max ms':>11} {'deadline missed':>16}")
                 for phase, took, missed in rows:
                     print(f"{phase:<28} {len(took):>7} {statistics.median(took) * 1e3:>14.1f} {quantile(took, 0.9):>11.1f} {max(took) * 1e3:>11.1f} {missed:>16}")
                 print()
-                print(f"collector peak RSS: {idle_rss:.0f} MB before the limit queries, {peak_rss_mb(proc.pid):.0f} MB after\n")
+                print(f"collector peak RSS: {idle_rss:.0f} MB before the limit queries, {limits_rss:.0f} MB after them,"
+                      f" {peak_rss_mb(proc.pid):.0f} MB after the replies\n")  # fmt: skip
                 for sql, call in zip(LIMIT_QUERIES, limits):
                     print(f"{sql:<76} {answer(call)}")
-                print(f"{LARGE:<76} {', '.join(taken.result())}")
+                print(f"{request.sql:<76} {', '.join(taken.result())}")
     finally:
         stop(proc)
         shutil.rmtree(work, ignore_errors=True)

@@ -13,8 +13,9 @@ from rankscope.collector.query import (
     from_ipc,
     params_from_wire,
     params_to_wire,
-    to_ipc,
+    to_reply,
 )
+from rankscope.protos.v1 import query_pb2
 
 GUARD = ReadOnlyGuard(["file", "url", "s3", "numbers", "someFutureLake", "merge"], ["otherdb"])
 
@@ -155,6 +156,11 @@ def test_engine_settings_bound_memory_threads_and_time_by_the_callers_deadline()
     assert "log_comment" not in engine_settings(limits)
 
 
-def test_results_travel_as_one_arrow_ipc_stream() -> None:
+def test_results_travel_as_one_arrow_ipc_stream_in_a_reply_serialised_once() -> None:
     table = pa.table({"a": [1, 2], "t": pa.array([1, 2], pa.timestamp("ns", tz="UTC"))})
-    assert from_ipc(to_ipc(table)).equals(table)
+    reply = query_pb2.QueryResponse.FromString(to_reply(table, 0.25))  # what the client parses
+    assert from_ipc(reply.arrow_ipc).equals(table)
+    assert (reply.rows, reply.elapsed_s) == (2, 0.25)
+    large = pa.table({"s": ["x" * 1000] * 200})  # a stream of 200 kB: its length in three varint bytes
+    assert from_ipc(query_pb2.QueryResponse.FromString(to_reply(large, 0.0)).arrow_ipc).equals(large)
+    assert query_pb2.QueryResponse.FromString(to_reply(pa.table({}), 0.0)).rows == 0

@@ -25,7 +25,7 @@ from test_collector_ingest import register, spans
 from test_store import migrated, store  # noqa: F401 (fixtures: each backend)
 
 from rankscope.collector.client import Client, QueryBusy, QueryRefused, ResultTooLarge
-from rankscope.collector.query import Limits, cancel_read, engine_settings, guard_for, run_read_only, to_ipc
+from rankscope.collector.query import Limits, cancel_read, engine_settings, guard_for, run_read_only, to_reply
 from rankscope.collector.store.base import QueryError, Store
 from rankscope.harness.orchestration import CLI
 from rankscope.protos.v1 import ingest_pb2_grpc, query_pb2, query_pb2_grpc
@@ -198,7 +198,7 @@ def test_a_clickhouse_servers_result_is_decoded_no_further_than_max_result_bytes
     from rankscope.collector.store.clickhouse import ServerStore
 
     table = pa.table({"s": ["x" * 1000] * 4000})
-    sent = to_ipc(pa.Table.from_batches(table.to_batches(max_chunksize=1000)))
+    sent = query_pb2.QueryResponse.FromString(to_reply(pa.Table.from_batches(table.to_batches(max_chunksize=1000)), 0.0)).arrow_ipc
 
     class Server:
         def query_arrow_stream(self, sql: str, **_: object) -> object:

@@ -69,8 +69,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              " acknowledged once written, so this bounds the ack latency of a lone batch")
     parser.add_argument("--query-max-rows", metavar="N", type=count(1), default=1_000_000,
                         help="largest query result in rows (default: 1000000); callers may ask for less")
-    parser.add_argument("--query-max-bytes", metavar="N", type=count(1), default=512 * 2**20,
-                        help="largest query result in bytes (default: 512 MiB)")
+    parser.add_argument("--query-max-bytes", metavar="N", type=count(1), default=128 * 2**20,
+                        help="largest query result in bytes (default: 128 MiB; the collector holds a result a few times while it answers)")
     parser.add_argument("--query-timeout", metavar="SECONDS", type=seconds, default=60.0,
                         help="longest a query may run (default: 60; never longer than its caller waits)")
     parser.add_argument("--query-max-memory", metavar="N", type=count(1), default=2**30,

@@ -29,13 +29,14 @@ import asyncio
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from rankscope.collector.query import Limits, QueryBusy, ReadOnlyGuard, cancel_read, run_read_only, to_ipc
+from rankscope.collector.query import Limits, QueryBusy, ReadOnlyGuard, cancel_read, run_read_only, to_reply
 from rankscope.collector.store.base import Store, StoreError
 from rankscope.common.processes import lower_threads
 
@@ -65,10 +66,12 @@ class ReadPool:
         self.waiting = 0
 
     async def read(
-        self, sql: str, params: Mapping[str, object], max_rows: int = 0, within_s: float | None = None
-    ) -> tuple[bytes, int]:
-        """The result of ``sql`` as an Arrow IPC stream and its row count; the guard's and the limits'
-        errors (QueryRefused, ResultTooLarge), QueryBusy when too many reads wait already, StoreError."""
+        self, sql: str, params: Mapping[str, object], max_rows: int = 0, within_s: float | None = None, started_s: float | None = None
+    ) -> bytes:
+        """The Query service's reply to ``sql``, serialised (``query.to_reply``; ``started_s``: when the
+        call came, by ``time.perf_counter``, for its elapsed time); the guard's and the limits' errors
+        (QueryRefused, ResultTooLarge), QueryBusy when too many reads wait already, StoreError."""
+        started_s = time.perf_counter() if started_s is None else started_s
         if self._slots.locked() and self.waiting >= self.max_waiting:
             raise QueryBusy(
                 f"collector busy: {self.running} queries run and {self.waiting} wait, the most it takes;"
@@ -81,7 +84,7 @@ class ReadPool:
             self.waiting -= 1
         self.running += 1
         tag = f"rankscope-read-{uuid.uuid4().hex}"
-        done = self._threads.submit(self._read, tag, sql, params, max_rows, within_s)
+        done = self._threads.submit(self._read, tag, sql, params, max_rows, within_s, started_s)
         done.add_done_callback(self._released(asyncio.get_running_loop()))
         try:
             return await asyncio.wrap_future(done)
@@ -99,11 +102,11 @@ class ReadPool:
         Gauge("rankscope_queries_running", "Queries running in the store now.", registry=registry).set_function(lambda: self.running)
         Gauge("rankscope_queries_waiting", "Queries waiting for a query thread.", registry=registry).set_function(lambda: self.waiting)
 
-    def _released(self, loop: asyncio.AbstractEventLoop) -> Callable[[Future[tuple[bytes, int]]], None]:
+    def _released(self, loop: asyncio.AbstractEventLoop) -> Callable[[Future[bytes]], None]:
         """A callback that frees the read's slot on the loop once its thread has returned, not before:
         the slots count the reads in the engine, cancelled ones included."""
 
-        def release(_: Future[tuple[bytes, int]]) -> None:
+        def release(_: Future[bytes]) -> None:
             loop.call_soon_threadsafe(self._release)
 
         return release
@@ -112,14 +115,16 @@ class ReadPool:
         self.running -= 1
         self._slots.release()
 
-    def _read(self, tag: str, sql: str, params: Mapping[str, object], max_rows: int, within_s: float | None) -> tuple[bytes, int]:
+    def _read(
+        self, tag: str, sql: str, params: Mapping[str, object], max_rows: int, within_s: float | None, started_s: float
+    ) -> bytes:
         try:
             table = run_read_only(self._store, self._guard, sql, params, self._limits, max_rows, tag=tag, within_s=within_s)
         finally:
             _renice(self._limits.nice)
-        return to_ipc(table), table.num_rows
+        return to_reply(table, time.perf_counter() - started_s)
 
-    def _kill(self, tag: str, read: Future[tuple[bytes, int]]) -> None:
+    def _kill(self, tag: str, read: Future[bytes]) -> None:
         """Kill the read until its thread returns: a read that has not reached the engine yet is not in its list."""
         while not read.done():
             try:

@@ -311,25 +311,31 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         return written, decoded.ranks
 
 
+#: what a reader whose result was over a limit can do
+TOO_LARGE_HINT = (" (ask for less: a LIMIT, fewer columns, an aggregate; or start the collector with larger --query-max-rows,"
+                  " --query-max-bytes, --query-max-memory or --query-timeout)")  # fmt: skip
+
+
 class QueryService(query_pb2_grpc.QueryServicer):
     def __init__(self, collector: Collector):
         self.c = collector
 
-    async def Query(self, request: query_pb2.QueryRequest, context: grpc.aio.ServicerContext) -> query_pb2.QueryResponse:
+    async def Query(self, request: query_pb2.QueryRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """The reply serialised already (``query.to_reply``: the result copied once, not four times);
+        ``add_to`` registers this method without a serialiser of its own."""
         started = time.perf_counter()
         c = self.c
         try:
             params = params_from_wire(request.params, request.sql)
-            data, rows = await c.reads.read(request.sql, params, request.max_rows, context.time_remaining())
+            return await c.reads.read(request.sql, params, request.max_rows, context.time_remaining(), started)
         except QueryRefused as e:
             await c.refuse(context, _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         except ResultTooLarge as e:
-            await c.refuse(context, _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"result over the limit: {e}"))
+            await c.refuse(context, _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"result over the limit: {e}{TOO_LARGE_HINT}"))
         except QueryBusy as e:
             await c.refuse(context, _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), [(BUSY_METADATA, "1")]))
         except StoreError as e:
             await c.refuse(context, _Refusal(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {e}"))
-        return query_pb2.QueryResponse(arrow_ipc=data, rows=rows, elapsed_s=time.perf_counter() - started)
 
     async def RequestStack(self, request: query_pb2.StackRequest, context: grpc.aio.ServicerContext) -> query_pb2.StackRequestReply:
         c = self.c
@@ -343,6 +349,22 @@ class QueryService(query_pb2_grpc.QueryServicer):
             return query_pb2.StackRequestReply(queued=False)
         c.commands.request_stack(request.run_id, request.rank, request.reason or "requested")
         return query_pb2.StackRequestReply(queued=True)
+
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """This service on ``server``, as the generated ``add_QueryServicer_to_server`` does but for
+        ``Query``'s replies, which are bytes on the wire already."""
+        handlers = {
+            "Query": grpc.unary_unary_rpc_method_handler(
+                self.Query, request_deserializer=query_pb2.QueryRequest.FromString, response_serializer=bytes
+            ),
+            "RequestStack": grpc.unary_unary_rpc_method_handler(
+                self.RequestStack,
+                request_deserializer=query_pb2.StackRequest.FromString,
+                response_serializer=query_pb2.StackRequestReply.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("rankscope.v1.Query", handlers),))
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
@@ -452,7 +474,7 @@ async def _run(
     )
     ingest = IngestService(collector)
     ingest_pb2_grpc.add_IngestServicer_to_server(ingest, server)
-    query_pb2_grpc.add_QueryServicer_to_server(QueryService(collector), server)
+    QueryService(collector).add_to(server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
