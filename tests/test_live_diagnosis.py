@@ -12,7 +12,7 @@ from test_store import migrated, sample_rows, store  # noqa: F401 (fixtures)
 from rankscope.collector.decode import Decoded
 from rankscope.collector.diagnosis import engine
 from rankscope.collector.diagnosis.engine import LiveDiagnosis
-from rankscope.collector.liveness import LastHeard
+from rankscope.collector.liveness import REJOIN_S, LastHeard
 from rankscope.collector.store.base import Store
 from rankscope.common.settings import Settings
 
@@ -180,13 +180,19 @@ def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_sto
 
 def test_the_time_before_the_collector_started_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
     """A collector killed and restarted: its ranks, not heard yet or heard by a spool replaying
-    heartbeats of before its start, are heard at its start, not lost for its downtime."""
+    heartbeats of before its start, are not lost for its downtime, nor for the time their agents
+    take to come back (a call's deadline and a probe: REJOIN_S); silent from the run's first fresh call."""
     now = time.time_ns()
     beats = _two_ranks_stored_until(migrated, now - 60 * 10**9)
     restarted = LastHeard(stale_ns=5 * 10**9, started_ns=now - 10**9)
     restarted.note(Decoded("heartbeats", {"heartbeats": beats.slice(1, 1)}), now)
     assert _lost(migrated, restarted) == []
-    assert _lost(migrated, LastHeard(stale_ns=5 * 10**9, started_ns=now - 10 * 10**9)) == ["lost_host"]  # silent 10 s of its life
+    assert _lost(migrated, LastHeard(stale_ns=5 * 10**9, started_ns=now - 10 * 10**9)) == []  # its agents may still be on their way
+    rejoined = LastHeard(stale_ns=5 * 10**9, started_ns=now - 10 * 10**9)
+    rejoined.sent(now - 10 * 10**9, now - 10 * 10**9 + 10**6, "job-0")  # a call of the run, fresh: its agents are back
+    rejoined.sent(now - 200 * 10**9, now, "job-0")  # a replay of old batches says nothing
+    assert _lost(migrated, rejoined) == ["lost_host"]  # silent 10 s since
+    assert _lost(migrated, LastHeard(stale_ns=5 * 10**9, started_ns=now - int((REJOIN_S + 10) * 1e9))) == ["lost_host"]  # never back
 
 
 def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
@@ -199,6 +205,7 @@ def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) ->
     def heard_then(last_tick_ns: int) -> LastHeard:
         heard = LastHeard(stale_ns=5 * 10**9, started_ns=heard_ns - 10**9)  # listening since before it heard them
         heard.listening(last_tick_ns)
+        heard.sent(heard_ns, heard_ns, "job-0")
         heard.note(Decoded("heartbeats", {"heartbeats": beats}), heard_ns)
         return heard
 

@@ -15,9 +15,14 @@ from collections.abc import Iterable
 import numpy as np
 import pyarrow as pa
 
+from rankscope.agent.transport import BACKOFF_MAX_S, CALL_TIMEOUT_S
 from rankscope.collector.decode import Decoded
 
 log = logging.getLogger("rankscope.collector")
+
+#: how long after a collector's start a live agent may take to reach it: its call's deadline, then its
+#: next probe (``rankscope.agent.transport``)
+REJOIN_S = CALL_TIMEOUT_S + BACKOFF_MAX_S
 
 
 class LastHeard:
@@ -48,6 +53,14 @@ class LastHeard:
     a rank is silent once it has been quiet for ``silent_after`` beyond how far behind the collector
     is. A second without a batch keeps the last measure (the ranks all gone say nothing about it).
 
+    Nor the time a restarted collector waits for a run's agents to come back: a rank of a run known
+    before the start is silent no earlier than ``silent_after`` after the run's first fresh call
+    (``sent``: one that waited at most ``stale_ns``; a spool a launcher replays for ranks gone carries
+    its old stamps), or, while none has come, after ``REJOIN_S`` more: an agent's call waits up to
+    its deadline for a collector that is starting (its lanes, its first passes, at a low priority)
+    and the next probe follows within the longest backoff. Seen: eight live ranks came back 36 s
+    after the fifth restart in a row, and were named lost from the start.
+
     A rank whose last word (its end) has arrived is never silent: the store may hold its end only
     at the writer's next flush, seconds after the rank stopped talking, and a lost rank is one
     that went silent *without* a last word.
@@ -63,6 +76,7 @@ class LastHeard:
         self._started_ns = time.time_ns() if started_ns is None else started_ns  # when the collector began to listen
         self._behind_ns = 0  # how long the calls of the last second with any waited for the loop (their least)
         self._second: tuple[int, int] = (0, 0)  # (the second in progress, its least wait so far)
+        self._back: dict[str, int] = {}  # run -> when its first fresh call since the start arrived
 
     def listening(self, now_ns: int | None = None) -> None:
         """The event loop's tick (``now_ns``: monotonic): the time since the last one beyond a tick's
@@ -71,12 +85,15 @@ class LastHeard:
         self._deaf_ns += self._stalled(now_ns)
         self._ticked_ns = now_ns
 
-    def sent(self, sent_ns: int, received_ns: int) -> None:
-        """A batch sent at ``sent_ns`` (this collector's clock; 0: the sender did not say) is taken up at ``received_ns``."""
+    def sent(self, sent_ns: int, received_ns: int, run_id: str = "") -> None:
+        """A batch of ``run_id`` sent at ``sent_ns`` (this collector's clock; 0: the sender did not say)
+        is taken up at ``received_ns``."""
         if sent_ns <= 0:
             return
         second, least = self._second
         waited = max(0, received_ns - sent_ns)
+        if run_id and waited <= self.stale_ns:
+            self._back.setdefault(run_id, received_ns)
         if received_ns // 10**9 != second:
             if second:
                 self._took_up(least)
@@ -141,14 +158,16 @@ class LastHeard:
 
     def of(self, run_id: str, attempt: int, ranks: Iterable[int] = (), now_ns: int | None = None) -> dict[int, int]:
         """rank -> when it was last heard (ns, collector clock), for one attempt of a run and at least
-        ``ranks`` (its registered ranks), none before the collector started, moved later by the stalls
-        since (``now_ns``: monotonic, for the stall in progress)."""
+        ``ranks`` (its registered ranks), none before the run's agents could be back (see the class),
+        moved later by the stalls since (``now_ns``: monotonic, for the stall in progress)."""
         deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns) + self.behind_ns()
         heard = {**dict.fromkeys(ranks, 0), **self._heard.get((run_id, attempt), {})}
         ended, now = self._ended.get((run_id, attempt), ()), time.time_ns()
-        return {rank: now if rank in ended else max(at, self._started_ns) + deaf for rank, at in heard.items()}
+        back = self._back.get(run_id, self._started_ns + int(REJOIN_S * 1e9))
+        return {rank: now if rank in ended else max(at, back) + deaf for rank, at in heard.items()}
 
     def forget(self, run_id: str) -> None:
         """Drop every rank of ``run_id``: the diagnosis has let the run go."""
         self._heard = {key: ranks for key, ranks in self._heard.items() if key[0] != run_id}
         self._ended = {key: ranks for key, ranks in self._ended.items() if key[0] != run_id}
+        self._back.pop(run_id, None)

@@ -226,7 +226,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
 
     async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
         received_ns = time.time_ns()
-        self.c.heard.sent(request.sent_ns + request.clock_offset_ns if request.sent_ns else 0, received_ns)
+        self.c.heard.sent(request.sent_ns + request.clock_offset_ns if request.sent_ns else 0, received_ns, request.run_id)
         arrived = self.arrivals.enter()
         try:
             written, ranks = await self._store(request, received_ns, arrived)
