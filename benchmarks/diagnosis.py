@@ -192,6 +192,7 @@ def _live_rows(args: argparse.Namespace, store: Path, work: Path, log: Callable[
     try:
         found = wait_for_incidents(client, run_id, hang_step * args.step_time + 600, sim, sim_log, lags, log)
         cpu_per_s = (_tree_cpu_s(collector.pid) - cpu_before) / (time.monotonic() - wall_before)
+        sim_cpu_per_s = _tree_cpu_s(sim.pid) / (time.monotonic() - wall_before)
         straggler_start = client.query(FAULT_START_SQL, {"run": run_id, "step": STRAGGLER[2]}).to_pylist()[0]["ns"]
         live_passes = _live_passes(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
@@ -204,6 +205,8 @@ def _live_rows(args: argparse.Namespace, store: Path, work: Path, log: Callable[
     rows += _incident_rows(found, straggler_start)
     rows += live_passes
     rows.append(f"| the collector's CPU seconds per second of the run, until both incidents were written | {cpu_per_s:.2f} |")
+    # the cluster it stands for, on the same cores: through relays, a call per host and kind to a relay
+    rows.append(f"| the simulator's CPU seconds per second meanwhile (its workers, and its relays) | {sim_cpu_per_s:.2f} |")
     return rows + [lag.row() for lag in lags]
 
 

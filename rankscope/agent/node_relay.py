@@ -3,7 +3,8 @@
 At 100,000 ranks every rank talking to the collector itself means 100,000 connections and a call
 per rank and kind every few seconds; the collector pays about a millisecond per call. One relay
 per host (the OpenTelemetry agent's place) takes its ranks' ``Ingest/Send`` calls on a Unix
-socket, and every ``flush_s`` sends the collector one batch per run and kind: the spans,
+socket, and every ``flush_s`` (less often while the collector is behind: fewer, larger batches)
+sends the collector one batch per run and kind: the spans,
 collectives, step scalars and heartbeats of all its ranks merged, rows naming their rank, the
 heartbeats in columns, and the registrations and ends of senders that speak for several ranks
 (``relay_merge``). One rank's registration or end, stacks and gauges go on one by one.
@@ -56,6 +57,11 @@ log = logging.getLogger("rankscope.relay")
 FLUSH_S = 0.1
 #: a flush starts early once this much is waiting
 FLUSH_BYTES = 4 << 20
+#: while more merged batches than this await the collector's acknowledgement, what the ranks send
+#: waits for the next flush (up to ``MAX_FLUSH_S`` or ``FLUSH_BYTES``): a collector behind gets
+#: fewer, larger batches instead of a call per kind every ``flush_s``
+BEHIND_BATCHES = 32
+MAX_FLUSH_S = 0.5
 #: what a rank may send in one call (the collector takes up to 64 MiB)
 MAX_MESSAGE_BYTES = 64 << 20
 #: the relay's Transport may hold this much not yet on disk (then ranks are told to retry shortly)
@@ -123,14 +129,23 @@ class Relay(ingest_pb2_grpc.IngestServicer):
         return ingest_pb2.Ack(batch_id=request.batch_id, received_ns=received_ns + offset, replied_ns=time.time_ns() + offset, commands=commands)
 
     async def flushing(self) -> None:
-        """Flush every ``flush_s`` (or sooner, once ``FLUSH_BYTES`` wait), until cancelled."""
+        """Flush every ``flush_s`` (or sooner, once ``FLUSH_BYTES`` wait; or later, up to ``MAX_FLUSH_S``,
+        while the collector is behind: ``BEHIND_BATCHES``), until cancelled."""
+        flushed = time.monotonic()
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.flush_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+            if self._bytes < FLUSH_BYTES and time.monotonic() - flushed < MAX_FLUSH_S and self.unacknowledged() > BEHIND_BATCHES:
+                continue
             self.flush()
+            flushed = time.monotonic()
+
+    def unacknowledged(self) -> int:
+        """Merged batches spooled and not yet acknowledged by the collector (nor given up), over all runs."""
+        return sum(s.spooled - s.acked - s.dropped for s in (t.stats() for t in self._transports.values()))
 
     def flush(self) -> None:
         """Hand what waits to the Transports: a merged batch per (run, kind), the rest one by one."""

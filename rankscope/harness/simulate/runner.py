@@ -27,6 +27,8 @@ from rankscope.common.fault_spec import FaultSpecError, parse
 
 #: calls in flight over all workers. The collector's gRPC server cancels calls beyond about 1,500
 #: pending at once (measured), and a batch waits up to a flush interval for its acknowledgement.
+#: Through relays, each worker's calls go to a relay of its own, which holds them up to its flush
+#: (``node_relay.MAX_FLUSH_S``): each worker gets the whole window.
 TOTAL_WINDOW = 1000
 START_DELAY_NS = 500_000_000
 
@@ -117,7 +119,7 @@ def run(plan: Plan, workers: int = 2, log: Callable[[str], None] = print) -> Sum
     plan = replace(plan, spool_dir=spool)
     parts = slices(plan, workers)
     inboxes = [ctx.Queue() for _ in parts]
-    window = TOTAL_WINDOW // len(parts)
+    window = TOTAL_WINDOW if plan.via == "relay" else TOTAL_WINDOW // len(parts)
     relays = [f"unix:{spool}/relay-{lo}.sock" if plan.via == "relay" else None for lo, _ in parts]
     procs = [
         ctx.Process(target=worker.main, args=(plan, lo, hi, window, inbox, report, stop, relay), name=f"simulate-{lo}")
