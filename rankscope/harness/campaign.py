@@ -241,8 +241,9 @@ def _testbed_scenario(trial: Trial, job: Job) -> testbed_scenarios.Scenario:
     # cost nothing, and a job whose steps are short (Lightning's 4 ranks: 13 steps in about 3 s) must not
     # end before the fault, seen in the store, lands (seed 575831485: rank 1 killed after its normal end). A
     # delayed link must be on for most of the slow-link rule's 10-step window, and the store hears of a step
-    # seconds late under load (testbed-delay-link: the delay landed 7 steps late at load 30, 14 at load 71)
-    steps = trial.step + {"throttle": 16, "delay": 28, "freeze_rank": 40, "freeze_host": 40, "kill_rank": 40, "kill_host": 40}.get(trial.fault, 8)
+    # seconds late under load (testbed-delay-link: the delay landed 7 steps late at load 30, 14 at load 71;
+    # seed 555533734's replay at load 20-35: node1 frozen at step 44 of the DDP job's 45)
+    steps = trial.step + {"throttle": 16, "delay": 28, "freeze_rank": 100, "freeze_host": 100, "kill_rank": 100, "kill_host": 100}.get(trial.fault, 8)
     return testbed_scenarios.Scenario(name, trial.describe(), EXPECTED[trial.fault], apply[trial.fault], rank=trial.rank, names=NAMES[trial.fault],
                                       fault_step=trial.step, steps=steps, program=program, ends=not frozen, hosts=hosts)  # fmt: skip
 
