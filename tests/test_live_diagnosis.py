@@ -237,6 +237,28 @@ def test_the_time_calls_wait_for_a_collector_behind_them_is_no_rank_s_silence(mi
     assert heard.behind_ns() == 0 and _lost(migrated, heard) == ["lost_host"]
 
 
+def test_the_time_the_collector_keeps_calls_waiting_for_their_answer_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
+    """Calls taken up at once but answered 20 s later (a flush behind a flood of replays): the agents
+    could not send their heartbeats meanwhile, so ranks heard 20 s ago are not lost while a call waits
+    that long, nor for a while after its answer; with no call kept waiting, they are."""
+    now = time.time_ns()
+    beats = _two_ranks_stored_until(migrated, now - 20 * 10**9)
+
+    def heard_20_s_ago() -> LastHeard:
+        heard = LastHeard(stale_ns=5 * 10**9, started_ns=now - 60 * 10**9)
+        heard.sent(now - 21 * 10**9, now - 21 * 10**9, "job-0")
+        heard.note(Decoded("heartbeats", {"heartbeats": beats}), now - 20 * 10**9)
+        return heard
+
+    assert _lost(migrated, heard_20_s_ago()) == ["lost_host"]
+    waiting = heard_20_s_ago()
+    answered = waiting.answering(now - 20 * 10**9)
+    assert waiting.kept_waiting_ns() >= 20 * 10**9 and _lost(migrated, waiting) == []
+    answered()
+    assert waiting.kept_waiting_ns() >= 20 * 10**9 and _lost(migrated, waiting) == []  # answered just now, 20 s late
+    assert waiting.kept_waiting_ns(time.time_ns() + 6 * 10**9) < 10**9  # 5 s on, a slow answer is history
+
+
 def test_a_lane_closes_only_the_incidents_of_its_own_kinds() -> None:
     """The urgent lane finds no straggler because it does not look for one: that closes nothing."""
     from rankscope.collector.diagnosis.ledger import Ledger

@@ -8,9 +8,10 @@ listen.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -61,6 +62,13 @@ class LastHeard:
     and the next probe follows within the longest backoff. Seen: eight live ranks came back 36 s
     after the fifth restart in a row, and were named lost from the start.
 
+    Nor the time the collector keeps calls waiting for their answer: an agent whose calls are not
+    answered (a slow store, a flush behind a flood of replayed spools) cannot send its heartbeats,
+    and one whose call outlives its deadline spools them and probes again. ``answering(received_ns)``
+    counts each call until it is answered; ``of`` adds the longest a call has waited so far, or the
+    longest answer of the last ``stale_ns``. Seen: calls taken up 13 s late but answered past the
+    agents' 30 s deadline, and eight ranks beating all along named lost.
+
     A rank whose last word (its end) has arrived is never silent: the store may hold its end only
     at the writer's next flush, seconds after the rank stopped talking, and a lost rank is one
     that went silent *without* a last word.
@@ -77,6 +85,9 @@ class LastHeard:
         self._behind_ns = 0  # how long the calls of the last second with any waited for the loop (their least)
         self._second: tuple[int, int] = (0, 0)  # (the second in progress, its least wait so far)
         self._back: dict[str, int] = {}  # run -> when its first fresh call since the start arrived
+        self._open: dict[int, int] = {}  # calls not answered yet -> when they arrived
+        self._answers: dict[int, int] = {}  # second -> the longest answer of the calls answered then
+        self._calls = itertools.count()
 
     def listening(self, now_ns: int | None = None) -> None:
         """The event loop's tick (``now_ns``: monotonic): the time since the last one beyond a tick's
@@ -100,6 +111,29 @@ class LastHeard:
             self._second = (received_ns // 10**9, waited)
         elif waited < least:
             self._second = (second, waited)
+
+    def answering(self, received_ns: int) -> Callable[[], None]:
+        """A call that arrived at ``received_ns``, kept waiting until the callable says it was answered."""
+        call = next(self._calls)
+        self._open[call] = received_ns
+
+        def answered() -> None:
+            now = time.time_ns()
+            took = now - self._open.pop(call, now)
+            second = now // 10**9
+            self._answers[second] = max(took, self._answers.get(second, 0))
+            for old in [s for s in self._answers if s < second - self.stale_ns // 10**9]:
+                del self._answers[old]
+
+        return answered
+
+    def kept_waiting_ns(self, now_ns: int | None = None) -> int:
+        """How long the collector keeps calls waiting: its oldest open call's wait, or the longest answer
+        of the last ``stale_ns`` (wall clock ``now_ns``), whichever is longer."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        oldest = min(list(self._open.values()), default=now_ns)
+        recent = [took for second, took in list(self._answers.items()) if second >= (now_ns - self.stale_ns) // 10**9]
+        return max(now_ns - oldest, max(recent, default=0))
 
     def _took_up(self, waited_ns: int) -> None:
         """A second's least wait becomes the measure; crossing ``stale_ns`` either way is said once."""
@@ -160,7 +194,7 @@ class LastHeard:
         """rank -> when it was last heard (ns, collector clock), for one attempt of a run and at least
         ``ranks`` (its registered ranks), none before the run's agents could be back (see the class),
         moved later by the stalls since (``now_ns``: monotonic, for the stall in progress)."""
-        deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns) + self.behind_ns()
+        deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns) + self.behind_ns() + self.kept_waiting_ns()
         heard = {**dict.fromkeys(ranks, 0), **self._heard.get((run_id, attempt), {})}
         ended, now = self._ended.get((run_id, attempt), ()), time.time_ns()
         back = self._back.get(run_id, self._started_ns + int(REJOIN_S * 1e9))

@@ -227,13 +227,14 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
     async def Send(self, request: ingest_pb2.Batch, context: grpc.aio.ServicerContext) -> ingest_pb2.Ack:
         received_ns = time.time_ns()
         self.c.heard.sent(request.sent_ns + request.clock_offset_ns if request.sent_ns else 0, received_ns, request.run_id)
-        arrived = self.arrivals.enter()
+        arrived, answered = self.arrivals.enter(), self.c.heard.answering(received_ns)
         try:
             written, ranks = await self._store(request, received_ns, arrived)
         except _Refusal as refusal:
             await self.c.refuse(context, refusal)
         finally:
             arrived()
+            answered()
         self.c.telemetry.seen(request.run_id, ranks)
         return ingest_pb2.Ack(
             batch_id=request.batch_id,
