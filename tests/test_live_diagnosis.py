@@ -140,24 +140,24 @@ def test_a_host_finding_merges_the_incidents_of_its_ranks_named_alone_in_turn() 
 SILENT_AFTER_5S = Settings(silent_after_s=5.0, hang_after_s=60.0)
 
 
-def _two_ranks_stored_until(store: Store, beat_ns: int) -> pa.Table:
+def _two_ranks_stored_until(db: Store, beat_ns: int) -> pa.Table:
     """A run of two ranks on one host, started a minute ago, whose stored heartbeats are of ``beat_ns``: those heartbeats."""
     now = time.time_ns()
 
     def first_attempt(rows: pa.Table) -> pa.Table:
         return rows.set_column(rows.schema.get_field_index("attempt"), "attempt", pa.array([0] * rows.num_rows, pa.uint16()))
 
-    store.insert_arrow(f"{store.database}.runs", sample_rows("runs", 1, run_id="job", start_ns=now))
-    store.insert_arrow(f"{store.database}.ranks", first_attempt(sample_rows("ranks", 2, run_id="job-0", start_ns=now - 60 * 10**9)))
+    db.insert_arrow(f"{db.database}.runs", sample_rows("runs", 1, run_id="job", start_ns=now))
+    db.insert_arrow(f"{db.database}.ranks", first_attempt(sample_rows("ranks", 2, run_id="job-0", start_ns=now - 60 * 10**9)))
     beats = first_attempt(sample_rows("heartbeats", 2, run_id="job-0", start_ns=beat_ns))
-    store.insert_arrow(f"{store.database}.heartbeats", beats)
+    db.insert_arrow(f"{db.database}.heartbeats", beats)
     return beats
 
 
-def _lost(store: Store, heard: LastHeard | None) -> list[str]:
+def _lost(db: Store, heard: LastHeard | None) -> list[str]:
     """The kinds of incident one live pass names, with ranks silent after 5 s."""
     written: list = []
-    LiveDiagnosis(store.query_arrow, written.extend, lambda run, rank, reason: None, SILENT_AFTER_5S, heard=heard).pass_once()
+    LiveDiagnosis(db.query_arrow, written.extend, lambda run, rank, reason: None, SILENT_AFTER_5S, heard=heard).pass_once()
     return [i.finding.kind for i in written]
 
 

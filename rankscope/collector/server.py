@@ -351,7 +351,6 @@ class QueryService(query_pb2_grpc.QueryServicer):
         c.commands.request_stack(request.run_id, request.rank, request.reason or "requested")
         return query_pb2.StackRequestReply(queued=True)
 
-
     def add_to(self, server: grpc.aio.Server) -> None:
         """This service on ``server``, as the generated ``add_QueryServicer_to_server`` does but for
         ``Query``'s replies, which are bytes on the wire already."""
