@@ -178,6 +178,26 @@ def test_ranks_are_lost_by_when_the_collector_last_heard_them_not_by_what_it_sto
     assert _lost(migrated, replayed) == ["lost_host"]
 
 
+def test_a_lost_rank_found_to_have_crashed_is_one_incident(migrated: Store) -> None:  # noqa: F811
+    """Rank 1 silent while rank 0 of its host beats: a lost rank. Then rank 0 ends (its launcher stopped it
+    after rank 1 died): a crash, which goes on with the lost rank's incident, not a second one beside it
+    (testbed-kill-rank named both when the others' ends came after rank 1's silence was judged)."""
+    now = time.time_ns()
+    beats = _two_ranks_stored_until(migrated, now - 100 * 10**9)  # past the patience for a hang (65 s)
+    heard = LastHeard(stale_ns=5 * 10**9, started_ns=now - 120 * 10**9)
+    heard.note(Decoded("heartbeats", {"heartbeats": beats.slice(0, 1).set_column(
+        beats.schema.get_field_index("time"), "time", pa.array([now - 10**9], pa.timestamp("ns")))}), now)  # fmt: skip
+    written: list = []
+    live = LiveDiagnosis(migrated.query_arrow, written.extend, lambda run, rank, reason: None, SILENT_AFTER_5S, heard=heard)
+    live.pass_once()
+    assert [(i.incident_id, i.finding.kind) for i in written] == [("lost:rank=1", "lost_rank")]
+    ended = sample_rows("exits", 1, run_id="job-0", start_ns=now)
+    migrated.insert_arrow(f"{migrated.database}.exits", ended.set_column(ended.schema.get_field_index("reason"), "reason", pa.array(["normal"])))
+    written.clear()
+    live.pass_once()
+    assert [(i.incident_id, i.finding.kind, i.finding.ranks, i.status) for i in written] == [("lost:rank=1", "crash", (1,), "open")]
+
+
 def test_the_time_before_the_collector_started_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
     """A collector killed and restarted: its ranks, not heard yet or heard by a spool replaying
     heartbeats of before its start, are not lost for its downtime, nor for the time their agents

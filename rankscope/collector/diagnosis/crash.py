@@ -166,8 +166,9 @@ def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict]) -> li
             kind, key = "lost_host", f"lost:host={host}"
             absorbs = tuple(f"lost:rank={r}" for r in sorted(ranks, key=lambda r: silent[r]))
             summary = f"lost host: every rank of {host} ({', '.join(map(str, ranks))}) went silent without a last word"
-        elif stopped:
+        elif stopped:  # continues the lost rank's incident, named before its host-mates' ends came
             kind, key = "crash", f"crash:rank={ranks[0]}"
+            absorbs = tuple(f"lost:rank={r}" for r in sorted(ranks, key=lambda r: silent[r]))
             summary = (f"crash: {names} died without a last word (SIGKILL or the OOM killer) while its host {host} "
                        f"was up (rank {', '.join(map(str, stopped))} ended after it)")  # fmt: skip
         else:
