@@ -1,7 +1,8 @@
 """Diagnosis accuracy over a randomized fault campaign, counted the way Minder, Holmes and Greyhound count.
 
     python benchmarks/accuracy.py [--trials 16] [--seed 29] [--kinds straggler,hang,...] [--jobs lightning,ddp,...]
-                                  [--max-ranks 8] [--replay SEED ...] [--out test-artifacts/accuracy] [--report JSONL]
+                                  [--max-ranks 8] [--replay SEED ...] [--out test-artifacts/accuracy] [--resume]
+                                  [--report JSONL]
 
 Each trial (rankscope/harness/campaign.py) is drawn from a seed that reproduces it (``--replay SEED``):
 the fault, its rank or host, step and size, the job and the background load; a quarter have no
@@ -9,7 +10,9 @@ fault. It runs a real collector and a real job, scores the live diagnosis's stor
 or closed) and ``rankscope diagnose --run RUN --format json`` afterwards against the truth, and
 prints one line per trial. At the end: one table per fault kind, per framework and overall, live
 and offline, beside the published figures; the trials as JSONL and a Plotly plot (HTML) in ``--out``.
-Ctrl-C stops it and prints the tables of the trials played. ``make accuracy`` installs the Lightning
+Ctrl-C stops it and prints the tables of the trials played; ``--resume`` later plays the rest of the
+same campaign, keeping the trials already in ``--out`` (a 200-trial campaign takes hours: it can be
+played in pieces, each record saying the commit it ran on). ``make accuracy`` installs the Lightning
 and Accelerate jobs' packages first (the campaign extra); without them those jobs are left out, said
 once. The external faults need root (a test bed).
 """
@@ -50,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replay", type=int, nargs="+", default=[], metavar="SEED", help="play exactly these trial seeds")
     parser.add_argument("--report", type=Path, metavar="JSONL", help="print the tables of trials played before (their trials.jsonl), play none")
     parser.add_argument("--out", type=Path, default=Path("test-artifacts/accuracy"), help="where trials.jsonl and accuracy.html go")
+    parser.add_argument("--resume", action="store_true", help="keep the trials played before in --out's trials.jsonl and play only "
+                        "the campaign's others (otherwise that file is started afresh)")  # fmt: skip
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if unknown := [k for k in kinds if k not in campaign.KINDS]:
@@ -90,30 +95,64 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "trials.jsonl"
-    print(f"{len(seeds)} trials (campaign seed {args.seed}), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; trials in {jsonl}")
-    records: list[dict[str, Any]] = []
+    records = played(jsonl, seeds) if args.resume else []
+    done = {r["seed"] for r in records}
+    print(f"{len(seeds)} trials (campaign seed {args.seed}), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; trials in {jsonl}"
+          + (f"; {len(done)} played before, kept" if args.resume else ""))  # fmt: skip
+    commit = _commit()
     began = time.monotonic()
     # Ctrl-C or SIGTERM (also where a background shell ignores SIGINT) ends the trial in play, its
     # processes and test bed stopped, and prints the tables of the trials played so far
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with jsonl.open("w") as out, contextlib.suppress(KeyboardInterrupt):
+    with jsonl.open("a" if args.resume else "w") as out, contextlib.suppress(KeyboardInterrupt):
         for n, seed in enumerate(seeds, 1):
+            if seed in done:
+                continue
             trial = campaign.draw(seed)
             print(f"[{n}/{len(seeds)}] seed {seed}: {trial.describe()}", flush=True)
             with tempfile.TemporaryDirectory(prefix=f"rankscope-campaign-{seed}-") as work:
-                record = rescored(campaign.play(trial, Path(work), log=lambda line: print(f"    {line}", flush=True)))
+                record = rescored({**campaign.play(trial, Path(work), log=lambda line: print(f"    {line}", flush=True)), "commit": commit})
                 if record["error"] or verdict_of(record["live"]).outcome not in ("TP", "clean") or disagreements(record):
                     keep_logs(Path(work), args.out / "logs" / str(seed))
             records.append(record)
             out.write(json.dumps(record, default=str) + "\n")
             out.flush()
             print(f"    {outcome(record)} ({record['wall_s']:.0f} s, load {record['load_before']:.1f})", flush=True)
-    print(f"\n{len(records)} trials in {time.monotonic() - began:.0f} s; load average now {os.getloadavg()[0]:.1f}\n")
+    print(f"\n{len(records)} trials ({len(records) - len(done)} in {time.monotonic() - began:.0f} s); load average now {os.getloadavg()[0]:.1f}\n")
     print("\n".join(report(records)))
     plot(records, args.out / "accuracy.html")
     print(f"\ntrials: {jsonl}\nplot: {args.out / 'accuracy.html'} (and .png where Chromium is installed)")
     return 0
+
+
+def played(jsonl: Path, seeds: list[int]) -> list[dict[str, Any]]:
+    """The trials of this campaign already in ``jsonl``, in the campaign's order, the file rewritten
+    to hold just them: a trial that could not be played, or whose line a kill cut short, is played again."""
+    if not jsonl.exists():
+        return []
+    records = {}
+    for line in jsonl.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a kill: that trial is played again
+            if not (record := json.loads(line))["error"]:
+                records[record["seed"]] = record
+    if stray := sorted(set(records) - set(seeds)):
+        raise SystemExit(f"accuracy: {jsonl} holds trials of another campaign (seeds {stray[:3]}...): "
+                         "give the same --seed and filters, or another --out")  # fmt: skip
+    kept = [rescored(records[s]) for s in seeds if s in records]
+    jsonl.write_text("".join(json.dumps(r, default=str) + "\n" for r in kept))
+    return kept
+
+
+def _commit() -> str:
+    """The commit the trials run on (with ``+`` when the tree has changes), or "" outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+" if dirty else "")
 
 
 def keep_logs(work: Path, into: Path) -> None:

@@ -4,6 +4,10 @@ The campaign itself (benchmarks/accuracy.py) runs real jobs for minutes and stay
 what its tables say rests on these counts.
 """
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 
 from rankscope.harness.campaign_score import Tally, Truth, judge
@@ -45,3 +49,20 @@ def test_a_trial_is_scored_on_kind_ranks_and_hosts() -> None:
     assert (tally.wrong_culprit_rate, tally.false_alarm_rate) == (1 / 3, 1 / 2)
     assert (tally.percentile(0.5), tally.percentile(0.9)) == (7.0, 10.0)
     assert Tally().precision is None and Tally().percentile(0.5) is None
+
+
+@pytest.mark.timeout(30)
+def test_a_campaign_resumed_keeps_its_played_trials_and_replays_the_unplayed(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("accuracy", Path(__file__).parents[1] / "benchmarks" / "accuracy.py")
+    accuracy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(accuracy)
+    record = {"fault": "none", "truth": {"kind": None, "ranks": [], "hosts": []}, "live_incidents": [], "offline_incidents": [],
+              "disagreements": [], "offline_error": "", "error": ""}  # fmt: skip
+    jsonl = tmp_path / "trials.jsonl"
+    assert accuracy.played(jsonl, [1, 2, 3]) == []
+    lines = [{**record, "seed": 3}, {**record, "seed": 1, "error": "TestbedError: no ip"}, {**record, "seed": 2}]
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"seed": 4, "fau')  # the last cut short by a kill
+    kept = accuracy.played(jsonl, [1, 2, 3, 4])
+    assert [r["seed"] for r in kept] == [2, 3] and [json.loads(line)["seed"] for line in jsonl.read_text().splitlines()] == [2, 3]
+    with pytest.raises(SystemExit, match="holds trials of another campaign"):
+        accuracy.played(jsonl, [7, 8])
