@@ -12,30 +12,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["RELAY_STOP_S", "answers", "main", "requested", "start", "stop"]
+from rankscope.common.listening import answers
+
+__all__ = ["RELAY_STOP_S", "main", "requested", "start", "stop"]
 
 #: how long the relay has to spool and send what waits once the ranks have ended
 RELAY_STOP_S = 30.0
-
-
-def answers(target: str, timeout_s: float = 0.5) -> bool:
-    """Whether something listens at a gRPC target (``unix:/path`` or ``host:port``)."""
-    try:
-        if target.startswith("unix:"):
-            with socket.socket(socket.AF_UNIX) as probe:
-                probe.settimeout(timeout_s)
-                probe.connect(target.removeprefix("unix:"))
-        else:
-            host, _, port = target.rpartition(":")
-            socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
-    except (OSError, ValueError):
-        return False
-    return True
 
 
 def requested(environ: Mapping[str, str]) -> str | None:

@@ -59,7 +59,7 @@ from google.protobuf.message import Message
 
 from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import AgentConfig, warn_once
-from rankscope.agent.host_relay import answers
+from rankscope.common.listening import answers
 from rankscope.agent.spool import Segment, Spool
 from rankscope.protos.v1 import BATCH_SCHEMA_VERSION, ingest_pb2
 

@@ -20,7 +20,6 @@ import functools
 import hmac
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +44,7 @@ from rankscope.collector.store.migrations import migrate
 from rankscope.collector.telemetry import Telemetry
 from rankscope.collector.relay_parts import held_parts, leave_out
 from rankscope.collector.writer import FLUSH_INTERVAL_S, BatchKey, PartsStored, Writer
+from rankscope.common.listening import answers
 from rankscope.common.settings import Settings
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 
@@ -555,15 +555,8 @@ def _refuse_a_live_socket(path: str) -> None:
     when it binds, so a second collector there would silently take the agents of the first, and
     whichever stopped first would remove the other's socket. A file nobody answers on is stale:
     gRPC replaces it."""
-    if not os.path.exists(path):
-        return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(2.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return
-    raise OSError(f"cannot listen on {UNIX}{path}: a process (another collector?) is listening there")
+    if os.path.exists(path) and answers(f"{UNIX}{path}", timeout_s=2.0):
+        raise OSError(f"cannot listen on {UNIX}{path}: a process (another collector?) is listening there")
 
 
 async def _tick(collector: Collector, stop: asyncio.Event) -> None:
