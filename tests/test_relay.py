@@ -30,10 +30,13 @@ from rankscope.agent.config import load_config
 from rankscope.common.listening import answers
 from rankscope.agent.node_relay import DIE_AFTER_SPOOL
 from rankscope.agent.relay_merge import merge, select
+from rankscope.agent.relay_merge import rows as counted
 from rankscope.agent.transport import Transport
 from rankscope.collector.decode import decode
+from rankscope.collector.relay_parts import held_parts
 from rankscope.collector.run_registry import RunRegistry
 from rankscope.healing.elastic import agent_command, relay_socket
+from rankscope.protos.v1 import ingest_pb2
 from rankscope.protos.v1 import telemetry_pb2 as pb
 from test_collector_ingest import envelope, metrics, register, spans
 
@@ -54,6 +57,10 @@ def test_merged_batches_are_stored_as_the_ranks_own_and_a_bad_one_is_refused_alo
     assert merged.ranks == (0, 1, 2)
     beats = [(rank, pb.HeartbeatBatch(heartbeats=[pb.Heartbeat(time_ns=now, step=2, phase="forward", status="running")])) for rank in range(3)]
     assert decode(envelope("r", 0, heartbeats=merge("heartbeats", beats)), registry, now).parts["heartbeats"]["rank"].to_pylist() == [0, 1, 2]
+    # the parts a relay names with it count a rank's heartbeats, sent as a list (agent.heartbeat), as the merged columns' rows
+    held = ingest_pb2.Batch(run_id="r", batch_id=b"r" * 16, heartbeats=merge("heartbeats", beats),
+                            parts=[ingest_pb2.BatchPart(rank=r, batch_id=bytes([r]) * 16, count=counted("heartbeats", p)) for r, p in beats])  # fmt: skip
+    assert [k.rank for k in held_parts(held, "heartbeats")] == [0, 1, 2]
     # the way back, for the collector: the rows of the parts not stored before, as if merged alone
     def rows(kind: str, payload: pb.SpanBatch | pb.HeartbeatBatch) -> dict[str, list[dict]]:
         return {table: t.to_pylist() for table, t in decode(envelope("r", 0, **{kind: payload}), registry, now).parts.items()}
@@ -170,6 +177,7 @@ def test_a_relay_killed_mid_run_loses_nothing_and_stores_nothing_twice(proc_runn
         time.sleep(0.2)
     assert list(spool.glob("relay-relayed-*.lock")), "the relay spools what it acknowledges"
     (relay,) = [pid for pid in _children(train.pid) if b"\0relay" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # rankscope train's
+    killed_ns = time.time_ns()
     os.kill(relay, signal.SIGKILL)
     assert train.wait(240) == 0, train.output()
     assert "does not answer" in train.stderr, train.output()  # the ranks went to the collector themselves
@@ -187,12 +195,15 @@ def test_a_relay_killed_mid_run_loses_nothing_and_stores_nothing_twice(proc_runn
             "SELECT rank, count() AS rows, uniqExact(group_name, seq, op, peer) AS distinct_rows, max(step) AS last "
             "FROM collectives WHERE run_id = 'relayed' GROUP BY rank ORDER BY rank", {}).to_pylist()  # fmt: skip
         beats = client.query("SELECT count() AS rows, uniqExact(rank, time) AS distinct_rows FROM heartbeats WHERE run_id = 'relayed'", {}).to_pylist()[0]
+        relayed_beats = client.query("SELECT rank, count() AS n FROM heartbeats WHERE run_id = 'relayed' AND toUnixTimestamp64Nano(time) < "
+                                     "{killed:Int64} GROUP BY rank ORDER BY rank", {"killed": killed_ns}).to_pylist()  # fmt: skip
     assert [r["rank"] for r in spans_per_rank] == [0, 1, 2, 3]
     for r in spans_per_rank:
         assert r["steps"] == STEPS and r["rows"] == r["distinct_rows"], r  # every step, before and after the kill; none twice
     for r in collectives:
         assert r["last"] == STEPS and r["rows"] == r["distinct_rows"], r
     assert beats["rows"] == beats["distinct_rows"] > 0, beats
+    assert [r["rank"] for r in relayed_beats] == [0, 1, 2, 3], relayed_beats  # every rank's heartbeats, through the relay too
     assert not list(spool.glob("*.seg")), "what the relay left was adopted and acknowledged"
 
 

@@ -63,7 +63,9 @@ def rows(kind: str, payload: Message) -> int:
     """The rows (entries, heartbeats) of a payload of a merged ``kind``: what a part's count counts."""
     if kind in _LISTED:
         return len(getattr(payload, kind))
-    return payload.columns.count if kind == "heartbeats" else payload.count  # type: ignore[attr-defined, no-any-return]
+    if kind == "heartbeats":  # a rank's own come as a list (agent.heartbeat), a relay's as columns
+        return payload.columns.count if payload.HasField("columns") else len(payload.heartbeats)  # type: ignore[attr-defined, no-any-return]
+    return payload.count  # type: ignore[attr-defined, no-any-return]
 
 
 def world(kind: str, payload: Message) -> str:
