@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -280,6 +281,12 @@ def test_under_slurm_the_bad_node_is_drained_with_its_incident_and_the_job_finis
     assert outcome.node_states[outcome.target][0] == "suspect" and outcome.node_states[outcome.target][-1] == "drained", outcome.node_states
     resumed = json.loads(outcome.first("resumed")["evidence"])
     assert resumed["resumed_step"] > 1 and resumed["steps_lost"] >= 0  # from a checkpoint, not from scratch
+    for host in outcome.final_hosts if drill.relays else ():  # each node's ranks sent through a relay of its own, stopped with the job
+        log = (tmp_path / "launch" / f"{host}.log").read_text(errors="replace")
+        assert re.search(rf"batches received from ranks, by run: {outcome.run_id} [1-9]", log), f"{host}:\n{log[-3000:]}"
+    if drill.requeue:  # the dead node declared DOWN by the driver: Slurm did not hold the job COMPLETING until it gave up on it itself
+        relaunched = [a["time_ns"] for a in outcome.actions if a["action"] == "launched"][-1]
+        assert (relaunched - outcome.first("requeue")["time_ns"]) / 1e9 < slurm.SLURMD_TIMEOUT_S, story
     if kind != "lost_host":  # a node still there (frozen, throttled) was self-checked and failed, its peers passed
         check = json.loads(outcome.first("selfcheck")["evidence"])["passed"]
         assert check[outcome.target] is False and all(check[h] for h in check if h != outcome.target), story

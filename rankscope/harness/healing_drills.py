@@ -59,6 +59,8 @@ class Drill:
     requeue: bool = False
     #: the job's steps: a straggler is acted on only after it stayed slow for some, so a throttle needs more
     steps: int = STEPS
+    #: the ranks send through a relay of their host's (``RANKSCOPE_RELAY``), which the fault takes down with the host
+    relays: bool = False
 
 
 DRILLS: dict[str, Drill] = {

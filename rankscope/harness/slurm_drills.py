@@ -43,8 +43,8 @@ DRILLS: dict[str, Drill] = {
         Drill("freeze-node", "every process of node1 frozen, slurmd too (freezer cgroup)", lambda bed, h: host_faults.freeze_host(h)),
         Drill("throttle-node", "node1's CPU cut to a fifth (cgroup quota)", lambda bed, h: host_faults.throttle_cpu(bed, h, 0.2),
               steps=THROTTLED_STEPS),  # fmt: skip
-        Drill("kill-node-requeue", "every process of node1 killed; no spare, and the job may not shrink: requeued",
-              lambda bed, h: host_faults.kill_host(bed, h), requeue=True),  # fmt: skip
+        Drill("kill-node-requeue", "every process of node1 killed, its relay too; no spare, and the job may not shrink: requeued",
+              lambda bed, h: host_faults.kill_host(bed, h), requeue=True, relays=True),  # fmt: skip
     )
 }
 
@@ -62,9 +62,10 @@ def script(drill: Drill, address: str, run_id: str, workdir: Path) -> str:
     flags = ["--requeue", "--min-hosts", "3"] if drill.requeue else ["--spares", str(drill.spares), "--min-hosts", "2"]
     launch = [sys.executable, "-m", "rankscope.cli.main", "launch", "--slurm", *flags, "--ranks-per-node", str(RANKS_PER_HOST),
               "--collector", address, "--run-id", run_id, "--workdir", str(workdir / "launch"), "--", *trainer(*trainer_flags(workdir, drill.steps))]  # fmt: skip
+    relays = f"export RANKSCOPE_RELAY=unix:{workdir / 'relay.sock'}\n" if drill.relays else ""  # a relay per node, started by the launch
     return (
         f"#!/bin/bash\n#SBATCH --nodes={3 + drill.spares} --no-kill --requeue --open-mode=append --output={workdir / 'job-%j.out'}\n"
-        f"exec {shlex.join(launch)}\n"
+        f"{relays}exec {shlex.join(launch)}\n"
     )
 
 

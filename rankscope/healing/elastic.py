@@ -49,15 +49,13 @@ def agent_command(
     ]  # fmt: skip
 
 
-def relay_socket(environ: Mapping[str, str], host: str | None = None) -> str | None:
-    """Where a host's relay listens when the job asks for relays (``agent.host_relay.requested``), else
-    None. ``host``: hosts that share one file system (a test bed's) each get a socket of their own,
-    the path with the host's name added."""
+def relay_socket(environ: Mapping[str, str], host: str) -> str | None:
+    """Where ``host``'s relay listens when the job asks for relays (``agent.host_relay.requested``),
+    else None: the path with the host's name added, so that hosts sharing a file system (a test bed's,
+    a cluster's home directories) each get a socket of their own."""
     relay = requested(environ)
     if relay is None:
         return None
-    if host is None:
-        return relay
     path = Path(relay.removeprefix("unix:"))
     return f"unix:{path.with_name(f'{path.stem}-{host}{path.suffix}')}"
 

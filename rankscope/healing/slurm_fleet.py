@@ -6,7 +6,7 @@ running ``rankscope.healing.node_workers``); the self-check's probes run on a no
 (``SlurmRunner``); a node is fenced by draining it with a reason that names the incident (neither
 this job nor the next lands on it) and ending the job's processes on it: the job steps that run
 on that node alone are cancelled (a torchrun agent a node), the job's training ranks left there
-are killed through a step. Nothing reaches a node by any way Slurm does not provide.
+are killed through a step; a node that does not answer is declared DOWN as well. Nothing reaches a node by any way Slurm does not provide.
 
 ``slurm`` wraps each Slurm command (identity on a cluster: they are on PATH, ``SLURM_CONF`` in the
 environment; the test bed runs them on its control host).
@@ -127,7 +127,7 @@ class SlurmFleet:
 
     def fence(self, host: str, reason: str) -> str:
         """Drain the node with ``reason``, cancel the job's steps that run on it alone, kill the job's
-        ranks left there; returns what was done."""
+        ranks left there, or declare it DOWN too when it does not answer; returns what was done."""
         SlurmNodes(self.slurm).drain(host, reason)
         steps = []
         for line in _run(self.slurm, ["squeue", "--steps", f"--jobs={self.job_id}", "--noheader", "--format=%i|%N"]).splitlines():
@@ -139,7 +139,9 @@ class SlurmFleet:
         done = f"drained {host} ({reason}); cancelled {', '.join(steps) or 'no step of its own'}"
         left = self.workers([host])
         if host in self.unreachable:
-            return f"{done}; {host} does not answer: what is left there ends when it does (Slurm cancels the steps then)"
+            SlurmNodes(self.slurm).down(host, reason)
+            return (f"{done}; {host} does not answer: set DOWN too (still drained), so that Slurm ends the job's part there now "
+                    "rather than after SlurmdTimeout")  # fmt: skip
         return f"{done}; killed {self.signal(left, signal.SIGKILL)} ranks left there"
 
     def release(self, host: str) -> str:
@@ -187,6 +189,13 @@ class SlurmNodes:
     def drain(self, host: str, reason: str) -> str:
         _run(self.slurm, ["scontrol", "update", f"NodeName={host}", "State=DRAIN", f"Reason={reason}"])
         return f"drained {host} ({reason})"
+
+    def down(self, host: str, reason: str) -> None:
+        """Declare a drained node that does not answer DOWN. Slurm waits for a silent slurmd until
+        ``SlurmdTimeout`` (5 minutes by default) before it ends a job's part on it: until then the job
+        stays COMPLETING, and a requeued one does not start again (82 s against 26 s on the test bed).
+        The drain stays: when the node's slurmd registers again it is still drained, never idle."""
+        _run(self.slurm, ["scontrol", "update", f"NodeName={host}", "State=DOWN", f"Reason={reason}"])
 
     @contextmanager
     def holding(self, host: str) -> Iterator[SlurmRunner]:

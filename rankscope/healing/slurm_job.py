@@ -75,11 +75,13 @@ def run(
     env = {**os.environ, **agent_environment(collector, run_id, spool_dir=workdir / "spool", every_s=1),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
-    agent = agent_command(program, run_id=run_id, nnodes=f"{policy.min_hosts}:{len(starting)}", ranks_per_host=ranks_per_node,
-                          endpoint=endpoint, max_restarts=max_restarts, rdzv_conf={"is_host": "false", **RDZV_CONF},
-                          relay=relay_socket(env))  # a path on each node's own disk: one relay per node  # fmt: skip
 
     def start_on(node: str) -> tuple[subprocess.Popen[bytes], Path]:
+        # each node's relay on a socket named for it: a path on a file system the nodes share (a home
+        # directory) would otherwise be one socket for all of them
+        agent = agent_command(program, run_id=run_id, nnodes=f"{policy.min_hosts}:{len(starting)}", ranks_per_host=ranks_per_node,
+                              endpoint=endpoint, max_restarts=max_restarts, rdzv_conf={"is_host": "false", **RDZV_CONF},
+                              relay=relay_socket(env, node))  # fmt: skip
         path = workdir / f"{node}.log"
         step = ["srun", f"--jobid={found.job_id}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--kill-on-bad-exit=0",
                 f"--job-name=rankscope-agent-{node}", *agent]  # fmt: skip
