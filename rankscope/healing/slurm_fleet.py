@@ -6,7 +6,8 @@ running ``rankscope.healing.node_workers``); the self-check's probes run on a no
 (``SlurmRunner``); a node is fenced by draining it with a reason that names the incident (neither
 this job nor the next lands on it) and ending the job's processes on it: the job steps that run
 on that node alone are cancelled (a torchrun agent a node), the job's training ranks left there
-are killed through a step; a node that does not answer is declared DOWN as well. Nothing reaches a node by any way Slurm does not provide.
+are killed through a step; a node that does not answer is declared DOWN as well. Nothing reaches
+a node by any way Slurm does not provide.
 
 ``slurm`` wraps each Slurm command (identity on a cluster: they are on PATH, ``SLURM_CONF`` in the
 environment; the test bed runs them on its control host).
