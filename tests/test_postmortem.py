@@ -123,18 +123,20 @@ def test_a_hang_that_resolved_is_replayed_from_when_it_began(migrated: Store) ->
     assert "rank 2 (node-1) in forward at step 4" in hang.summary and "3 ranks wait on it (default_pg #9) since step 4" in hang.summary
 
 
-def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(migrated: Store) -> None:  # noqa: F811
+@pytest.mark.parametrize("first", [2, 3], ids=["rank-2-works-first", "rank-3-enters-first"])
+def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(migrated: Store, first: int) -> None:  # noqa: F811
     """node-1 (ranks 2, 3) frozen from 4 s while node-0's ranks wait in default_pg #9 of step 4: silent,
-    the two are one hang naming the host. Thawed at 20 s, rank 2 works again and rank 3 has made no
-    progress yet: the stall is ending, and rank 3 is not named alone (seed 555533734: a second live
-    hang, for rank 3, the frozen host's other rank)."""
+    the two are one hang naming the host. Thawed at 20 s, one of them works again and the other has made
+    no progress yet: the stall is ending, and the other is not named alone (seed 555533734: a second
+    live hang, for rank 3, the frozen host's other rank). Where rank 3 resumed first it has entered #9
+    already, so the others wait on rank 2 alone (555533734 again, a session later: rank 2 named)."""
     ranks = [0, 1, 2, 3]
     migrated.insert_arrow("ranks", rows("ranks", 4, run_id="thawed", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
                                         tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
     migrated.insert_arrow("groups", rows("groups", 1, run_id="thawed", name="default_pg", ranks=[ranks], registered=T0))
     beats = [(r, t) for t in range(21) for r in ranks if r < 2 or t < 4 or t == 20]
-    waiting = [r < 2 and t >= 6 for r, t in beats]
-    progress = [t if t < 5 or r == 2 else 5 if r < 2 else 3 for r, t in beats]  # after the thaw rank 2 works, rank 3 not yet
+    waiting = [(r < 2 and t >= 6) or (r == first == 3 and t == 20) for r, t in beats]
+    progress = [t if t < 5 or r == first else 5 if r < 2 else 3 for r, t in beats]  # after the thaw one works, the other not yet
     migrated.insert_arrow("heartbeats", rows(
         "heartbeats", len(beats), run_id="thawed", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
         time=[T0 + t * S for _, t in beats], step=[3 if t < 5 else 4 for _, t in beats], phase="backward", status="running",
@@ -147,7 +149,7 @@ def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(mi
     ctx = RunContext.load("thawed", migrated.query_arrow, settings)
     (frozen,) = hang.detect(replace(ctx, until_ns=T0 + 15 * S))
     assert (frozen.ranks, frozen.hosts) == ((2, 3), ("node-1",)) and frozen.summary.startswith("hang: host node-1 ("), frozen.summary
-    assert hang.detect(ctx) == []  # thawed: rank 2 moving, rank 3 quiet (was: rank 3 named alone)
+    assert hang.detect(ctx) == []  # thawed: one moving, the other quiet (was: the other named alone)
     hangs = [i for i in postmortem.replay("thawed", migrated.query_arrow, settings, over=True) if i.finding.kind == "hang"]
     assert [(i.status, i.finding.ranks, i.finding.hosts) for i in hangs] == [("closed", (2, 3), ("node-1",))], hangs
 

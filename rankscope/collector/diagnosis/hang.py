@@ -97,6 +97,10 @@ MAX_NAMED = 8
 EVIDENCE_RANKS = 64
 #: a rank is heard as stuck when its heartbeat says nothing ended for this long (or a quarter of hang-after)
 QUIET_S = 5.0
+#: what a pass keeps in ``ctx.seen`` of the roots it named: (the stall's start, the roots, the pass's newest heartbeat)
+NAMED = "hang.named"
+#: (the stall's start, when a root it was pinned on was first seen working again: ``_resuming``)
+RESUMED = "hang.resumed"
 
 
 class Wait(NamedTuple):
@@ -165,7 +169,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     # A rank waited on that works again (heard since the stall, progress by its own account) will
     # enter what the others wait in: the stall is ending, as a frozen host's ranks resume one by one
     # (seed 555533734: the host thawed, its rank 2 moving, its rank 3 not yet, was named alone).
-    if any(moving[st.row[r]] for r in roots if r in st.row):
+    if any(moving[st.row[r]] for r in roots if r in st.row) or _resuming(ctx, st, advanced, last_heartbeat):
         return []
     # A root gone silent while the others wait on it (no exit came) stopped answering: a frozen
     # process or host, or one cut off the network. A rank not heard since the stall but not
@@ -216,6 +220,7 @@ def detect(ctx: RunContext) -> list[Finding]:
         "silent_roots": sorted(silent),
         "not_heard_since_stall": int(alive.sum() - heard.sum()),
     }
+    ctx.seen[NAMED] = (advanced, root_list, last_heartbeat)
     stacks = _peer_stacks(ctx, sorted(silent), advanced)
     if stacks:  # beside the root's own dumps (``stacks``, attached by the engine: a stopped rank's are from before it stopped)
         evidence["stacks_from_outside"] = stacks
@@ -235,6 +240,24 @@ def detect(ctx: RunContext) -> list[Finding]:
             sql=ctx.literal_sql(EVIDENCE_SQL),
         )
     ]
+
+
+def _resuming(ctx: RunContext, st: _States, advanced: int, now_ns: int) -> bool:
+    """Whether a rank this stall was pinned on before works again (progress by its own account since
+    the pass that named it): the stall is ending, as a frozen host's ranks resume one by one, and the
+    one that resumed first may have entered what the others wait in already, leaving its host-mate
+    the only rank waited on (seed 555533734 again: rank 2 named alone at the thaw). For
+    ``hang_after_s`` from then no rank is named for this stall; one still waited on after that is."""
+    named = ctx.seen.get(NAMED)
+    if named is None or named[0] != advanced:
+        return False
+    _, roots, named_ns = named
+    if not any(r in st.row and st.progress_ns[st.row[r]] > named_ns for r in roots):
+        return False
+    resumed = ctx.seen.get(RESUMED)
+    if resumed is None or resumed[0] != advanced:
+        resumed = ctx.seen[RESUMED] = (advanced, now_ns)
+    return now_ns - resumed[1] < ctx.settings.hang_after_s * 1e9
 
 
 def _where_stopped(ctx: RunContext, st: _States, ranks: list[int], waiting_step: int) -> dict[int, str]:
