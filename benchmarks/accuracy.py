@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix=f"rankscope-campaign-{seed}-") as work:
                 record = rescored({**campaign.play(trial, Path(work), log=lambda line: print(f"    {line}", flush=True)), "commit": commit})
                 if record["error"] or verdict_of(record["live"]).outcome not in ("TP", "clean") or disagreements(record):
-                    keep_logs(Path(work), args.out / "logs" / str(seed))
+                    keep_evidence(Path(work), args.out / "logs" / str(seed))
             records.append(record)
             out.write(json.dumps(record, default=str) + "\n")
             out.flush()
@@ -155,12 +155,17 @@ def _commit() -> str:
     return head + ("+" if dirty else "")
 
 
-def keep_logs(work: Path, into: Path) -> None:
-    """A trial's logs (collector, launchers, ranks), kept when it missed, alarmed, disagreed or failed."""
+def keep_evidence(work: Path, into: Path) -> None:
+    """A trial's logs (collector, launchers, ranks) and its store, kept when it missed, alarmed,
+    disagreed or failed: the store is what the live and offline diagnoses read (a collector started
+    on the copy serves it: ``rankscope collector --store DIR``)."""
     for log in work.rglob("*.log"):
         target = into / log.relative_to(work)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(log, target)
+    for store in work.rglob("store"):
+        if store.is_dir():
+            shutil.copytree(store, into / store.relative_to(work), dirs_exist_ok=True)
 
 
 def outcome(record: dict[str, Any]) -> str:
