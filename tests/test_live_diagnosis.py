@@ -198,6 +198,19 @@ def test_a_lost_rank_found_to_have_crashed_is_one_incident(migrated: Store) -> N
     assert [(i.incident_id, i.finding.kind, i.finding.ranks, i.status) for i in written] == [("lost:rank=1", "crash", (1,), "open")]
 
 
+def test_a_rank_whose_host_mate_ended_after_its_last_heartbeat_crashed_however_late_that_heartbeat_was_answered(migrated: Store) -> None:  # noqa: F811
+    """Rank 1's last heartbeat, of 100 s ago, answered 3 s after it was sent (a lagging collector); rank 0,
+    on its host, ended 1 s after it: by the host's clock rank 1 died first, a crash, as offline says.
+    Judged by when the collector heard rank 1 it was a lost rank (seed 594157657: both raised live)."""
+    now = time.time_ns()
+    beats = _two_ranks_stored_until(migrated, now - 100 * 10**9)
+    heard = LastHeard(stale_ns=5 * 10**9, started_ns=now - 120 * 10**9)
+    heard.note(Decoded("heartbeats", {"heartbeats": beats.slice(1, 1)}), now - 100 * 10**9 + 10**8, answered_ns=now - 97 * 10**9)
+    ended = sample_rows("exits", 1, run_id="job-0", start_ns=now - 99 * 10**9)
+    migrated.insert_arrow(f"{migrated.database}.exits", ended.set_column(ended.schema.get_field_index("reason"), "reason", pa.array(["normal"])))
+    assert _lost(migrated, heard) == ["crash"]
+
+
 def test_the_time_before_the_collector_started_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
     """A collector killed and restarted: its ranks, not heard yet or heard by a spool replaying
     heartbeats of before its start, are not lost for its downtime, nor for the time their agents

@@ -59,7 +59,8 @@ def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: 
     after_hang_ns = hang.first_seen_ns if hang is not None else None
     exits = {r["rank"]: r for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
     beats = ctx.query(HEARTBEATS_SQL, {"run": ctx.run_id}).to_pydict()  # a row per rank: columns, not 100,000 dicts
-    last_beat = dict(zip(beats["rank"], beats["last_ns"]))
+    own = dict(zip(beats["rank"], beats["last_ns"]))  # by each rank's clock, as its host-mates' ends
+    last_beat = dict(own)
     for rank, heard_ns in (heard or {}).items():
         last_beat[rank] = max(last_beat.get(rank, 0), heard_ns)
     abnormal = sorted((r for r in exits.values() if r["reason"] != "normal"), key=lambda r: r["time_ns"])
@@ -76,7 +77,7 @@ def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: 
     cutoff = culprits[0]["time_ns"] if culprits else after_hang_ns
     if cutoff is not None:  # silence after the job started failing is a consequence
         silent = {r: t for r, t in silent.items() if t < cutoff}
-    findings += _lost(ctx, _settled(ctx, silent, exits, last_beat, now_ns), exits)
+    findings += _lost(ctx, _settled(ctx, silent, exits, last_beat, now_ns), exits, own)
     return findings
 
 
@@ -143,11 +144,15 @@ def _silent(ctx: RunContext, exits: dict[int, dict], last_beat: dict[int, int], 
     return {r: t for r, t in last_beat.items() if r not in exits and now_ns - t > limit}
 
 
-def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict]) -> list[Finding]:
+def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], own: dict[int, int]) -> list[Finding]:
     """Silent ranks: a lost host when all of a host's ranks went silent; a crash when another rank of
     the host ended after the silent one went quiet (the machine was up and its launcher stopped the
     others: the process died, killed by SIGKILL or the kernel's OOM killer, which leave no last
-    word); else a lost rank (a frozen process is the hang detector's: its host-mates wait on)."""
+    word); else a lost rank (a frozen process is the hang detector's: its host-mates wait on).
+    "After" by the host's own clock (``own``: each rank's newest stored heartbeat), never by when the
+    collector heard it: a last heartbeat that reached a lagging collector after the host-mate's end
+    turned the crash into a lost rank live, and offline, which has no such time, said crash
+    (seed 594157657: both raised live)."""
     if not silent:
         return []
     by_host: dict[str, list[int]] = {}
@@ -159,7 +164,8 @@ def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict]) -> li
         ranks.sort()
         whole_host = host in lost_hosts
         since = min(silent[r] for r in ranks)
-        stopped = [o for o in ctx.ranks_of_host.get(host, []) if o in exits and exits[o]["time_ns"] > since] if host else []
+        quiet_since = min(own.get(r, silent[r]) for r in ranks)
+        stopped = [o for o in ctx.ranks_of_host.get(host, []) if o in exits and exits[o]["time_ns"] > quiet_since] if host else []
         names = ", ".join(ctx.who(r) for r in ranks)
         absorbs: tuple[str, ...] = ()
         if whole_host:  # continues the incident of the host's rank that fell silent first (heartbeats are staggered)
