@@ -137,8 +137,8 @@ def played(jsonl: Path, seeds: list[int]) -> list[dict[str, Any]]:
             if not (record := json.loads(line))["error"]:
                 records[record["seed"]] = record
     if stray := sorted(set(records) - set(seeds)):
-        raise SystemExit(f"accuracy: {jsonl} holds trials of another campaign (seeds {stray[:3]}...): "
-                         "give the same --seed and filters, or another --out")  # fmt: skip
+        raise SystemExit(f"accuracy: {jsonl} holds trials this campaign does not draw (seeds {stray[:3]}...): give the same "
+                         "--seed and filters and at least as many --trials, or another --out")  # fmt: skip
     kept = [rescored(records[s]) for s in seeds if s in records]
     jsonl.write_text("".join(json.dumps(r, default=str) + "\n" for r in kept))
     return kept
@@ -158,7 +158,7 @@ def _commit() -> str:
 def keep_evidence(work: Path, into: Path) -> None:
     """A trial's logs (collector, launchers, ranks) and its store, kept when it missed, alarmed,
     disagreed or failed: the store is what the live and offline diagnoses read (a collector started
-    on the copy serves it: ``rankscope collector --store DIR``)."""
+    on the copy serves it: ``rankscope collector --no-diagnosis --store DIR``)."""
     for log in work.rglob("*.log"):
         target = into / log.relative_to(work)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,8 @@ def test_a_trial_is_scored_on_kind_ranks_and_hosts() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_campaign_resumed_keeps_its_played_trials_and_replays_the_unplayed(tmp_path: Path) -> None:
+    """``--resume``: the trials in trials.jsonl are kept in the campaign's order; one not played (its
+    error) or cut short by a kill is played again; a file of another campaign is refused."""
     spec = importlib.util.spec_from_file_location("accuracy", Path(__file__).parents[1] / "benchmarks" / "accuracy.py")
     accuracy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(accuracy)
@@ -64,5 +66,5 @@ def test_a_campaign_resumed_keeps_its_played_trials_and_replays_the_unplayed(tmp
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"seed": 4, "fau')  # the last cut short by a kill
     kept = accuracy.played(jsonl, [1, 2, 3, 4])
     assert [r["seed"] for r in kept] == [2, 3] and [json.loads(line)["seed"] for line in jsonl.read_text().splitlines()] == [2, 3]
-    with pytest.raises(SystemExit, match="holds trials of another campaign"):
+    with pytest.raises(SystemExit, match="holds trials this campaign does not draw"):
         accuracy.played(jsonl, [7, 8])
