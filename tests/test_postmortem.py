@@ -154,6 +154,40 @@ def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(mi
     assert [(i.status, i.finding.ranks, i.finding.hosts) for i in hangs] == [("closed", (2, 3), ("node-1",))], hangs
 
 
+def test_a_rank_waiting_inside_a_collective_its_frozen_peer_entered_waits_on_that_peer(migrated: Store) -> None:  # noqa: F811
+    """Rank 3 frozen from 4 s inside tp #7, which it entered (its row stored, as a frozen rank's is once
+    it resumes); rank 2, its tensor-parallel peer, blocked in tp #7 too, heard and quiet; ranks 0 and 1
+    blocked in dp #5, which rank 2 never reached. Rank 2 waits on rank 3, whose part never comes: rank
+    3 is the root, not rank 2 (seed 87878808: offline, reading the frozen rank's row, named rank 2
+    beside it, where live, before that row came, named rank 3 alone)."""
+    ranks = [0, 1, 2, 3]
+    migrated.insert_arrow("ranks", rows("ranks", 4, run_id="inside", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
+                                        tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
+    migrated.insert_arrow("groups", rows("groups", 2, run_id="inside", name=["tp", "dp"], ranks=[[2, 3], [0, 1, 2]], registered=T0))
+    beats = [(r, t) for t in range(21) for r in ranks if r != 3 or t < 4]
+    waits_in = {0: ("dp", 5), 1: ("dp", 5), 2: ("tp", 7)}
+    waiting = [r in waits_in and t >= 6 for r, t in beats]
+    migrated.insert_arrow("heartbeats", rows(
+        "heartbeats", len(beats), run_id="inside", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
+        time=[T0 + t * S for _, t in beats], step=[3 if t < 5 else 4 for _, t in beats], phase="forward", status="running",
+        last_progress=[T0 + min(t, 5) * S for _, t in beats],
+        inflight_group=[[waits_in[r][0]] if w else [] for (r, _), w in zip(beats, waiting)],
+        inflight_seq=[[waits_in[r][1]] if w else [] for (r, _), w in zip(beats, waiting)],
+        inflight_op=[["all_reduce"] if w else [] for w in waiting], inflight_peer=[[-1] if w else [] for w in waiting],
+        inflight_issue=[[T0 + 6 * S] if w else [] for w in waiting], inflight_waiting=[[1] if w else [] for w in waiting],
+    ))  # fmt: skip
+    ops = [(r, "dp", seq, T0 + seq * S // 2) for r in (0, 1, 2) for seq in range(1, 5)] + [(3, "tp", 7, T0 + 3 * S)]
+    migrated.insert_arrow("collectives", rows(
+        "collectives", len(ops), run_id="inside", rank=[o[0] for o in ops], group_name=[o[1] for o in ops], seq=[o[2] for o in ops],
+        op="all_reduce", peer=-1, issue_time=[o[3] for o in ops], start_time=[o[3] for o in ops], end_time=[o[3] + S // 4 for o in ops],
+        state=["pending" if o[0] == 3 else "completed" for o in ops], step=3,
+    ))  # fmt: skip
+    ctx = RunContext.load("inside", migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10))
+    (found,) = hang.detect(ctx)
+    assert (found.ranks, found.hosts) == ((3,), ("node-1",)), found.summary
+    assert found.evidence["waits_for"]["2"] == [3], found.evidence
+
+
 @pytest.mark.parametrize("entered_s", [30, 3], ids=["entered-after", "stopped-inside"])
 def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_mate_attached(migrated: Store, entered_s: int) -> None:  # noqa: F811
     """Rank 2 stopped (SIGSTOP) in step 4: its last heartbeat said step 3, its stored backward of step 4

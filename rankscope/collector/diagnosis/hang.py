@@ -159,9 +159,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     heard, moving = since_stall & quiet, since_stall & ~quiet
     waits = _waits(st, heard)
     entered = _entered(ctx, st, sorted({st.names[g] for g in np.unique(waits["group"])}))
-    edges = pd.concat([_collective_edges(ctx, st, waits, entered), _p2p_edges(waits, entered)]).drop_duplicates()
-    if edges.empty:  # every member entered what the others wait in: a silent one's part of it never comes
-        edges = _collective_edges(ctx, st, waits, entered, st.rank[~alive])
+    edges = pd.concat([_collective_edges(ctx, st, waits, entered, st.rank[~alive]), _p2p_edges(waits, entered)]).drop_duplicates()
     waiting = np.unique(edges["rank"].to_numpy())
     reached = np.unique(edges["on"].to_numpy())
     found = np.setdiff1d(reached, waiting)  # waited on, waiting on nobody
@@ -382,11 +380,13 @@ def _entered(ctx: RunContext, st: _States, groups: list[str]) -> pd.DataFrame:
 
 
 def _collective_edges(
-    ctx: RunContext, st: _States, waits: pd.DataFrame, entered: pd.DataFrame, silent: np.ndarray = np.empty(0, dtype=np.int64)
+    ctx: RunContext, st: _States, waits: pd.DataFrame, entered: pd.DataFrame, silent: np.ndarray
 ) -> pd.DataFrame:  # fmt: skip
     """(rank, on): a rank blocked in collective n of a group waits on the members that have not entered n,
-    or on the ``silent`` ones, entered or not: a frozen member's part of n never comes (seed 111028093:
-    rank 2, stopped inside DDP's all-reduce, was named live before its row of it came, not offline after)."""
+    and on the ``silent`` ones, entered or not: a frozen member's part of n never comes. Its row of n is
+    stored once it resumes, so live before that row and offline after it tell the same (seeds 111028093:
+    rank 2 stopped inside DDP's all-reduce; 87878808: rank 3 inside a TP all-reduce, its peer rank 2,
+    waited on in other groups, named beside it offline)."""
     blocked = waits[waits["peer"] < 0][["rank", "group", "seq"]]
     keys = blocked[["group", "seq"]].drop_duplicates()
     codes = np.unique(keys["group"].to_numpy())
