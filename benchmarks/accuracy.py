@@ -164,8 +164,8 @@ def keep_evidence(work: Path, into: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(log, target)
     for store in work.rglob("store"):
-        if store.is_dir():
-            shutil.copytree(store, into / store.relative_to(work), dirs_exist_ok=True)
+        if store.is_dir():  # its databases and tables are relative links into store/: kept as links, or it opens no more
+            shutil.copytree(store, into / store.relative_to(work), symlinks=True, dirs_exist_ok=True)
 
 
 def outcome(record: dict[str, Any]) -> str:
