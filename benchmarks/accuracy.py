@@ -225,10 +225,15 @@ def report(records: list[dict[str, Any]]) -> list[str]:
     for side in ("live", "offline"):
         missed = [r for r in scored if verdict_of(r[side]).outcome not in ("TP", "clean")]
         lines += [f"{side} misses and false alarms ({len(missed)}): "
-                  + (", ".join(f"{r['seed']} ({r['fault']}, {r['job']}: {verdict_of(r[side]).outcome})" for r in missed) or "none")]  # fmt: skip
+                  + (", ".join(f"{r['seed']} ({r['fault']}, {r['job']}: {verdict_of(r[side]).outcome}{_effect(r)})" for r in missed) or "none")]  # fmt: skip
     if not_played := [r for r in records if r["error"]]:
         lines += [f"not played ({len(not_played)}): " + "; ".join(f"{r['seed']}: {r['error']}" for r in not_played)]
     return lines
+
+
+def _effect(record: dict[str, Any]) -> str:
+    """What a slowdown did to its job's step time, where the trial measured it (``fault_effect``)."""
+    return "" if record.get("slowdown") is None else f", step time x{record['slowdown']:g}"
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:

@@ -25,6 +25,7 @@ from rankscope.cli import source
 from rankscope.cli.main import build_parser
 from rankscope.collector.client import StoreReader
 from rankscope.collector.compare import CompareError, Side, compare, parse_steps
+from rankscope.harness.fault_effect import slowdown
 from rankscope.harness.orchestration import CLI
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
@@ -278,6 +279,16 @@ def test_unknown_runs_and_empty_ranges_are_refused(query):
         compare(query, Side("base"), Side("nosuch"))
     with pytest.raises(CompareError, match=r"run 'base' has no completed step in steps 50-60"):
         compare(query, Side("base", 50, 60), Side("slow"))
+
+
+def test_a_slowdown_s_effect_is_the_step_time_after_it_over_before_it(query):
+    """The campaign's measure of whether an injected slowdown slowed anything (``fault_effect``)."""
+    # rank 3's backward 300 -> 400 ms from step 3: a step of 330 ms (the slowest compute, the all-reduce's
+    # 20, the optimizer's 10) becomes 430 ms
+    assert slowdown(query, "slow", 3) == pytest.approx(430 / 330, abs=1e-3)
+    assert slowdown(query, "base", 3) == 1.0
+    assert slowdown(query, "slow", 2) is None  # no step before it but the warm-up
+    assert slowdown(query, "nosuch", 3) is None
 
 
 def test_step_ranges_parse_or_say_why_not():

@@ -195,6 +195,7 @@ def play(trial: Trial, workdir: Path, log: Callable[[str], None] = print) -> dic
         offline_error=score.offline.error if score.offline else "no postmortem",
         disagreements=[_brief(i) for i in score.offline.disagreements] if score.offline else [],
         seconds=None if score.seconds_to_detect is None else round(score.seconds_to_detect, 2),
+        slowdown=score.slowdown,
         wall_s=round(time.monotonic() - began, 1), load_after=os.getloadavg()[0],
     )  # fmt: skip
     return record

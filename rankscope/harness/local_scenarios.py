@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.common.incidents import INCIDENTS_SQL
+from rankscope.harness.fault_effect import SLOWDOWNS, slowdown
 from rankscope.harness.orchestration import (
     CLI,
     Postmortem,
@@ -105,6 +106,8 @@ class Score:
     training_exit: int | None = None
     #: `rankscope diagnose` after the run, live and offline compared
     offline: Postmortem | None = None
+    #: a slowdown's effect: the job's step time after the fault over before it (``fault_effect``)
+    slowdown: float | None = None
 
     @property
     def expected(self) -> list[dict]:
@@ -158,8 +161,10 @@ def run(scenario: Scenario, *, workdir: Path | None = None, log: Callable[[str],
         log(f"{scenario.name}: training (run {run_id}): {scenario.doc}")
         training = start([*CLI, "train", *flags], workdir / "train.log", env)
         score = _watch(scenario, run_id, client, training, metrics, log)
-        client.close()
         stop(training)  # a hung run is stopped before its postmortem, as a user would
+        if scenario.kind in SLOWDOWNS:
+            score.slowdown = slowdown(client.query, run_id, scenario.fault_step)
+        client.close()
         score.offline = postmortem(address, run_id, "--hang-after", str(HANG_AFTER_S))
         return score
     finally:

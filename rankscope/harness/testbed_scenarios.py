@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rankscope.common.agent_env import agent_environment
 from rankscope.common.incidents import INCIDENTS_SQL
+from rankscope.harness.fault_effect import SLOWDOWNS, slowdown
 from rankscope.harness.local_scenarios import SMALL_MODEL, verdict
 from rankscope.harness.orchestration import (
     CLI,
@@ -134,6 +135,8 @@ class Score:
     fault: str = ""
     #: `rankscope diagnose` after the run, live and offline compared
     offline: Postmortem | None = None
+    #: a slowdown's effect: the job's step time after the fault over before it (``fault_effect``)
+    slowdown: float | None = None
 
     @property
     def expected(self) -> list[dict]:
@@ -217,6 +220,8 @@ def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, l
             if applied is not None:
                 applied.undo()
             job.stop()
+        if scenario.kind in SLOWDOWNS and scenario.apply is not None:
+            score.slowdown = slowdown(client.query, run_id, scenario.fault_step)
     score.offline = postmortem(address, run_id, "--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S))
     return score
 

@@ -1,0 +1,33 @@
+"""How much an injected slowdown slowed its job, read from the store. A fault that slowed nothing leaves
+nothing for a detector to find: a CPU quota above what a host's ranks got anyway on shared cores (campaign
+seeds 1097788339, 1854299062: a host cut 1.12x and 1.64x beside a second job, no incident live or offline).
+The campaign records the figure beside each trial so that such a miss is told from a detector's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rankscope.collector.compare import CompareError, Side, load_side
+
+if TYPE_CHECKING:
+    from rankscope.collector.diagnosis.context import Query
+
+#: the fault lands a step or so after the store shows its step (the store hears of a step late under
+#: load), so the steps after it are counted from this many steps on
+LANDS_WITHIN_STEPS = 2
+_LAST = 2**32 - 1
+#: the incident kinds whose faults slow a job that goes on (a hang or a crash stops it)
+SLOWDOWNS = ("straggler", "slow_link")
+
+
+def slowdown(query: Query, run_id: str, fault_step: int) -> float | None:
+    """The job's median step time from ``fault_step`` + LANDS_WITHIN_STEPS on, over its median before
+    ``fault_step`` (step 1, the warm-up, left out); None where either side has no completed step."""
+    if fault_step < 3:
+        return None
+    try:
+        before = load_side(query, Side(run_id, 2, fault_step - 1))
+        after = load_side(query, Side(run_id, fault_step + LANDS_WITHIN_STEPS, _LAST))
+    except CompareError:
+        return None
+    return round(after.step_time_s / before.step_time_s, 3) if before.step_time_s > 0 else None
