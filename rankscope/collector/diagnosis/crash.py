@@ -167,14 +167,14 @@ def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], own: 
         quiet_since = min(own.get(r, silent[r]) for r in ranks)
         stopped = [o for o in ctx.ranks_of_host.get(host, []) if o in exits and exits[o]["time_ns"] > quiet_since] if host else []
         names = ", ".join(ctx.who(r) for r in ranks)
-        absorbs: tuple[str, ...] = ()
-        if whole_host:  # continues the incident of the host's rank that fell silent first (heartbeats are staggered)
+        # a lost host or a crash continues the incident of the rank that fell silent first (heartbeats are
+        # staggered; the lost rank was named before its host-mates' ends came)
+        absorbs = tuple(f"lost:rank={r}" for r in sorted(ranks, key=lambda r: silent[r])) if whole_host or stopped else ()
+        if whole_host:
             kind, key = "lost_host", f"lost:host={host}"
-            absorbs = tuple(f"lost:rank={r}" for r in sorted(ranks, key=lambda r: silent[r]))
             summary = f"lost host: every rank of {host} ({', '.join(map(str, ranks))}) went silent without a last word"
-        elif stopped:  # continues the lost rank's incident, named before its host-mates' ends came
+        elif stopped:
             kind, key = "crash", f"crash:rank={ranks[0]}"
-            absorbs = tuple(f"lost:rank={r}" for r in sorted(ranks, key=lambda r: silent[r]))
             summary = (f"crash: {names} died without a last word (SIGKILL or the OOM killer) while its host {host} "
                        f"was up (rank {', '.join(map(str, stopped))} ended after it)")  # fmt: skip
         else:

@@ -97,10 +97,18 @@ MAX_NAMED = 8
 EVIDENCE_RANKS = 64
 #: a rank is heard as stuck when its heartbeat says nothing ended for this long (or a quarter of hang-after)
 QUIET_S = 5.0
-#: what a pass keeps in ``ctx.seen`` of the roots it named: (the stall's start, the roots, the pass's newest heartbeat)
+#: what a pass keeps in ``ctx.seen`` of the stall it named: a ``Named``
 NAMED = "hang.named"
-#: (the stall's start, when a root it was pinned on was first seen working again: ``_resuming``)
-RESUMED = "hang.resumed"
+
+
+class Named(NamedTuple):
+    """The stall a pass named last: its start, the roots, the pass's newest heartbeat, and when a root was
+    first seen working again (``_resuming``; kept while the same stall is named again)."""
+
+    advanced: int
+    roots: list[int]
+    named_ns: int
+    resumed_ns: int | None = None
 
 
 class Wait(NamedTuple):
@@ -218,7 +226,8 @@ def detect(ctx: RunContext) -> list[Finding]:
         "silent_roots": sorted(silent),
         "not_heard_since_stall": int(alive.sum() - heard.sum()),
     }
-    ctx.seen[NAMED] = (advanced, root_list, last_heartbeat)
+    before = ctx.seen.get(NAMED)
+    ctx.seen[NAMED] = Named(advanced, root_list, last_heartbeat, before.resumed_ns if before and before.advanced == advanced else None)
     stacks = _peer_stacks(ctx, sorted(silent), advanced)
     if stacks:  # beside the root's own dumps (``stacks``, attached by the engine: a stopped rank's are from before it stopped)
         evidence["stacks_from_outside"] = stacks
@@ -247,15 +256,13 @@ def _resuming(ctx: RunContext, st: _States, advanced: int, now_ns: int) -> bool:
     the only rank waited on (seed 555533734 again: rank 2 named alone at the thaw). For
     ``hang_after_s`` from then no rank is named for this stall; one still waited on after that is."""
     named = ctx.seen.get(NAMED)
-    if named is None or named[0] != advanced:
+    if named is None or named.advanced != advanced:
         return False
-    _, roots, named_ns = named
-    if not any(r in st.row and st.progress_ns[st.row[r]] > named_ns for r in roots):
+    if not any(r in st.row and st.progress_ns[st.row[r]] > named.named_ns for r in named.roots):
         return False
-    resumed = ctx.seen.get(RESUMED)
-    if resumed is None or resumed[0] != advanced:
-        resumed = ctx.seen[RESUMED] = (advanced, now_ns)
-    return now_ns - resumed[1] < ctx.settings.hang_after_s * 1e9
+    if named.resumed_ns is None:
+        named = ctx.seen[NAMED] = named._replace(resumed_ns=now_ns)
+    return now_ns - named.resumed_ns < ctx.settings.hang_after_s * 1e9
 
 
 def _where_stopped(ctx: RunContext, st: _States, ranks: list[int], waiting_step: int) -> dict[int, str]:
