@@ -461,6 +461,8 @@ def _write_ipc(sink: pa.NativeFile, table: pa.Table) -> None:
 
 
 def _varint(value: int) -> bytes:
+    """A protobuf base-128 varint: the public protobuf API encodes whole messages only (its varint
+    encoder is ``google.protobuf.internal``, free to change between releases)."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
