@@ -154,6 +154,40 @@ def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(mi
     assert [(i.status, i.finding.ranks, i.finding.hosts) for i in hangs] == [("closed", (2, 3), ("node-1",))], hangs
 
 
+def test_a_frozen_host_heard_again_a_rank_at_a_time_is_still_the_host(migrated: Store) -> None:  # noqa: F811
+    """node-1 (ranks 2, 3) frozen from 4 s inside default_pg #9, which both had entered (their rows
+    pending), node-0's ranks waiting in it. Thawed at 20 s, rank 3 is heard once, still where it froze
+    (no progress, in #9), rank 2 not yet: rank 3 was as silent through the stall as rank 2, and the
+    host is named, not rank 2 alone as rank 3's waiter (seed 1529690754: the postmortem, judging a
+    moment after the thaw, named rank 0 alone where the live diagnosis had named node0)."""
+    ranks = [0, 1, 2, 3]
+    migrated.insert_arrow("ranks", rows("ranks", 4, run_id="heard-again", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
+                                        tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
+    migrated.insert_arrow("groups", rows("groups", 1, run_id="heard-again", name="default_pg", ranks=[ranks], registered=T0))
+    beats = [(r, t) for t in range(21) for r in ranks if r < 2 or t < 4 or (r, t) == (3, 20)]
+    waiting = [(r < 2 and t >= 6) or (r, t) == (3, 20) for r, t in beats]
+    migrated.insert_arrow("heartbeats", rows(
+        "heartbeats", len(beats), run_id="heard-again", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
+        time=[T0 + t * S for _, t in beats], step=[3 if t < 5 else 4 for _, t in beats], phase="backward", status="running",
+        last_progress=[T0 + min(t, 5 if r < 2 else 3) * S for r, t in beats], inflight_group=[["default_pg"] if w else [] for w in waiting],
+        inflight_seq=[[9] if w else [] for w in waiting], inflight_op=[["all_reduce"] if w else [] for w in waiting],
+        inflight_peer=[[-1] if w else [] for w in waiting], inflight_issue=[[T0 + 6 * S] if w else [] for w in waiting],
+        inflight_waiting=[[1] if w else [] for w in waiting],
+    ))  # fmt: skip
+    ops = [(r, seq, T0 + seq * S // 4) for r in ranks for seq in range(1, 9)] + [(2, 9, T0 + 7 * S // 2), (3, 9, T0 + 7 * S // 2)]
+    migrated.insert_arrow("collectives", rows(
+        "collectives", len(ops), run_id="heard-again", rank=[o[0] for o in ops], group_name="default_pg", seq=[o[1] for o in ops],
+        op="all_reduce", peer=-1, issue_time=[o[2] for o in ops], start_time=[o[2] for o in ops],
+        end_time=[0 if o[1] == 9 else o[2] + S // 8 for o in ops], state=["pending" if o[1] == 9 else "completed" for o in ops], step=3,
+    ))  # fmt: skip
+    settings = Settings(hang_after_s=6, silent_after_s=10)
+    ctx = RunContext.load("heard-again", migrated.query_arrow, settings)
+    (frozen,) = hang.detect(replace(ctx, until_ns=T0 + 20 * S + S // 2))
+    assert (frozen.ranks, frozen.hosts) == ((2, 3), ("node-1",)) and frozen.summary.startswith("hang: host node-1 ("), frozen.summary
+    hangs = [i for i in postmortem.replay("heard-again", migrated.query_arrow, settings, over=True) if i.finding.kind == "hang"]
+    assert [(i.finding.ranks, i.finding.hosts) for i in hangs] == [((2, 3), ("node-1",))], hangs
+
+
 def test_a_rank_waiting_inside_a_collective_its_frozen_peer_entered_waits_on_that_peer(migrated: Store) -> None:  # noqa: F811
     """Rank 3 frozen from 4 s inside tp #7, which it entered (its row stored, as a frozen rank's is once
     it resumes); rank 2, its tensor-parallel peer, blocked in tp #7 too, heard and quiet; ranks 0 and 1

@@ -63,6 +63,12 @@ ENTERED_SQL = (
     "SELECT rank, group_name, peer, sends, max(seq) AS seq FROM entered "
     "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
 )
+# The ranks that went without a heartbeat for longer than ``gap`` since ``since`` (ns), the window's start
+# counting as a heartbeat: each rank's largest gap between its heartbeats there.
+GAPS_SQL = (
+    "SELECT rank FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND time >= fromUnixTimestamp64Nano({since:Int64}) "
+    "GROUP BY rank HAVING arrayMax(arrayDifference(arrayConcat([{since:Int64}], arraySort(groupArray(toUnixTimestamp64Nano(time)))))) > {gap:Int64}"
+)
 EXITS_SQL = "SELECT rank, toUnixTimestamp64Nano(min(time)) AS time_ns FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 EVIDENCE_SQL = (
     "SELECT rank, max(time) AS last_heartbeat, argMax(step, time) AS step, argMax(phase, time) AS phase, "
@@ -156,14 +162,15 @@ def detect(ctx: RunContext) -> list[Finding]:
     if (last_heartbeat - advanced) / 1e9 < s.hang_after_s:
         return []
     st = _States(ctx.query(STATE_SQL, {"run": ctx.run_id}))
+    quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
+    quiet = st.time_ns - st.progress_ns >= quiet_ns
     alive = (last_heartbeat - st.time_ns) / 1e9 < s.silent_after_s
+    alive &= ~_silent_in_stall(ctx, st, alive & quiet, advanced)
     # What a rank said before the stall, or while it was still making progress, is no evidence of
     # where it is stuck: at scale heartbeats are sparse (a minute apart) and the stalled ranks
     # report one by one. Only the ranks heard from since the stall, quiet for a while by their own
     # account (no span or collective ended), wait or can be named; the others are not heard yet.
-    quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
     since_stall = alive & (st.time_ns > advanced)
-    quiet = st.time_ns - st.progress_ns >= quiet_ns
     heard, moving = since_stall & quiet, since_stall & ~quiet
     waits = _waits(st, heard)
     entered = _entered(ctx, st, sorted({st.names[g] for g in np.unique(waits["group"])}))
@@ -247,6 +254,22 @@ def detect(ctx: RunContext) -> list[Finding]:
             sql=ctx.literal_sql(EVIDENCE_SQL),
         )
     ]
+
+
+def _silent_in_stall(ctx: RunContext, st: _States, heard: np.ndarray, advanced: int) -> np.ndarray:
+    """Of the ranks ``heard`` (heard lately, quiet), those silent for longer than ``silent_after_s`` since
+    the stall began and not moving since: stopped through the stall (frozen), as silent as the ranks
+    not heard again yet. A frozen host thaws a rank at a time, each still where it froze; heard again
+    first, one would be a waiter on its host-mate, named alone (seed 1529690754: node0 frozen inside
+    an all-reduce both its ranks had entered, rank 1's one heartbeat after the thaw, and the postmortem,
+    judging a moment after it, named rank 0 alone where the live diagnosis had named the host)."""
+    if not heard.any():
+        return heard
+    gap_ns = int(ctx.settings.silent_after_s * 1e9)
+    gaps = ctx.query(GAPS_SQL, {"run": ctx.run_id, "since": advanced - gap_ns, "gap": gap_ns})["rank"].to_pylist()
+    out = np.zeros(len(st.rank), dtype=bool)
+    out[[st.row[r] for r in gaps if r in st.row]] = True
+    return out & heard
 
 
 def _resuming(ctx: RunContext, st: _States, advanced: int, now_ns: int) -> bool:
