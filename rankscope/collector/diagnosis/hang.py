@@ -165,7 +165,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
     quiet = st.time_ns - st.progress_ns >= quiet_ns
     alive = (last_heartbeat - st.time_ns) / 1e9 < s.silent_after_s
-    alive &= ~_silent_in_stall(ctx, st, alive & quiet, advanced)
+    alive &= ~_silent_in_stall(ctx, st, alive & quiet, advanced, last_heartbeat)
     # What a rank said before the stall, or while it was still making progress, is no evidence of
     # where it is stuck: at scale heartbeats are sparse (a minute apart) and the stalled ranks
     # report one by one. Only the ranks heard from since the stall, quiet for a while by their own
@@ -256,17 +256,20 @@ def detect(ctx: RunContext) -> list[Finding]:
     ]
 
 
-def _silent_in_stall(ctx: RunContext, st: _States, heard: np.ndarray, advanced: int) -> np.ndarray:
+def _silent_in_stall(ctx: RunContext, st: _States, heard: np.ndarray, advanced: int, now_ns: int) -> np.ndarray:
     """Of the ranks ``heard`` (heard lately, quiet), those silent for longer than ``silent_after_s`` since
     the stall began and not moving since: stopped through the stall (frozen), as silent as the ranks
     not heard again yet. A frozen host thaws a rank at a time, each still where it froze; heard again
     first, one would be a waiter on its host-mate, named alone (seed 1529690754: node0 frozen inside
     an all-reduce both its ranks had entered, rank 1's one heartbeat after the thaw, and the postmortem,
-    judging a moment after it, named rank 0 alone where the live diagnosis had named the host)."""
+    judging a moment after it, named rank 0 alone where the live diagnosis had named the host).
+    The heartbeats read are those of the last two ``silent_after_s`` at most (a gap that ended then
+    shows, as one from the window's start): a stall of minutes at 100,000 ranks is millions of rows."""
     if not heard.any():
         return heard
     gap_ns = int(ctx.settings.silent_after_s * 1e9)
-    gaps = ctx.query(GAPS_SQL, {"run": ctx.run_id, "since": advanced - gap_ns, "gap": gap_ns})["rank"].to_pylist()
+    since = max(advanced, now_ns - gap_ns) - gap_ns
+    gaps = ctx.query(GAPS_SQL, {"run": ctx.run_id, "since": since, "gap": gap_ns})["rank"].to_pylist()
     out = np.zeros(len(st.rank), dtype=bool)
     out[[st.row[r] for r in gaps if r in st.row]] = True
     return out & heard
