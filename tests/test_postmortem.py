@@ -154,6 +154,44 @@ def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(mi
     assert [(i.status, i.finding.ranks, i.finding.hosts) for i in hangs] == [("closed", (2, 3), ("node-1",))], hangs
 
 
+def test_steps_that_all_outlast_hang_after_are_slow_not_hung(migrated: Store) -> None:  # noqa: F811
+    """Every step 10 s with hang_after at 6 s: in steps 2-4 rank 2 computes for 9 s (its spans end late,
+    nothing in between), the others waiting in default_pg #step from 2 s in. That is the job's pace,
+    not a hang (seed 739796868: a host's link at 12 Mbit/s, every step 14 s, the ranks in their
+    gradient all-reduce named a hang 11 s into each step, live only). From 40 s rank 2 stops in step 5:
+    a hang once the stall has lasted two steps at that pace, 20 s, named then, live and replayed."""
+    ranks = [0, 1, 2, 3]
+    migrated.insert_arrow("ranks", rows("ranks", 4, run_id="slow-steps", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
+                                        tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
+    migrated.insert_arrow("groups", rows("groups", 1, run_id="slow-steps", name="default_pg", ranks=[ranks], registered=T0))
+    beats = [(r, t) for t in range(71) for r in ranks]
+    step = lambda t: min(1 + t // 10, 5)  # noqa: E731
+    waiting = [r != 2 and t >= 10 and (t % 10 >= 2 or t >= 42) for r, t in beats]
+    progress = [t if t < 10 else 10 * (step(t) - 1) + (1 if r != 2 else 0) for r, t in beats]
+    migrated.insert_arrow("heartbeats", rows(
+        "heartbeats", len(beats), run_id="slow-steps", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
+        time=[T0 + t * S for _, t in beats], step=[step(t) for _, t in beats], phase="forward", status="running",
+        last_progress=[T0 + p * S for p in progress], inflight_group=[["default_pg"] if w else [] for w in waiting],
+        inflight_seq=[[step(t)] if w else [] for (_, t), w in zip(beats, waiting)], inflight_op=[["all_reduce"] if w else [] for w in waiting],
+        inflight_peer=[[-1] if w else [] for w in waiting], inflight_issue=[[T0 + (10 * (step(t) - 1) + 2) * S] if w else [] for (_, t), w in zip(beats, waiting)],
+        inflight_waiting=[[1] if w else [] for w in waiting],
+    ))  # fmt: skip
+    ops = [(r, k, T0 + (10 * (k - 1) + (9 if r == 2 else 2)) * S) for k in range(1, 5) for r in ranks] + [(r, 5, T0 + 42 * S) for r in (0, 1, 3)]
+    migrated.insert_arrow("collectives", rows(
+        "collectives", len(ops), run_id="slow-steps", rank=[o[0] for o in ops], group_name="default_pg", seq=[o[1] for o in ops],
+        op="all_reduce", peer=-1, issue_time=[o[2] for o in ops], start_time=[o[2] for o in ops],
+        end_time=[0 if o[1] == 5 else T0 + (10 * o[1] - 1) * S for o in ops], state=["pending" if o[1] == 5 else "completed" for o in ops],
+        step=[o[1] for o in ops],
+    ))  # fmt: skip
+    settings = Settings(hang_after_s=6, silent_after_s=10)
+    ctx = RunContext.load("slow-steps", migrated.query_arrow, settings)
+    assert [hang.detect(replace(ctx, until_ns=T0 + t * S)) for t in (17, 28, 39, 55)] == [[]] * 4
+    (hung,) = hang.detect(replace(ctx, until_ns=T0 + 61 * S))
+    assert hung.ranks == (2,) and hung.first_seen_ns == T0 + 40 * S, hung.summary
+    hangs = [i for i in postmortem.replay("slow-steps", migrated.query_arrow, settings, over=True) if i.finding.kind == "hang"]
+    assert [(i.finding.ranks, i.finding.first_seen_ns) for i in hangs] == [((2,), T0 + 40 * S)], hangs
+
+
 def test_a_frozen_host_heard_again_a_rank_at_a_time_is_still_the_host(migrated: Store) -> None:  # noqa: F811
     """node-1 (ranks 2, 3) frozen from 4 s inside default_pg #9, which both had entered (their rows
     pending), node-0's ranks waiting in it. Thawed at 20 s, rank 3 is heard once, still where it froze

@@ -38,7 +38,8 @@ STEPS_HEARD_SQL = (
     "GROUP BY step ORDER BY step"
 )
 LAST_HEARTBEAT_SQL = "SELECT toUnixTimestamp64Nano(max(last_heartbeat)) AS ns FROM rank_state WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
-#: the moments of a stall a replay judges: hang_after_s into it, then every half of it, at most this many
+#: the moments of a stall a replay judges: once it is a hang (``hang.stall_after_ns``), then every half of
+#: hang_after_s, at most this many
 MOMENTS_PER_STALL = 8
 # when the latest attempt began: the live incidents of earlier attempts are theirs, not this one's
 ATTEMPT_BEGAN_SQL = (
@@ -71,11 +72,13 @@ def _stalls(ctx: RunContext) -> dict[int, list[int]]:
     """The run's stalls, by the step that stopped advancing: the moments (ns) a replay judges each at."""
     heard = ctx.query(STEPS_HEARD_SQL, {"run": ctx.run_id}).to_pydict()
     last = int(ctx.query(LAST_HEARTBEAT_SQL, {"run": ctx.run_id}).to_pylist()[0]["ns"] or 0)
-    after_ns = int(ctx.settings.hang_after_s * 1e9)
+    half_ns = int(ctx.settings.hang_after_s * 1e9) // 2
     stalls = {}
-    for step, began, ended in zip(heard["step"], heard["ns"], [*heard["ns"][1:], last]):
+    previous = [(None, None), *zip(heard["step"], heard["ns"])]
+    for (before, before_ns), step, began, ended in zip(previous, heard["step"], heard["ns"], [*heard["ns"][1:], last]):
+        after_ns = hang.stall_after_ns(ctx.settings, {before: before_ns, step: began} if before is not None else {step: began}, step)
         if ended - began >= after_ns:
-            stalls[step] = [began + after_ns + k * after_ns // 2 for k in range(MOMENTS_PER_STALL) if k * after_ns // 2 <= ended - began - after_ns]
+            stalls[step] = [began + after_ns + k * half_ns for k in range(MOMENTS_PER_STALL) if k * half_ns <= ended - began - after_ns]
     return stalls
 
 
