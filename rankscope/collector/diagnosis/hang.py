@@ -72,11 +72,10 @@ ENTERED_SQL = (
     "SELECT rank, group_name, peer, sends, max(seq) AS seq FROM entered "
     "WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND group_name IN {groups:Array(String)} GROUP BY rank, group_name, peer, sends"
 )
-# The ranks that went without a heartbeat for longer than ``gap`` since ``since`` (ns), the window's start
-# counting as a heartbeat: each rank's largest gap between its heartbeats there.
+# Of ``ranks``, those that went without a heartbeat for longer than ``gap`` between two of theirs since ``since`` (ns)
 GAPS_SQL = (
     "SELECT rank FROM heartbeats WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND time >= fromUnixTimestamp64Nano({since:Int64}) "
-    "GROUP BY rank HAVING arrayMax(arrayDifference(arrayConcat([{since:Int64}], arraySort(groupArray(toUnixTimestamp64Nano(time)))))) > {gap:Int64}"
+    "AND rank IN {ranks:Array(UInt32)} GROUP BY rank HAVING arrayMax(arrayDifference(arraySort(groupArray(toUnixTimestamp64Nano(time))))) > {gap:Int64}"
 )
 EXITS_SQL = "SELECT rank, toUnixTimestamp64Nano(min(time)) AS time_ns FROM exits WHERE run_id = {run:String} AND attempt = {attempt:UInt16} GROUP BY rank"
 EVIDENCE_SQL = (
@@ -176,7 +175,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
     quiet = st.time_ns - st.progress_ns >= quiet_ns
     alive = (last_heartbeat - st.time_ns) / 1e9 < s.silent_after_s
-    alive &= ~_silent_in_stall(ctx, st, alive & quiet, advanced, last_heartbeat)
+    alive &= ~_silent_in_stall(ctx, st, alive & quiet, alive, advanced)
     # What a rank said before the stall, or while it was still making progress, is no evidence of
     # where it is stuck: at scale heartbeats are sparse (a minute apart) and the stalled ranks
     # report one by one. Only the ranks heard from since the stall, quiet for a while by their own
@@ -280,23 +279,24 @@ def stall_after_ns(s: Settings, began: Mapping[int, int], step: int) -> int:
     return int(max(s.hang_after_s * 1e9, STALL_STEPS * pace))
 
 
-def _silent_in_stall(ctx: RunContext, st: _States, heard: np.ndarray, advanced: int, now_ns: int) -> np.ndarray:
-    """Of the ranks ``heard`` (heard lately, quiet), those silent for longer than ``silent_after_s`` since
-    the stall began and not moving since: stopped through the stall (frozen), as silent as the ranks
-    not heard again yet. A frozen host thaws a rank at a time, each still where it froze; heard again
-    first, one would be a waiter on its host-mate, named alone (seed 1529690754: node0 frozen inside
-    an all-reduce both its ranks had entered, rank 1's one heartbeat after the thaw, and the postmortem,
-    judging a moment after it, named rank 0 alone where the live diagnosis had named the host).
-    The heartbeats read are those of the last two ``silent_after_s`` at most (a gap that ended then
-    shows, as one from the window's start): a stall of minutes at 100,000 ranks is millions of rows."""
-    if not heard.any():
-        return heard
-    gap_ns = int(ctx.settings.silent_after_s * 1e9)
-    since = max(advanced, now_ns - gap_ns) - gap_ns
-    gaps = ctx.query(GAPS_SQL, {"run": ctx.run_id, "since": since, "gap": gap_ns})["rank"].to_pylist()
+def _silent_in_stall(ctx: RunContext, st: _States, heard: np.ndarray, alive: np.ndarray, advanced: int) -> np.ndarray:
+    """Of the ranks ``heard`` (heard lately, quiet) on a host with a rank silent now, those silent for longer
+    than ``silent_after_s`` since the stall began and not moving since: stopped through the stall with their
+    host (frozen), as silent as their host-mate not heard again yet. A frozen host thaws a rank at a time,
+    each still where it froze; heard again first, one would be a waiter on its host-mate, named alone
+    (seed 1529690754: node0 frozen inside an all-reduce both its ranks had entered, rank 1's one heartbeat
+    after the thaw, and the postmortem, judging a moment after it, named rank 0 alone where the live
+    diagnosis had named the host). Only such ranks' heartbeats are read: a stall of minutes at 100,000
+    ranks is millions of rows, and sparse heartbeats (a rank's first comes seconds into a run) are no gap."""
+    hosts = {ctx.host.get(int(r)) for r in st.rank[~alive]} - {None}
+    candidates = [int(r) for r, h in zip(st.rank, heard) if h and ctx.host.get(int(r)) in hosts]
     out = np.zeros(len(st.rank), dtype=bool)
+    if not candidates:
+        return out
+    gap_ns = int(ctx.settings.silent_after_s * 1e9)
+    gaps = ctx.query(GAPS_SQL, {"run": ctx.run_id, "since": advanced - gap_ns, "gap": gap_ns, "ranks": candidates})["rank"].to_pylist()
     out[[st.row[r] for r in gaps if r in st.row]] = True
-    return out & heard
+    return out
 
 
 def _resuming(ctx: RunContext, st: _States, advanced: int, now_ns: int) -> bool:
