@@ -166,8 +166,8 @@ def detect(ctx: RunContext) -> list[Finding]:
     if not progress or progress[0]["step"] is None or not progress[0]["last_heartbeat_ns"]:
         return []
     step, last_heartbeat = int(progress[0]["step"]), int(progress[0]["last_heartbeat_ns"])
-    heard = ctx.query(ADVANCED_SQL, {"run": ctx.run_id, "first": max(0, step - PACE_STEPS), "step": step}).to_pydict()
-    began = dict(zip(heard["step"], heard["ns"]))
+    steps_heard = ctx.query(ADVANCED_SQL, {"run": ctx.run_id, "first": max(0, step - PACE_STEPS), "step": step}).to_pydict()
+    began = dict(zip(steps_heard["step"], steps_heard["ns"]))
     advanced = int(began.get(step) or last_heartbeat)
     if last_heartbeat - advanced < stall_after_ns(s, began, step):
         return []
