@@ -5,6 +5,7 @@ The same, on real runs with real faults: tests/test_diagnosis_scenarios.py, test
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -72,6 +73,42 @@ def test_window_reads_come_in_pages_under_the_result_limit() -> None:
 
 
 S = 10**9
+RANKS = [0, 1, 2, 3]
+#: what a rank waits in: (group, seq, issued at s)
+Wait = tuple[str, int, int]
+
+
+def _job(into: Store, run: str, groups: dict[str, list[int]]) -> None:
+    """Four ranks, two a host (node-0: 0, 1; node-1: 2, 3), and their groups."""
+    into.insert_arrow("ranks", rows("ranks", 4, run_id=run, rank=RANKS, host=[f"node-{r // 2}" for r in RANKS], registered=T0,
+                                    pid=[1000 + r for r in RANKS], tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
+    into.insert_arrow("groups", rows("groups", len(groups), run_id=run, name=list(groups), ranks=list(groups.values()), registered=T0))
+
+
+def _heartbeats(
+    into: Store, run: str, beats: list[tuple[int, int]], *, step: Callable[[int], int], progress: Callable[[int, int], int],
+    wait: Callable[[int, int], Wait | None], phase: str = "forward",
+) -> None:  # fmt: skip
+    """A heartbeat of each (rank, second) in ``beats``: in ``step(t)``, its last progress at ``progress(r, t)`` s,
+    waiting in ``wait(r, t)`` (None: in nothing)."""
+    waits = [wait(r, t) for r, t in beats]
+    into.insert_arrow("heartbeats", rows(
+        "heartbeats", len(beats), run_id=run, rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
+        time=[T0 + t * S for _, t in beats], step=[step(t) for _, t in beats], phase=phase, status="running",
+        last_progress=[T0 + progress(r, t) * S for r, t in beats], inflight_group=[[w[0]] if w else [] for w in waits],
+        inflight_seq=[[w[1]] if w else [] for w in waits], inflight_op=[["all_reduce"] if w else [] for w in waits],
+        inflight_peer=[[-1] if w else [] for w in waits], inflight_issue=[[T0 + w[2] * S] if w else [] for w in waits],
+        inflight_waiting=[[1] if w else [] for w in waits],
+    ))  # fmt: skip
+
+
+def _collectives(into: Store, run: str, ops: list[tuple[int, str, int, int, int, int]]) -> None:
+    """All-reduces, each (rank, group, seq, issued ns, ended ns (0: still pending), step)."""
+    into.insert_arrow("collectives", rows(
+        "collectives", len(ops), run_id=run, rank=[o[0] for o in ops], group_name=[o[1] for o in ops], seq=[o[2] for o in ops],
+        op="all_reduce", peer=-1, issue_time=[o[3] for o in ops], start_time=[o[3] for o in ops], end_time=[o[4] for o in ops],
+        state=["completed" if o[4] else "pending" for o in ops], step=[o[5] for o in ops],
+    ))  # fmt: skip
 
 
 def _stall_resolved(into: Store, run: str, *, frozen: bool = False, entered_s: int = 30) -> None:
@@ -80,33 +117,21 @@ def _stall_resolved(into: Store, run: str, *, frozen: bool = False, entered_s: i
     #9, step 5 begins and the run ends normally at 40 s. ``frozen``: rank 2 is stopped from 4 s to 30 s
     instead (no heartbeat; its backward of step 4, ended at 7 s, stored), rank 3 took its stack at 9 s.
     ``entered_s``: when rank 2 entered #9 (its row of it issued then)."""
-    ranks = [0, 1, 2, 3]
-    into.insert_arrow("ranks", rows("ranks", 4, run_id=run, rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
-                                    pid=[1000 + r for r in ranks], tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
-    into.insert_arrow("groups", rows("groups", 1, run_id=run, name="default_pg", ranks=[ranks], registered=T0))
-    beats = [(r, t) for t in range(41) for r in ranks if not (frozen and r == 2 and 3 < t < 30)]
-    step = lambda t: 3 if t < 5 else 4 if t < 30 else 5  # noqa: E731
-    waiting = lambda r, t: r != 2 and 6 <= t < 30  # noqa: E731
-    into.insert_arrow("heartbeats", rows(
-        "heartbeats", len(beats), run_id=run, rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
-        time=[T0 + t * S for _, t in beats], step=[step(t) for _, t in beats], phase="forward", status="running",
-        last_progress=[T0 + (5 if 5 <= t < 30 else t) * S for _, t in beats],
-        inflight_group=[["default_pg"] if waiting(r, t) else [] for r, t in beats], inflight_seq=[[9] if waiting(r, t) else [] for r, t in beats],
-        inflight_op=[["all_reduce"] if waiting(r, t) else [] for r, t in beats], inflight_peer=[[-1] if waiting(r, t) else [] for r, t in beats],
-        inflight_issue=[[T0 + 6 * S] if waiting(r, t) else [] for r, t in beats], inflight_waiting=[[1] if waiting(r, t) else [] for r, t in beats],
-    ))  # fmt: skip
-    ops = [(r, seq, T0 + (seq - 5) * S if seq < 9 or r != 2 else T0 + entered_s * S) for r in ranks for seq in range(1, 10)]
-    into.insert_arrow("collectives", rows(
-        "collectives", len(ops), run_id=run, rank=[o[0] for o in ops], group_name="default_pg", seq=[o[1] for o in ops], op="all_reduce",
-        peer=-1, issue_time=[o[2] for o in ops], start_time=[o[2] for o in ops], end_time=[T0 + 30 * S + S // 2 if o[1] == 9 else o[2] + S // 2 for o in ops],
-        state="completed", step=[min(4, max(1, o[1] // 2)) for o in ops],
-    ))  # fmt: skip
+    _job(into, run, {"default_pg": RANKS})
+    _heartbeats(
+        into, run, [(r, t) for t in range(41) for r in RANKS if not (frozen and r == 2 and 3 < t < 30)],
+        step=lambda t: 3 if t < 5 else 4 if t < 30 else 5, progress=lambda r, t: 5 if 5 <= t < 30 else t,
+        wait=lambda r, t: ("default_pg", 9, 6) if r != 2 and 6 <= t < 30 else None,
+    )  # fmt: skip
+    issued = [(r, seq, T0 + (seq - 5) * S if seq < 9 or r != 2 else T0 + entered_s * S) for r in RANKS for seq in range(1, 10)]
+    _collectives(into, run, [(r, "default_pg", seq, at, T0 + 30 * S + S // 2 if seq == 9 else at + S // 2, min(4, max(1, seq // 2)))
+                             for r, seq, at in issued])  # fmt: skip
     if frozen:
         into.insert_arrow("spans", rows("spans", 1, run_id=run, rank=2, step=4, name="backward", kind="compute", start_time=T0 + 6 * S,
                                         end_time=T0 + 7 * S, cpu_ns=-1))  # fmt: skip
         into.insert_arrow("stacks", rows("stacks", 1, run_id=run, rank=3, host="node-1", time=T0 + 9 * S, reason="stopped peer pid 1002",
                                          method="py-spy", text="Process 1002: python ddp_job.py\n"))  # fmt: skip
-    into.insert_arrow("exits", rows("exits", 4, run_id=run, rank=ranks, host=[f"node-{r // 2}" for r in ranks], time=T0 + 40 * S, reason="normal"))
+    into.insert_arrow("exits", rows("exits", 4, run_id=run, rank=RANKS, host=[f"node-{r // 2}" for r in RANKS], time=T0 + 40 * S, reason="normal"))
 
 
 def test_a_hang_that_resolved_is_replayed_from_when_it_began(migrated: Store) -> None:  # noqa: F811
@@ -130,21 +155,12 @@ def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(mi
     no progress yet: the stall is ending, and the other is not named alone (seed 555533734: a second
     live hang, for rank 3, the frozen host's other rank). Where rank 3 resumed first it has entered #9
     already, so the others wait on rank 2 alone (555533734 again, a session later: rank 2 named)."""
-    ranks = [0, 1, 2, 3]
-    migrated.insert_arrow("ranks", rows("ranks", 4, run_id="thawed", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
-                                        tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
-    migrated.insert_arrow("groups", rows("groups", 1, run_id="thawed", name="default_pg", ranks=[ranks], registered=T0))
-    beats = [(r, t) for t in range(21) for r in ranks if r < 2 or t < 4 or t == 20]
-    waiting = [(r < 2 and t >= 6) or (r == first == 3 and t == 20) for r, t in beats]
-    progress = [t if t < 5 or r == first else 5 if r < 2 else 3 for r, t in beats]  # after the thaw one works, the other not yet
-    migrated.insert_arrow("heartbeats", rows(
-        "heartbeats", len(beats), run_id="thawed", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
-        time=[T0 + t * S for _, t in beats], step=[3 if t < 5 else 4 for _, t in beats], phase="backward", status="running",
-        last_progress=[T0 + p * S for p in progress], inflight_group=[["default_pg"] if w else [] for w in waiting],
-        inflight_seq=[[9] if w else [] for w in waiting], inflight_op=[["all_reduce"] if w else [] for w in waiting],
-        inflight_peer=[[-1] if w else [] for w in waiting], inflight_issue=[[T0 + 6 * S] if w else [] for w in waiting],
-        inflight_waiting=[[1] if w else [] for w in waiting],
-    ))  # fmt: skip
+    _job(migrated, "thawed", {"default_pg": RANKS})
+    _heartbeats(
+        migrated, "thawed", [(r, t) for t in range(21) for r in RANKS if r < 2 or t < 4 or t == 20], step=lambda t: 3 if t < 5 else 4,
+        progress=lambda r, t: t if t < 5 or r == first else 5 if r < 2 else 3,  # after the thaw one works, the other not yet
+        wait=lambda r, t: ("default_pg", 9, 6) if (r < 2 and t >= 6) or (r == first == 3 and t == 20) else None, phase="backward",
+    )  # fmt: skip
     settings = Settings(hang_after_s=6, silent_after_s=10)
     ctx = RunContext.load("thawed", migrated.query_arrow, settings)
     (frozen,) = hang.detect(replace(ctx, until_ns=T0 + 15 * S))
@@ -160,29 +176,15 @@ def test_steps_that_all_outlast_hang_after_are_slow_not_hung(migrated: Store) ->
     not a hang (seed 739796868: a host's link at 12 Mbit/s, every step 14 s, the ranks in their
     gradient all-reduce named a hang 11 s into each step, live only). From 40 s rank 2 stops in step 5:
     a hang once the stall has lasted two steps at that pace, 20 s, named then, live and replayed."""
-    ranks = [0, 1, 2, 3]
-    migrated.insert_arrow("ranks", rows("ranks", 4, run_id="slow-steps", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
-                                        tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
-    migrated.insert_arrow("groups", rows("groups", 1, run_id="slow-steps", name="default_pg", ranks=[ranks], registered=T0))
-    beats = [(r, t) for t in range(71) for r in ranks]
+    _job(migrated, "slow-steps", {"default_pg": RANKS})
     step = lambda t: min(1 + t // 10, 5)  # noqa: E731
-    waiting = [r != 2 and t >= 10 and (t % 10 >= 2 or t >= 42) for r, t in beats]
-    progress = [t if t < 10 else 10 * (step(t) - 1) + (1 if r != 2 else 0) for r, t in beats]
-    migrated.insert_arrow("heartbeats", rows(
-        "heartbeats", len(beats), run_id="slow-steps", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
-        time=[T0 + t * S for _, t in beats], step=[step(t) for _, t in beats], phase="forward", status="running",
-        last_progress=[T0 + p * S for p in progress], inflight_group=[["default_pg"] if w else [] for w in waiting],
-        inflight_seq=[[step(t)] if w else [] for (_, t), w in zip(beats, waiting)], inflight_op=[["all_reduce"] if w else [] for w in waiting],
-        inflight_peer=[[-1] if w else [] for w in waiting], inflight_issue=[[T0 + (10 * (step(t) - 1) + 2) * S] if w else [] for (_, t), w in zip(beats, waiting)],
-        inflight_waiting=[[1] if w else [] for w in waiting],
-    ))  # fmt: skip
-    ops = [(r, k, T0 + (10 * (k - 1) + (9 if r == 2 else 2)) * S) for k in range(1, 5) for r in ranks] + [(r, 5, T0 + 42 * S) for r in (0, 1, 3)]
-    migrated.insert_arrow("collectives", rows(
-        "collectives", len(ops), run_id="slow-steps", rank=[o[0] for o in ops], group_name="default_pg", seq=[o[1] for o in ops],
-        op="all_reduce", peer=-1, issue_time=[o[2] for o in ops], start_time=[o[2] for o in ops],
-        end_time=[0 if o[1] == 5 else T0 + (10 * o[1] - 1) * S for o in ops], state=["pending" if o[1] == 5 else "completed" for o in ops],
-        step=[o[1] for o in ops],
-    ))  # fmt: skip
+    _heartbeats(
+        migrated, "slow-steps", [(r, t) for t in range(71) for r in RANKS], step=step,
+        progress=lambda r, t: t if t < 10 else 10 * (step(t) - 1) + (1 if r != 2 else 0),
+        wait=lambda r, t: ("default_pg", step(t), 10 * (step(t) - 1) + 2) if r != 2 and t >= 10 and (t % 10 >= 2 or t >= 42) else None,
+    )  # fmt: skip
+    ops = [(r, k, T0 + (10 * (k - 1) + (9 if r == 2 else 2)) * S) for k in range(1, 5) for r in RANKS] + [(r, 5, T0 + 42 * S) for r in (0, 1, 3)]
+    _collectives(migrated, "slow-steps", [(r, "default_pg", k, at, 0 if k == 5 else T0 + (10 * k - 1) * S, k) for r, k, at in ops])
     settings = Settings(hang_after_s=6, silent_after_s=10)
     ctx = RunContext.load("slow-steps", migrated.query_arrow, settings)
     assert [hang.detect(replace(ctx, until_ns=T0 + t * S)) for t in (17, 28, 39, 55)] == [[]] * 4
@@ -198,26 +200,15 @@ def test_a_frozen_host_heard_again_a_rank_at_a_time_is_still_the_host(migrated: 
     (no progress, in #9), rank 2 not yet: rank 3 was as silent through the stall as rank 2, and the
     host is named, not rank 2 alone as rank 3's waiter (seed 1529690754: the postmortem, judging a
     moment after the thaw, named rank 0 alone where the live diagnosis had named node0)."""
-    ranks = [0, 1, 2, 3]
-    migrated.insert_arrow("ranks", rows("ranks", 4, run_id="heard-again", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
-                                        tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
-    migrated.insert_arrow("groups", rows("groups", 1, run_id="heard-again", name="default_pg", ranks=[ranks], registered=T0))
-    beats = [(r, t) for t in range(21) for r in ranks if r < 2 or t < 4 or (r, t) == (3, 20)]
-    waiting = [(r < 2 and t >= 6) or (r, t) == (3, 20) for r, t in beats]
-    migrated.insert_arrow("heartbeats", rows(
-        "heartbeats", len(beats), run_id="heard-again", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
-        time=[T0 + t * S for _, t in beats], step=[3 if t < 5 else 4 for _, t in beats], phase="backward", status="running",
-        last_progress=[T0 + min(t, 5 if r < 2 else 3) * S for r, t in beats], inflight_group=[["default_pg"] if w else [] for w in waiting],
-        inflight_seq=[[9] if w else [] for w in waiting], inflight_op=[["all_reduce"] if w else [] for w in waiting],
-        inflight_peer=[[-1] if w else [] for w in waiting], inflight_issue=[[T0 + 6 * S] if w else [] for w in waiting],
-        inflight_waiting=[[1] if w else [] for w in waiting],
-    ))  # fmt: skip
-    ops = [(r, seq, T0 + seq * S // 4) for r in ranks for seq in range(1, 9)] + [(2, 9, T0 + 7 * S // 2), (3, 9, T0 + 7 * S // 2)]
-    migrated.insert_arrow("collectives", rows(
-        "collectives", len(ops), run_id="heard-again", rank=[o[0] for o in ops], group_name="default_pg", seq=[o[1] for o in ops],
-        op="all_reduce", peer=-1, issue_time=[o[2] for o in ops], start_time=[o[2] for o in ops],
-        end_time=[0 if o[1] == 9 else o[2] + S // 8 for o in ops], state=["pending" if o[1] == 9 else "completed" for o in ops], step=3,
-    ))  # fmt: skip
+    _job(migrated, "heard-again", {"default_pg": RANKS})
+    _heartbeats(
+        migrated, "heard-again", [(r, t) for t in range(21) for r in RANKS if r < 2 or t < 4 or (r, t) == (3, 20)],
+        step=lambda t: 3 if t < 5 else 4, progress=lambda r, t: min(t, 5 if r < 2 else 3),
+        wait=lambda r, t: ("default_pg", 9, 6) if (r < 2 and t >= 6) or (r, t) == (3, 20) else None, phase="backward",
+    )  # fmt: skip
+    ops = [(r, seq, T0 + seq * S // 4) for r in RANKS for seq in range(1, 9)]
+    _collectives(migrated, "heard-again", [(r, "default_pg", seq, at, at + S // 8, 3) for r, seq, at in ops]
+                 + [(r, "default_pg", 9, T0 + 7 * S // 2, 0, 3) for r in (2, 3)])  # fmt: skip
     settings = Settings(hang_after_s=6, silent_after_s=10)
     ctx = RunContext.load("heard-again", migrated.query_arrow, settings)
     (frozen,) = hang.detect(replace(ctx, until_ns=T0 + 20 * S + S // 2))
@@ -232,28 +223,14 @@ def test_a_rank_waiting_inside_a_collective_its_frozen_peer_entered_waits_on_tha
     blocked in dp #5, which rank 2 never reached. Rank 2 waits on rank 3, whose part never comes: rank
     3 is the root, not rank 2 (seed 87878808: offline, reading the frozen rank's row, named rank 2
     beside it, where live, before that row came, named rank 3 alone)."""
-    ranks = [0, 1, 2, 3]
-    migrated.insert_arrow("ranks", rows("ranks", 4, run_id="inside", rank=ranks, host=[f"node-{r // 2}" for r in ranks], registered=T0,
-                                        tp_rank=-1, pp_rank=-1, dp_rank=-1))  # fmt: skip
-    migrated.insert_arrow("groups", rows("groups", 2, run_id="inside", name=["tp", "dp"], ranks=[[2, 3], [0, 1, 2]], registered=T0))
-    beats = [(r, t) for t in range(21) for r in ranks if r != 3 or t < 4]
-    waits_in = {0: ("dp", 5), 1: ("dp", 5), 2: ("tp", 7)}
-    waiting = [r in waits_in and t >= 6 for r, t in beats]
-    migrated.insert_arrow("heartbeats", rows(
-        "heartbeats", len(beats), run_id="inside", rank=[r for r, _ in beats], host=[f"node-{r // 2}" for r, _ in beats],
-        time=[T0 + t * S for _, t in beats], step=[3 if t < 5 else 4 for _, t in beats], phase="forward", status="running",
-        last_progress=[T0 + min(t, 5) * S for _, t in beats],
-        inflight_group=[[waits_in[r][0]] if w else [] for (r, _), w in zip(beats, waiting)],
-        inflight_seq=[[waits_in[r][1]] if w else [] for (r, _), w in zip(beats, waiting)],
-        inflight_op=[["all_reduce"] if w else [] for w in waiting], inflight_peer=[[-1] if w else [] for w in waiting],
-        inflight_issue=[[T0 + 6 * S] if w else [] for w in waiting], inflight_waiting=[[1] if w else [] for w in waiting],
-    ))  # fmt: skip
-    ops = [(r, "dp", seq, T0 + seq * S // 2) for r in (0, 1, 2) for seq in range(1, 5)] + [(3, "tp", 7, T0 + 3 * S)]
-    migrated.insert_arrow("collectives", rows(
-        "collectives", len(ops), run_id="inside", rank=[o[0] for o in ops], group_name=[o[1] for o in ops], seq=[o[2] for o in ops],
-        op="all_reduce", peer=-1, issue_time=[o[3] for o in ops], start_time=[o[3] for o in ops], end_time=[o[3] + S // 4 for o in ops],
-        state=["pending" if o[0] == 3 else "completed" for o in ops], step=3,
-    ))  # fmt: skip
+    _job(migrated, "inside", {"tp": [2, 3], "dp": [0, 1, 2]})
+    waits_in = {0: ("dp", 5, 6), 1: ("dp", 5, 6), 2: ("tp", 7, 6)}
+    _heartbeats(
+        migrated, "inside", [(r, t) for t in range(21) for r in RANKS if r != 3 or t < 4], step=lambda t: 3 if t < 5 else 4,
+        progress=lambda r, t: min(t, 5), wait=lambda r, t: waits_in[r] if r in waits_in and t >= 6 else None,
+    )  # fmt: skip
+    _collectives(migrated, "inside", [(r, "dp", seq, T0 + seq * S // 2, T0 + seq * S // 2 + S // 4, 3) for r in (0, 1, 2) for seq in range(1, 5)]
+                 + [(3, "tp", 7, T0 + 3 * S, 0, 3)])  # fmt: skip
     ctx = RunContext.load("inside", migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10))
     (found,) = hang.detect(ctx)
     assert (found.ranks, found.hosts) == ((3,), ("node-1",)), found.summary

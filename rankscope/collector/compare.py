@@ -322,8 +322,9 @@ def _rows(query: Query, sql: str, params: Mapping[str, object]) -> list[dict[str
     return query(sql, params).to_pylist()
 
 
-def load_side(query: Query, side: Side) -> SideData:
-    """Read one side; CompareError when its run is unknown or the range holds no completed step."""
+def _steps(query: Query, side: Side) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """The side's run, its completed steps' times (warm-up left out where the range is the whole run) and
+    where they come from; CompareError when the run is unknown or the range holds no completed step."""
     run = _rows(query, RUN_SQL, {"run": side.run_id})
     if not run or not run[0]["status"]:  # argMax over no rows is the empty string
         raise CompareError(f"no run {side.run_id!r} in the store (rankscope sql \"SELECT DISTINCT run_id FROM runs\" lists them)")
@@ -342,6 +343,17 @@ def load_side(query: Query, side: Side) -> SideData:
     if not steps:
         where = f"steps {first}-{last}" if side.explicit else "any step"
         raise CompareError(f"run {side.run_id!r} has no completed step in {where}")
+    return info, steps, source
+
+
+def step_time_s(query: Query, side: Side) -> float:
+    """The side's median step time (s) alone, without the per-rank and per-segment reads of ``load_side``."""
+    return _median_of([float(s["step_s"]) for s in _steps(query, side)[1]])
+
+
+def load_side(query: Query, side: Side) -> SideData:
+    """Read one side; CompareError when its run is unknown or the range holds no completed step."""
+    info, steps, source = _steps(query, side)
     first, last = int(steps[0]["step"]), int(steps[-1]["step"])
     attempt = max(int(s["run_attempt"]) for s in steps)
     data = SideData(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rankscope.collector.compare import CompareError, Side, load_side
+from rankscope.collector.compare import CompareError, Side, step_time_s
 
 if TYPE_CHECKING:
     from rankscope.collector.diagnosis.context import Query
@@ -26,8 +26,8 @@ def slowdown(query: Query, run_id: str, fault_step: int) -> float | None:
     if fault_step < 3:
         return None
     try:
-        before = load_side(query, Side(run_id, 2, fault_step - 1))
-        after = load_side(query, Side(run_id, fault_step + LANDS_WITHIN_STEPS, _LAST))
+        before = step_time_s(query, Side(run_id, 2, fault_step - 1))
+        after = step_time_s(query, Side(run_id, fault_step + LANDS_WITHIN_STEPS, _LAST))
     except CompareError:
         return None
-    return round(after.step_time_s / before.step_time_s, 3) if before.step_time_s > 0 else None
+    return round(after / before, 3) if before > 0 else None

@@ -22,7 +22,6 @@ waited on, and the roots those of them that wait on nobody.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -169,7 +168,8 @@ def detect(ctx: RunContext) -> list[Finding]:
     steps_heard = ctx.query(ADVANCED_SQL, {"run": ctx.run_id, "first": max(0, step - PACE_STEPS), "step": step}).to_pydict()
     began = dict(zip(steps_heard["step"], steps_heard["ns"]))
     advanced = int(began.get(step) or last_heartbeat)
-    if last_heartbeat - advanced < stall_after_ns(s, began, step):
+    prior = max((b for b in began if b < step and began[b]), default=None)
+    if last_heartbeat - advanced < stall_after_ns(s, step, began.get(step), None if prior is None else (prior, began[prior])):
         return []
     st = _States(ctx.query(STATE_SQL, {"run": ctx.run_id}))
     quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
@@ -266,16 +266,15 @@ def detect(ctx: RunContext) -> list[Finding]:
     ]
 
 
-def stall_after_ns(s: Settings, began: Mapping[int, int], step: int) -> int:
+def stall_after_ns(s: Settings, step: int, began_ns: int | None, prior: tuple[int, int] | None) -> int:
     """How long step ``step``'s stall must last to be a hang: ``hang_after_s``, and ``STALL_STEPS`` steps
-    at the pace before it (``began``: step -> when first heard of; the last one heard of before ``step``).
-    A job whose steps all outlast hang_after is slow, not hung (seed 739796868: a host's link at
-    12 Mbit/s, every step 14 s, a hang of the ranks in their gradient all-reduce named 11 s into each
-    with hang_after at 10 s; the postmortem's moments fell outside, and it named none)."""
-    before = [b for b in began if 0 < b < step and began[b]]  # step 0: the agent's start, before any step
-    if not before or not began.get(step):
+    at the pace before it (``began_ns``: when ``step`` was first heard of; ``prior``: the last step heard
+    of before it, and when). A job whose steps all outlast hang_after is slow, not hung (seed 739796868:
+    a host's link at 12 Mbit/s, every step 14 s, a hang of the ranks in their gradient all-reduce named
+    11 s into each with hang_after at 10 s; the postmortem's moments fell outside, and it named none)."""
+    if prior is None or prior[0] <= 0 or not began_ns:  # step 0: the agent's start, before any step
         return int(s.hang_after_s * 1e9)
-    pace = (began[step] - began[max(before)]) / (step - max(before))
+    pace = (began_ns - prior[1]) / (step - prior[0])
     return int(max(s.hang_after_s * 1e9, STALL_STEPS * pace))
 
 
@@ -289,7 +288,8 @@ def _silent_in_stall(ctx: RunContext, st: _States, heard: np.ndarray, alive: np.
     diagnosis had named the host). Only such ranks' heartbeats are read: a stall of minutes at 100,000
     ranks is millions of rows, and sparse heartbeats (a rank's first comes seconds into a run) are no gap."""
     hosts = {ctx.host.get(int(r)) for r in st.rank[~alive]} - {None}
-    candidates = [int(r) for r, h in zip(st.rank, heard) if h and ctx.host.get(int(r)) in hosts]
+    mates = [r for h in hosts for r in ctx.ranks_of_host.get(h, [])]
+    candidates = st.rank[heard & np.isin(st.rank, mates)].tolist()
     out = np.zeros(len(st.rank), dtype=bool)
     if not candidates:
         return out

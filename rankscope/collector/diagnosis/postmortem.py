@@ -76,7 +76,7 @@ def _stalls(ctx: RunContext) -> dict[int, list[int]]:
     stalls = {}
     previous = [(None, None), *zip(heard["step"], heard["ns"])]
     for (before, before_ns), step, began, ended in zip(previous, heard["step"], heard["ns"], [*heard["ns"][1:], last]):
-        after_ns = hang.stall_after_ns(ctx.settings, {before: before_ns, step: began} if before is not None else {step: began}, step)
+        after_ns = hang.stall_after_ns(ctx.settings, step, began, None if before is None else (before, before_ns))
         if ended - began >= after_ns:
             stalls[step] = [began + after_ns + k * half_ns for k in range(MOMENTS_PER_STALL) if k * half_ns <= ended - began - after_ns]
     return stalls
