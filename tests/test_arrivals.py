@@ -6,7 +6,7 @@ order that changes every step (a busy machine's scheduler), unless a rank is mad
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -31,12 +31,15 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
     store.close()
 
 
-def write(store: EmbeddedStore, run: str, groups: dict[str, list[int]], late: dict[int, tuple[int, int]]) -> RunContext:
-    """Each group's collective of each step; ``late``: rank -> (from step, ms) it arrives later by,
-    and the ranks waiting for it in one of their groups carry that wait into their others."""
+def write(store: EmbeddedStore, run: str, groups: dict[str, list[int]], late: dict[int, tuple[int, int]],
+          held: Callable[[str, int], bool] = lambda group, step: True) -> RunContext:  # fmt: skip
+    """Each group's collective of each step (those ``held`` only); ``late``: rank -> (from step, ms) it arrives
+    later by, and the ranks waiting for it in one of their groups carry that wait into their others."""
     cols: dict[str, list[int | str]] = {"rank": [], "group_name": [], "seq": [], "step": [], "issue_time": []}
     for step in STEPS:
         for g, (name, members) in enumerate(sorted(groups.items())):
+            if not held(name, step):
+                continue
             for i, rank in enumerate(members):
                 jitter = ((rank * 7 + step * 3 + g) % 4) * MS  # who comes last changes from step to step
                 delay = sum(ms for r, (since, ms) in late.items() if step >= since and (r == rank or (g > 0 and r in groups_of(groups, rank, g))))
@@ -89,3 +92,17 @@ def test_two_late_ranks_of_a_host_taking_turns_at_last_are_named_with_their_host
     assert all(37 <= p["late_ms"] <= 43 for p in found[0]["steps"])
     # one late rank of a host is that rank, not its host: its host-mate arrives with the others
     assert sorted(arrivals.late_ranks(write(store, "rank-of-host", {"default_pg": [0, 1, 2, 3]}, {1: (6, 40)}), 3, 19, STEP_NS / 1e9)) == [1]
+
+
+def test_a_rank_is_judged_once_the_rows_of_all_its_groups_are_in(store: EmbeddedStore) -> None:
+    """A 2 x 2 mesh (FSDP2 with DTensor), rank 2 late from step 5: its tensor-parallel rows come from the
+    flight recorder, read every few seconds, and are in up to step 4 only. Late in the data-parallel groups
+    alone so far, rank 2 and rank 3 (which waited for it in a_tp[1]) are named by nobody (campaign seed
+    1716390287: for one flush cycle, a rank named live that no later pass named); rank 2 is, once they come."""
+    groups = {"a_tp[0]": [0, 1], "a_tp[1]": [2, 3], "b_dp[0]": [0, 2], "b_dp[1]": [1, 3]}
+    in_first = lambda group, step: group.startswith("b_dp") or step <= 4  # noqa: E731
+    ctx = write(store, "tp-behind", groups, {2: (5, 40)}, held=in_first)
+    assert arrivals.late_ranks(ctx, 3, 19, STEP_NS / 1e9) == {}
+    write(store, "tp-behind", groups, {2: (5, 40)}, held=lambda group, step: not in_first(group, step))
+    found = arrivals.late_ranks(ctx, 3, 19, STEP_NS / 1e9)
+    assert list(found) == [2] and found[2]["groups"] == ["a_tp[1]", "b_dp[0]"], found

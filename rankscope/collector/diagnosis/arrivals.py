@@ -21,6 +21,13 @@ arriving last, and neither is late alone: hosts are judged the same way, a host'
 first rank's (all of them after every other host's ranks) against the other hosts' last, in the
 groups that span hosts. A late host names all its ranks (the straggler names the host); one slow
 rank of a host is no late host, its host-mate arriving with the others.
+
+A rank is judged once the rows of all its groups are in. The collectives no wrapper sees (DTensor's
+functional collectives, DDP's reducer) come from the flight recorder, read every few seconds: a rank
+seen late in its data-parallel group while its tensor-parallel group's rows of the same steps are
+still on their way looks late in every group it took part in (campaign seeds 1716390287 and
+769188504, FSDP2 with DTensor on a 2 x 2 mesh: live, for one flush cycle, a rank "arrives last at
+mesh_dp:1's collectives", named by no pass once the rest came).
 """
 
 from __future__ import annotations
@@ -74,6 +81,17 @@ GROUPS_SQL = (
     "SELECT DISTINCT rank, group_name FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1 "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} AND rank IN {ranks:Array(UInt32)}"
 )
+#: how far the rows of ``ranks`` in each of their groups have come (step 0, the set-up, left out): the
+#: steps they held collectives at, the newest of them, and when the newest was issued
+REACHED_SQL = (
+    "SELECT group_name, min(step) AS first, max(step) AS reached, uniqExact(step) AS steps, "
+    "toUnixTimestamp64Nano(max(issue_time)) AS newest_ns FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
+    "AND rank IN {ranks:Array(UInt32)} AND peer = -1 AND step BETWEEN 1 AND {last_step:UInt32} AND group_name IN {groups:Array(String)} "
+    "GROUP BY group_name"
+)
+#: a group whose newest row was issued this long before its rank's other groups' is done, not behind: the
+#: flight recorder is read every ``fr_interval_s`` (2 s) and its rows flushed within seconds
+BEHIND_S = 10.0
 #: for people (an incident's SQL): who arrived last at each group's collectives of each step, how long the others waited for it
 EVIDENCE_SQL = _WAITS.format(who="rank", where="") + " ORDER BY group_name, step"
 
@@ -118,6 +136,7 @@ def _late(ctx: RunContext, by: dict[str, str], who_of: Callable[[int], object], 
     for r in late:
         late_in.setdefault(r["who"], set()).add(r["group_name"])
     whos = sorted(w for w, groups in late_in.items() if took_part.get(w, set()) <= groups)
+    whos = [w for w in whos if not _behind(ctx, ctx.ranks_of_host.get(w, []) if by is _BY_HOST else [w], last_step)]
     if not whos:
         return {}
     params = {**params, "run": ctx.run_id, "first_step": first_step, "last_step": last_step, "whos": whos,
@@ -139,6 +158,25 @@ def _late(ctx: RunContext, by: dict[str, str], who_of: Callable[[int], object], 
         if info is not None:
             found[who] = info
     return found
+
+
+def _behind(ctx: RunContext, ranks: list[int], last_step: int) -> bool:
+    """Whether a group of ``ranks`` (a rank, or a host's) that held collectives step after step has their
+    rows stop short of ``last_step`` while their other groups' go on: the rest are on their way (the
+    flight recorder's), and they are judged once those are in. A host's groups within it count: they
+    tell a late rank of it from the host-mate that waited for it. A group used now and then (a metric's
+    all-reduce every ten steps) or no longer (BEHIND_S) is not behind."""
+    mine = set(ranks)
+    groups = [g for g, members in ctx.groups.items() if len(members) > 1 and not mine.isdisjoint(members)]
+    if len(groups) < 2:
+        return False
+    params = {"run": ctx.run_id, "ranks": ranks, "last_step": last_step, "groups": groups}
+    reached = ctx.query(REACHED_SQL, params).to_pylist()
+    newest_ns = max((int(g["newest_ns"]) for g in reached), default=0)
+    return any(
+        g["reached"] < last_step and 2 * g["steps"] > g["reached"] - g["first"] + 1 and newest_ns - int(g["newest_ns"]) < BEHIND_S * 1e9
+        for g in reached
+    )
 
 
 def _episode_of(at: dict[int, tuple[float, int, list[str]]], steps: range, bar_ns: int, step_s: float, window: int,
