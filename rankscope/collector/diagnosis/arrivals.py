@@ -11,9 +11,9 @@ collectives of the step, it is late when that reaches ``straggler_excess`` of th
 ``straggler_min_excess_s``) and the others' noise, the median spread of the others' arrivals (on
 shared cores, whoever the scheduler ran last arrives last by a few ms, with the others as spread);
 a straggler when late at all steps of the window but one (as the wall-time comparison of the
-segments), or last at every step of it by the bar with its median wait above the others' noise (a
-throttled host beside a CPU hog, last at every all-reduce, its waits sometimes within the others'
-70 ms spread), in every group it took part in: a rank that waited in one group for a slow member
+segments), or last at every step of it, by the bar at all but one, with its median wait above the
+others' noise (a throttled host beside a CPU hog, last at every all-reduce, its waits often within
+the others' 60-70 ms spread), in every group it took part in: a rank that waited in one group for a slow member
 arrives late in its other groups, never in the one it waited in. Runs of several pipeline stages
 are left to the segments: a stage after a slow one arrives late at its data-parallel all-reduce
 with compute as fast as ever.
@@ -71,8 +71,8 @@ def _sql(by: dict[str, str]) -> tuple[str, str]:
     """(candidates, steps) for ``by``: the (who, group) late at ``min_steps`` or more of the steps, and
     the steps of ``whos`` in ``groups`` over the longer range their episodes are looked for in."""
     candidates = (
-        "SELECT who, group_name, countIf(late_ns >= {bar_ns:Int64}) >= {window:UInt32} AND quantileExact(0.5)(late_ns) >= any(noise_ns) "
-        "AS always FROM (" + _WAITS.format(who=by["who"], where="") + ") "
+        "SELECT who, group_name, countIf(late_ns > 0) >= {window:UInt32} AND countIf(late_ns >= {bar_ns:Int64}) >= {min_steps:UInt32} "
+        "AND quantileExact(0.5)(late_ns) >= any(noise_ns) AS always FROM (" + _WAITS.format(who=by["who"], where="") + ") "
         "GROUP BY who, group_name HAVING countIf(late_ns >= {bar_ns:Int64} AND late_ns >= noise_ns) >= {min_steps:UInt32} OR always"
     )
     steps = _WAITS.format(who=by["who"], where=" AND group_name IN {groups:Array(String)}") + f" HAVING who IN {{whos:Array({by['type']})}} ORDER BY who, step"
@@ -149,7 +149,7 @@ def _late(ctx: RunContext, by: dict[str, str], who_of: Callable[[int], object], 
     for r in ctx.query(steps_sql, params).to_pylist():
         if r["group_name"] not in late_in[r["who"]]:
             continue
-        # within the others' noise: not late, unless it was last at every step of the window by the bar
+        # within the others' noise: not late, unless it was last at every step of the window (``always``)
         wait = r["late_ns"] if r["late_ns"] >= r["noise_ns"] or (r["who"], r["group_name"]) in always else 0
         at = steps.setdefault(r["who"], {})
         before, issued, groups = at.get(r["step"], (float("inf"), r["first_issue"], []))
