@@ -237,6 +237,22 @@ def test_a_rank_waiting_inside_a_collective_its_frozen_peer_entered_waits_on_tha
     assert found.evidence["waits_for"]["2"] == [3], found.evidence
 
 
+def test_a_rank_blocked_with_its_frozen_tensor_parallel_peer_out_of_sight_waits_on_it(migrated: Store) -> None:  # noqa: F811
+    """A 2 x 2 mesh (FSDP2 with DTensor): rank 0 frozen from 4 s; rank 1, its tensor-parallel peer, blocked in
+    their tp all-reduce, a functional collective no wrapper sees (heard, quiet, in nothing by its own
+    account); ranks 2 and 3 wait in their dp groups on ranks 0 and 1. Rank 1 waits on rank 0: the hang is
+    rank 0's alone (replayed, campaign seed 769188504 named rank 1 beside it, live and offline)."""
+    _job(migrated, "unseen", {"tp0": [0, 1], "tp1": [2, 3], "dp0": [0, 2], "dp1": [1, 3]})
+    waits_in = {2: ("dp0", 5, 6), 3: ("dp1", 5, 6)}
+    _heartbeats(
+        migrated, "unseen", [(r, t) for t in range(21) for r in RANKS if r != 0 or t < 4], step=lambda t: 3 if t < 5 else 4,
+        progress=lambda r, t: min(t, 5), wait=lambda r, t: waits_in[r] if r in waits_in and t >= 6 else None,
+    )  # fmt: skip
+    _collectives(migrated, "unseen", [(r, f"dp{r % 2}", seq, T0 + seq * S // 2, T0 + seq * S // 2 + S // 4, 3) for r in RANKS for seq in range(1, 5)])
+    (found,) = hang.detect(RunContext.load("unseen", migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10)))
+    assert (found.ranks, found.hosts) == ((0,), ("node-0",)), found.summary
+
+
 @pytest.mark.parametrize("entered_s", [30, 3], ids=["entered-after", "stopped-inside"])
 def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_mate_attached(migrated: Store, entered_s: int) -> None:  # noqa: F811
     """Rank 2 stopped (SIGSTOP) in step 4: its last heartbeat said step 3, its stored backward of step 4

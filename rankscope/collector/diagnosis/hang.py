@@ -202,7 +202,7 @@ def detect(ctx: RunContext) -> list[Finding]:
         exits = {r["rank"]: r["time_ns"] for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
         if silent & set(exits) or died_at(min(int(st.time_ns[st.row[r]]) for r in silent), exits.values(), s):
             return []  # a root that ended or died is a crash or a lost host (the crash detector's)
-    roots = {r for r in roots if r in st.row and heard[st.row[r]]} | silent
+    roots = {r for r in roots if r in st.row and heard[st.row[r]] and not _beside_silent(ctx, r, silent)} | silent
     if not roots:
         return []
     root_list = sorted(roots)
@@ -276,6 +276,15 @@ def stall_after_ns(s: Settings, step: int, began_ns: int | None, prior: tuple[in
         return int(s.hang_after_s * 1e9)
     pace = (began_ns - prior[1]) / (step - prior[0])
     return int(max(s.hang_after_s * 1e9, STALL_STEPS * pace))
+
+
+def _beside_silent(ctx: RunContext, rank: int, silent: set[int]) -> bool:
+    """Whether ``rank`` (heard, quiet, in no collective by its own account) shares a tensor- or
+    pipeline-parallel group with a silent root: it waits on that one in a collective no wrapper saw, of
+    which the flight recorder tells only later (DTensor's functional collectives). Replayed, campaign seed
+    769188504 (FSDP2 with DTensor, rank 0 frozen) named rank 1 beside it, blocked in their tp all-reduce."""
+    index = ctx.group_index
+    return any(not silent.isdisjoint(index.small[g]) for g in index.groups_of.get(rank, ()))
 
 
 def _silent_in_stall(ctx: RunContext, st: _States, heard: np.ndarray, alive: np.ndarray, advanced: int) -> np.ndarray:
