@@ -123,6 +123,24 @@ def test_a_limited_link_carries_its_rate_until_the_limit_is_lifted(testbed: host
     assert 0.3 < limited < 3 and free < 0.2 and lifted < 0.2, (free, limited, lifted)
 
 
+def test_a_slowed_host_runs_at_its_share_of_what_it_used(testbed: hosts.Testbed, proc_runner) -> None:
+    """``slow_cpu`` cuts what the host's processes used, not what the host has: a busy loop runs at half
+    its speed after a 2x cut, whatever share of the host's quota it got before, and at full speed again
+    after ``undo``."""
+    host = testbed.host("node0")
+    proc_runner.start(hosts.command_on(host, [sys.executable, "-c", "import sys; print('spinning', flush=True)\nwhile True: pass"]),
+                      name="spin").wait_for("spinning", timeout=30)  # fmt: skip
+    before = host_faults.cores_used(testbed, host, 1.0)
+    applied = host_faults.slow_cpu(testbed, host, 2.0, over_s=1.0)
+    try:
+        slowed = host_faults.cores_used(testbed, host, 1.5)
+    finally:
+        applied.undo()
+    after = host_faults.cores_used(testbed, host, 1.0)
+    print(f"{applied.what}; cores used: {before:.2f} before, {slowed:.2f} slowed, {after:.2f} after")
+    assert before > 0.1 and 0.3 < slowed / before < 0.7 and after > 0.8 * before, (before, slowed, after)
+
+
 @pytest.mark.slow
 def test_a_failed_test_leaves_no_namespace_cgroup_or_process(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """The fixture's teardown runs when the test fails with a job running on the test bed."""

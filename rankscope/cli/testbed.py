@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 HELP = "simulated hosts (network namespaces) on this machine: run a job across them, apply faults from outside"
 
-FAULTS = ("throttle-cpu", "freeze-rank", "freeze-host", "kill-rank", "kill-host", "limit-bandwidth", "delay-link")
+FAULTS = ("throttle-cpu", "slow-cpu", "freeze-rank", "freeze-host", "kill-rank", "kill-host", "limit-bandwidth", "delay-link")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     fault.add_argument("--host", help="the host (name or index) for the host faults")
     fault.add_argument("--rank", type=count(0), help="the global rank for freeze-rank and kill-rank")
     fault.add_argument("--share", type=float, default=0.25, help="throttle-cpu: the share of its CPU the host keeps (default: 0.25)")
+    fault.add_argument("--factor", type=float, default=2.0,
+                       help="slow-cpu: how many times less CPU the host gets than its processes used over the 2 s before (default: 2)")
     fault.add_argument("--mbit", type=float, default=20.0, help="limit-bandwidth: Mbit/s each way (default: 20)")
     fault.add_argument("--delay-ms", type=float, default=20.0, help="delay-link: ms each way (default: 20)")
     fault.add_argument("--for", dest="for_s", type=float, default=None, metavar="SECONDS",
@@ -180,6 +182,7 @@ def _fault(bed: Testbed, args: argparse.Namespace) -> int:
         return 2
     applied = {
         "throttle-cpu": lambda: host_faults.throttle_cpu(bed, host, args.share),
+        "slow-cpu": lambda: host_faults.slow_cpu(bed, host, args.factor),
         "freeze-rank": lambda: host_faults.freeze_rank(rank),
         "freeze-host": lambda: host_faults.freeze_host(host),
         "kill-rank": lambda: host_faults.kill_rank(rank),

@@ -229,7 +229,7 @@ def _testbed_scenario(trial: Trial, job: Job) -> testbed_scenarios.Scenario:
         return testbed_scenarios.Scenario(name, trial.describe(), None, rank=trial.rank, steps=10, program=program, hosts=hosts)
     size = trial.size
     apply: dict[str, testbed_scenarios.Apply] = {
-        "throttle": lambda bed, _, r: host_faults.throttle_cpu(bed, r.host, 1 / size),
+        "throttle": lambda bed, _, r: host_faults.slow_cpu(bed, r.host, size),  # of what it used: a cut of what it has may not bind
         "freeze_rank": lambda bed, _, r: host_faults.freeze_rank(r),
         "freeze_host": lambda bed, _, r: host_faults.freeze_host(r.host),
         "kill_rank": lambda bed, _, r: host_faults.kill_rank(r),

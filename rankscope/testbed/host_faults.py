@@ -4,6 +4,8 @@ Each function changes what the kernel does to a host or a process, as a sick mac
 returns an ``Applied`` that can undo it (``undo``) where undoing makes sense:
 
 - ``throttle_cpu``: a share of the host's CPU quota (cgroup ``cpu.cfs_quota_us``): a slow host;
+- ``slow_cpu``: the quota cut to a share of what the host's processes used lately: a host slower by
+  that factor, also on cores it shares with other hosts and jobs;
 - ``freeze_rank`` / ``freeze_host``: SIGSTOP one rank; the freezer cgroup for all of a host's
   processes, its launcher included: a hung process or machine;
 - ``kill_rank`` / ``kill_host``: SIGKILL one rank; every process of the host: a crash, a lost machine;
@@ -19,13 +21,20 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rankscope.testbed.hosts import HOST_IF, Host, Testbed, TestbedError, set_cpu_quota
 from rankscope.testbed.job import Rank
 
 __all__ = [
-    "Applied", "delay_link", "freeze_host", "freeze_rank", "kill_host", "kill_rank", "limit_bandwidth", "throttle_cpu",
+    "Applied", "cores_used", "delay_link", "freeze_host", "freeze_rank", "kill_host", "kill_rank", "limit_bandwidth", "slow_cpu",
+    "throttle_cpu",
 ]  # fmt: skip
+
+#: how long ``slow_cpu`` measures what a host uses before it cuts it
+MEASURE_S = 2.0
+#: the least CPU a slowed host keeps (cgroup v1 takes a quota of at least 1 ms a period)
+MIN_CORES = 0.02
 
 
 @dataclass
@@ -52,6 +61,42 @@ def throttle_cpu(bed: Testbed, host: Host, share: float) -> Applied:
     set_cpu_quota(host, share * bed.cores)
     return Applied(f"{host.name}: CPU cut to {share:.0%} ({share * bed.cores:.2g} cores)", time.time_ns(),
                    lambda: set_cpu_quota(host, bed.cores))  # fmt: skip
+
+
+def slow_cpu(bed: Testbed, host: Host, factor: float, over_s: float = MEASURE_S) -> Applied:
+    """Cut the host's CPU to 1/``factor`` of what its processes used over the next ``over_s`` seconds: a host
+    that many times slower. A cut of what it has (``throttle_cpu``) does not bind where its ranks got
+    less than that anyway, on cores shared with other hosts and jobs (campaign seeds 1243506248,
+    711678378 and 1991925407: hosts cut 1.6x, 1.5x and 2.6x, their jobs no slower)."""
+    if factor <= 1:
+        raise ValueError(f"a slowed host runs slower by a factor above 1, not {factor}")
+    used = cores_used(bed, host, over_s)
+    cores = max(used / factor, MIN_CORES)
+    set_cpu_quota(host, cores)
+    return Applied(f"{host.name}: CPU cut {factor:.3g}x, to {cores:.2g} of the {used:.2g} cores it used", time.time_ns(),
+                   lambda: set_cpu_quota(host, bed.cores))  # fmt: skip
+
+
+def cores_used(bed: Testbed, host: Host, over_s: float) -> float:
+    """The CPUs the host's processes used between them over the next ``over_s`` seconds (user and system time)."""
+    pids = bed.pids(host)
+    before, began = _cpu_s(pids), time.monotonic()
+    time.sleep(over_s)
+    after, elapsed = _cpu_s(pids), time.monotonic() - began
+    return sum(after[p] - before[p] for p in after if p in before) / elapsed
+
+
+def _cpu_s(pids: list[int]) -> dict[int, float]:
+    """pid -> the CPU seconds it has used, for the processes still there."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        out[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15 of proc(5))
+    return out
 
 
 def freeze_host(host: Host) -> Applied:
