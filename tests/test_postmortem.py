@@ -237,20 +237,25 @@ def test_a_rank_waiting_inside_a_collective_its_frozen_peer_entered_waits_on_tha
     assert found.evidence["waits_for"]["2"] == [3], found.evidence
 
 
-def test_a_rank_blocked_with_its_frozen_tensor_parallel_peer_out_of_sight_waits_on_it(migrated: Store) -> None:  # noqa: F811
+@pytest.mark.parametrize("thawed", [False, True], ids=["silent", "heard-again"])
+def test_a_rank_blocked_with_its_frozen_tensor_parallel_peer_out_of_sight_waits_on_it(migrated: Store, thawed: bool) -> None:  # noqa: F811
     """A 2 x 2 mesh (FSDP2 with DTensor): rank 0 frozen from 4 s; rank 1, its tensor-parallel peer, blocked in
     their tp all-reduce, a functional collective no wrapper sees (heard, quiet, in nothing by its own
     account); ranks 2 and 3 wait in their dp groups on ranks 0 and 1. Rank 1 waits on rank 0: the hang is
-    rank 0's alone (replayed, campaign seed 769188504 named rank 1 beside it, live and offline)."""
-    _job(migrated, "unseen", {"tp0": [0, 1], "tp1": [2, 3], "dp0": [0, 2], "dp1": [1, 3]})
+    rank 0's alone (replayed, campaign seed 769188504 named rank 1 beside it, live and offline). ``thawed``:
+    rank 0 is heard again at 20 s without moving, as when its job is torn down (seed 104460427: then the
+    postmortem named both)."""
+    run = f"unseen-{thawed}"
+    _job(migrated, run, {"tp0": [0, 1], "tp1": [2, 3], "dp0": [0, 2], "dp1": [1, 3]})
     waits_in = {2: ("dp0", 5, 6), 3: ("dp1", 5, 6)}
     _heartbeats(
-        migrated, "unseen", [(r, t) for t in range(21) for r in RANKS if r != 0 or t < 4], step=lambda t: 3 if t < 5 else 4,
-        progress=lambda r, t: min(t, 5), wait=lambda r, t: waits_in[r] if r in waits_in and t >= 6 else None,
+        migrated, run, [(r, t) for t in range(21) for r in RANKS if r != 0 or t < 4 or (thawed and t == 20)], step=lambda t: 3 if t < 5 else 4,
+        progress=lambda r, t: min(t, 5 if r else 3), wait=lambda r, t: waits_in[r] if r in waits_in and t >= 6 else None,
     )  # fmt: skip
-    _collectives(migrated, "unseen", [(r, f"dp{r % 2}", seq, T0 + seq * S // 2, T0 + seq * S // 2 + S // 4, 3) for r in RANKS for seq in range(1, 5)])
-    (found,) = hang.detect(RunContext.load("unseen", migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10)))
+    _collectives(migrated, run, [(r, f"dp{r % 2}", seq, T0 + seq * S // 2, T0 + seq * S // 2 + S // 4, 3) for r in RANKS for seq in range(1, 5)])
+    (found,) = hang.detect(RunContext.load(run, migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10)))
     assert (found.ranks, found.hosts) == ((0,), ("node-0",)), found.summary
+    assert ("heard again without moving" in found.summary) == thawed, found.summary
 
 
 @pytest.mark.parametrize("entered_s", [30, 3], ids=["entered-after", "stopped-inside"])

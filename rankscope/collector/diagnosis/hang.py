@@ -202,6 +202,11 @@ def detect(ctx: RunContext) -> list[Finding]:
         exits = {r["rank"]: r["time_ns"] for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
         if silent & set(exits) or died_at(min(int(st.time_ns[st.row[r]]) for r in silent), exits.values(), s):
             return []  # a root that ended or died is a crash or a lost host (the crash detector's)
+    # A root heard again without moving that went silent for longer than silent_after in the stall was
+    # stopped through it (a frozen rank thawed as its job is torn down): as silent as one not heard again
+    # (campaign seed 104460427: rank 0 frozen, its tp peer named beside it once it was heard again).
+    thawed = _gapped(ctx, sorted(r for r in roots if r in st.row and heard[st.row[r]]), advanced)
+    silent |= thawed
     roots = {r for r in roots if r in st.row and heard[st.row[r]] and not _beside_silent(ctx, r, silent)} | silent
     if not roots:
         return []
@@ -223,9 +228,11 @@ def detect(ctx: RunContext) -> list[Finding]:
         where = f"host {host} ({', '.join(f'rank {r} {at[r]}' for r in at)})"
         what = "is"
     state = "not in any collective the others wait in"
-    if silent:
-        quiet_s = (last_heartbeat - max(int(st.time_ns[st.row[r]]) for r in silent)) / 1e9
+    if silent - thawed:
+        quiet_s = (last_heartbeat - max(int(st.time_ns[st.row[r]]) for r in silent - thawed)) / 1e9
         state = f"silent for {quiet_s:.0f} s (frozen, stopped or cut off)"  # inside what the others wait in, or not
+    elif silent:
+        state = f"silent for over {s.silent_after_s:.0f} s in the stall (frozen or stopped), heard again without moving"
     summary = (
         f"hang: {where} {what} {state}; {len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on "
         f"{'it' if len(root_list) == 1 else 'them'} ({', '.join(blocked_in)}) since step {step}"
@@ -302,10 +309,17 @@ def _silent_in_stall(ctx: RunContext, st: _States, heard: np.ndarray, alive: np.
     out = np.zeros(len(st.rank), dtype=bool)
     if not candidates:
         return out
-    gap_ns = int(ctx.settings.silent_after_s * 1e9)
-    gaps = ctx.query(GAPS_SQL, {"run": ctx.run_id, "since": advanced - gap_ns, "gap": gap_ns, "ranks": candidates})["rank"].to_pylist()
-    out[[st.row[r] for r in gaps if r in st.row]] = True
+    out[[st.row[r] for r in _gapped(ctx, candidates, advanced) if r in st.row]] = True
     return out
+
+
+def _gapped(ctx: RunContext, ranks: list[int], advanced: int) -> set[int]:
+    """Of ``ranks``, those that went longer than ``silent_after_s`` between two of their own heartbeats since
+    the stall began (``advanced``; a gap that began up to silent_after before it counts)."""
+    if not ranks:
+        return set()
+    gap_ns = int(ctx.settings.silent_after_s * 1e9)
+    return set(ctx.query(GAPS_SQL, {"run": ctx.run_id, "since": advanced - gap_ns, "gap": gap_ns, "ranks": ranks})["rank"].to_pylist())
 
 
 def _resuming(ctx: RunContext, st: _States, advanced: int, now_ns: int) -> bool:
