@@ -229,7 +229,9 @@ def _testbed_scenario(trial: Trial, job: Job) -> testbed_scenarios.Scenario:
         return testbed_scenarios.Scenario(name, trial.describe(), None, rank=trial.rank, steps=10, program=program, hosts=hosts)
     size = trial.size
     apply: dict[str, testbed_scenarios.Apply] = {
-        "throttle": lambda bed, _, r: host_faults.slow_cpu(bed, r.host, size),  # of what it used: a cut of what it has may not bind
+        # a cut of what the host used (a cut of what it has may not bind), measured over the half second
+        # before: the job's steps take 0.1-0.5 s, and it has 16 after the fault's
+        "throttle": lambda bed, _, r: host_faults.slow_cpu(bed, r.host, size, over_s=0.5),
         "freeze_rank": lambda bed, _, r: host_faults.freeze_rank(r),
         "freeze_host": lambda bed, _, r: host_faults.freeze_host(r.host),
         "kill_rank": lambda bed, _, r: host_faults.kill_rank(r),
