@@ -126,7 +126,7 @@ def test_a_limited_link_carries_its_rate_until_the_limit_is_lifted(testbed: host
 def test_a_slowed_host_runs_at_its_share_of_what_it_used(testbed: hosts.Testbed, proc_runner) -> None:
     """``slow_cpu`` cuts what the host's processes used, not what the host has: a busy loop runs at half
     its speed after a 2x cut, whatever share of the host's quota it got before, and at full speed again
-    after ``undo``."""
+    after ``undo``. An idle host is refused: a cut of nothing would stop it."""
     host = testbed.host("node0")
     proc_runner.start(hosts.command_on(host, [sys.executable, "-c", "import sys; print('spinning', flush=True)\nwhile True: pass"]),
                       name="spin").wait_for("spinning", timeout=30)  # fmt: skip
@@ -139,6 +139,8 @@ def test_a_slowed_host_runs_at_its_share_of_what_it_used(testbed: hosts.Testbed,
     after = host_faults.cores_used(testbed, host, 1.0)
     print(f"{applied.what}; cores used: {before:.2f} before, {slowed:.2f} slowed, {after:.2f} after")
     assert before > 0.1 and 0.3 < slowed / before < 0.7 and after > 0.8 * before, (before, slowed, after)
+    with pytest.raises(hosts.TestbedError, match="node1 used 0 of its .* cores: it is idle"):  # nothing runs there
+        host_faults.slow_cpu(testbed, testbed.host("node1"), 2.0, over_s=0.2)
 
 
 @pytest.mark.slow

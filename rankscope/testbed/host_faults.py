@@ -35,6 +35,8 @@ __all__ = [
 MEASURE_S = 2.0
 #: the least CPU a slowed host keeps (cgroup v1 takes a quota of at least 1 ms a period)
 MIN_CORES = 0.02
+#: a host using less than this share of its cores is idle (its ranks wait on another host): nothing to slow
+IDLE_SHARE = 0.1
 
 
 @dataclass
@@ -71,6 +73,10 @@ def slow_cpu(bed: Testbed, host: Host, factor: float, over_s: float = MEASURE_S)
     if factor <= 1:
         raise ValueError(f"a slowed host runs slower by a factor above 1, not {factor}")
     used = cores_used(bed, host, over_s)
+    if used < IDLE_SHARE * bed.cores:  # its ranks waited through the window (on another host): look longer
+        used = cores_used(bed, host, max(over_s, MEASURE_S))
+    if used < IDLE_SHARE * bed.cores:
+        raise TestbedError(f"{host.name} used {used:.2g} of its {bed.cores:.2g} cores: it is idle, and a cut of what it uses would stop it")
     cores = max(used / factor, MIN_CORES)
     set_cpu_quota(host, cores)
     return Applied(f"{host.name}: CPU cut {factor:.3g}x, to {cores:.2g} of the {used:.2g} cores it used", time.time_ns(),
