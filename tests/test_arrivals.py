@@ -122,3 +122,16 @@ def test_a_host_last_at_every_step_is_named_though_the_others_spread_as_wide(sto
     assert sum(p["late_ms"] < 60 for p in found[0]["steps"]) > 2, found[0]["steps"]
     assert arrivals.late_ranks(write(store, "wide-spread-less", {"default_pg": ranks}, {0: (6, 80), 1: (6, 80)}, spread_ms=60),
                                3, 19, STEP_NS / 1e9) == {}  # fmt: skip
+
+
+def test_the_window_is_as_long_as_being_last_by_chance_is_unlikely(store: EmbeddedStore) -> None:
+    """One of two is last at all but one of 6 steps by chance once in nine windows; one of four once in
+    two hundred. A rank of a pair (FSDP2's 2 x 2 mesh) is judged over 12 steps, a host of four over 6
+    (campaign seed 2047607687: node0 of four throttled, last at the job's last 11 steps by 58-215 ms,
+    named by no pass; its rank 1 alone was named, by its compute)."""
+    assert [arrivals.steps_needed(Settings(), m) for m in (2, 3, 4, 8)] == [12, 8, 6, 6]
+    groups = {"a_tp[0]": [0, 1], "a_tp[1]": [2, 3], "b_dp[0]": [0, 2], "b_dp[1]": [1, 3]}
+    assert arrivals.late_ranks(write(store, "pair-late-8", groups, {2: (12, 40)}), 3, 19, STEP_NS / 1e9) == {}
+    ranks = list(range(8))
+    found = arrivals.late_ranks(write(store, "host-of-four-late-7", {"default_pg": ranks}, {0: (13, 40), 1: (13, 40)}), 3, 19, STEP_NS / 1e9)
+    assert sorted(found) == [0, 1] and found[0]["since_step"] == 13, found

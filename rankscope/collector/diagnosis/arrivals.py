@@ -11,7 +11,8 @@ collectives of the step, it is late when that reaches ``straggler_excess`` of th
 ``straggler_min_excess_s``) and the others' noise, the median spread of the others' arrivals (on
 shared cores, whoever the scheduler ran last arrives last by a few ms, with the others as spread);
 a straggler when late at all steps of the window but one (as the wall-time comparison of the
-segments), or last at every step of it, by the bar at all but one, with its median wait above the
+segments; the window as long as one of its group's members last that often by chance is unlikely:
+``steps_needed``), or last at every step of it, by the bar at all but one, with its median wait above the
 others' noise (a throttled host beside a CPU hog, last at every all-reduce, its waits often within
 the others' 60-70 ms spread), in every group it took part in: a rank that waited in one group for a slow member
 arrives late in its other groups, never in the one it waited in. Runs of several pipeline stages
@@ -38,6 +39,7 @@ from collections.abc import Callable
 
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.segment_window import episode
+from rankscope.common.settings import Settings
 
 #: the measure an arrival finding names (the segments' findings name theirs)
 SEGMENT = "arrival"
@@ -61,9 +63,9 @@ _WAITS = (
     ") GROUP BY who, group_name, step"
 )
 _BY_RANK = {"who": "rank", "type": "UInt32"}
-#: a host is late over this many straggler windows (all steps but one): on shared cores (2 cores, 4
-#: ranks) the scheduler ran a host's two ranks last together for 6 steps of a clean DDP job (43 ms a step)
-HOST_WINDOWS = 2
+#: how likely one of a group's members (ranks, or hosts) may be last at all but one of a window's steps
+#: by chance, at most: the window is as long as that takes (``window``)
+BY_CHANCE = 0.005
 _BY_HOST = {"who": "transform(rank, {ranks:Array(UInt32)}, {hosts:Array(String)}, '')", "type": "String"}
 
 
@@ -122,7 +124,10 @@ def _late(ctx: RunContext, by: dict[str, str], who_of: Callable[[int], object], 
     s = ctx.settings
     candidates_sql, steps_sql = _sql(by)
     bar_ns = int(max(s.straggler_min_excess_s, s.straggler_excess * step_s) * 1e9)
-    window = s.straggler_window * (HOST_WINDOWS if by is _BY_HOST else 1)
+    if by is _BY_HOST:
+        window = steps_needed(s, len(ctx.ranks_of_host))
+    else:
+        window = steps_needed(s, min((len(g) for g in ctx.groups.values() if len(g) > 1), default=len(ctx.host)))
     min_steps = window - 1
     newest = {**params, "run": ctx.run_id, "first_step": max(first_step, last_step - window + 1), "last_step": last_step}
     late = ctx.query(candidates_sql, {**newest, "bar_ns": bar_ns, "min_steps": min_steps, "window": window}).to_pylist()
@@ -163,6 +168,18 @@ def _late(ctx: RunContext, by: dict[str, str], who_of: Callable[[int], object], 
         if info is not None:
             found[who] = info
     return found
+
+
+def steps_needed(s: Settings, members: int) -> int:
+    """The steps a rank or host is judged over: ``straggler_window`` at least, and enough that one of
+    ``members`` last at all but one of them by chance, each as likely last (w (1/m)^(w-1) (1 - 1/m) +
+    (1/m)^w), is at most BY_CHANCE likely: 12 for two (a clean DDP job on 2 cores had a host's two ranks
+    last together for 6 steps; an FSDP2 rank of a 2 x 2 mesh, one of a pair, was last 6 steps running
+    beside a killed rank), 8 for three, 6 from four."""
+    m, w = max(members, 2), s.straggler_window
+    while w * (1 / m) ** (w - 1) * (1 - 1 / m) + (1 / m) ** w > BY_CHANCE:
+        w += 1
+    return w
 
 
 def _behind(ctx: RunContext, ranks: list[int], last_step: int) -> bool:
