@@ -16,6 +16,7 @@ cookbook (one source: ``rankscope.dashboard.cookbook``) and the README's length.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -427,6 +428,11 @@ def test_every_flag_in_prose_belongs_to_its_command() -> None:
             continue
         parser = trainer_parser() if command == "train" else subparsers[command]
         known = {s for a in parser._actions for s in a.option_strings}  # noqa: SLF001
+        for word in rest.split():  # a subcommand's flags too (`rankscope testbed fault slow-cpu --factor F`)
+            nested = [a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+            if nested and word in nested[0]:
+                parser = nested[0][word]
+                known |= {s for a in parser._actions for s in a.option_strings}  # noqa: SLF001
         problems += [f"rankscope {command} {flag}" for flag in re.findall(r"(--[a-z][a-z-]*)", rest) if flag not in known]
     assert not problems, f"the docs name flags the commands lack: {problems}"
 

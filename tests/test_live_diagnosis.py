@@ -109,6 +109,30 @@ def test_a_host_finding_continues_the_incident_of_its_first_straggler_rank() -> 
     assert new == [] and [(i.incident_id, i.finding.ranks) for i in stored] == [("straggler:host=node2", (5,))]
 
 
+def test_a_host_named_slow_stays_named_while_a_rank_of_it_is_still_slow(migrated: Store) -> None:  # noqa: F811
+    """node2 (ranks 4, 5) throttled: both slow, the host is named; then rank 4 dips under the bar and rank 5
+    alone is slow: still the host (the test bed's page: named live as the host for 40 s, then as rank 5
+    alone to the end, and `rankscope diagnose` printed rank 5). Once none of it is slow, the episode is
+    over: a rank of it slow later is named alone."""
+    from rankscope.collector.diagnosis import straggler
+    from rankscope.collector.diagnosis.context import RunContext
+
+    ranks = {4: "node2", 5: "node2", 6: "node3", 7: "node3"}
+    ctx = RunContext("held", lambda sql, params: migrated.query_arrow(sql, {"attempt": 0, **params}), Settings(), host=ranks,
+                     stage=dict.fromkeys(ranks, 1), ranks_of_host={"node2": [4, 5], "node3": [6, 7]})  # fmt: skip
+
+    def slow(*which: int) -> dict[int, dict]:
+        return {r: {"segment": "step compute", "segments": ["forward"], "measure": "wall time", "ratio": 3.0 + r / 10, "threshold": 2.0,
+                    "since_step": 12, "since_ns": 1, "last_ns": 2, "steps": [{"step": 20}]} for r in which}  # fmt: skip
+
+    named = [(f.key, f.ranks) for f in straggler._findings(ctx, slow(4, 5), {})]  # noqa: SLF001
+    assert named == [("straggler:host=node2", (4, 5))]
+    (held,) = straggler._findings(ctx, slow(5), {})  # noqa: SLF001
+    assert (held.key, held.ranks) == ("straggler:host=node2", (4, 5)) and held.summary.startswith("host node2: ranks 4, 5 were all slower than their stage peers, rank 5 still is;"), held.summary
+    ctx.seen.pop(straggler.HOSTS_NAMED)  # what a pass with no slow rank does (``detect``)
+    assert [(f.key, f.ranks) for f in straggler._findings(ctx, slow(5), {})] == [("straggler:rank=5", (5,))]  # noqa: SLF001
+
+
 def test_a_host_finding_merges_the_incidents_of_its_ranks_named_alone_in_turn() -> None:
     """Rank 5 named alone, then rank 4 alone (rank 5's slowness dipped), then their host: one fault,
     one incident listed; rank 4's stays stored as merged into it, and rank 4 named alone later goes on with it."""
