@@ -64,7 +64,7 @@ _WAITS = (
 )
 _BY_RANK = {"who": "rank", "type": "UInt32"}
 #: how likely one of a group's members (ranks, or hosts) may be last at all but one of a window's steps
-#: by chance, at most: the window is as long as that takes (``window``)
+#: by chance, at most: the window is as long as that takes (``steps_needed``)
 BY_CHANCE = 0.005
 _BY_HOST = {"who": "transform(rank, {ranks:Array(UInt32)}, {hosts:Array(String)}, '')", "type": "String"}
 
