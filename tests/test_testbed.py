@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,7 +128,7 @@ def test_a_limited_link_carries_its_rate_until_the_limit_is_lifted(testbed: host
 def test_a_slowed_host_runs_at_its_share_of_what_it_used(testbed: hosts.Testbed, proc_runner) -> None:
     """``slow_cpu`` cuts what the host's processes used, not what the host has: a busy loop runs at half
     its speed after a 2x cut, whatever share of the host's quota it got before, and at full speed again
-    after ``undo``. An idle host is refused: a cut of nothing would stop it."""
+    after ``undo``. An idle host is refused (a cut of nothing would stop it), or waited for."""
     host = testbed.host("node0")
     proc_runner.start(hosts.command_on(host, [sys.executable, "-c", "import sys; print('spinning', flush=True)\nwhile True: pass"]),
                       name="spin").wait_for("spinning", timeout=30)  # fmt: skip
@@ -141,6 +143,17 @@ def test_a_slowed_host_runs_at_its_share_of_what_it_used(testbed: hosts.Testbed,
     assert before > 0.1 and 0.3 < slowed / before < 0.7 and after > 0.8 * before, (before, slowed, after)
     with pytest.raises(hosts.TestbedError, match="node1 used 0 of its .* cores: it is idle"):  # nothing runs there
         host_faults.slow_cpu(testbed, testbed.host("node1"), 2.0, over_s=0.2)
+    # set before the host's job starts (``--wait``), the cut waits for it
+    said: list[str] = []
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(host_faults.slow_cpu, testbed, testbed.host("node1"), 2.0, over_s=0.2, wait_s=30, log=said.append)
+        deadline = time.monotonic() + 20
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc_runner.start(hosts.command_on(testbed.host("node1"), [sys.executable, "-c", "while True: pass"]), name="spin1")
+        waited = waiting.result(timeout=30)
+    waited.undo()
+    assert said == ["node1 is idle: waiting up to 30 s for its processes to use CPU"] and "node1: CPU cut 2x" in waited.what, (said, waited)
 
 
 @pytest.mark.slow

@@ -60,6 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     fault.add_argument("--share", type=float, default=0.25, help="throttle-cpu: the share of its CPU the host keeps (default: 0.25)")
     fault.add_argument("--factor", type=float, default=2.0,
                        help="slow-cpu: how many times less CPU the host gets than its processes used over the 2 s before (default: 2)")
+    fault.add_argument("--wait", dest="wait_s", type=float, default=0.0, metavar="SECONDS",
+                       help="slow-cpu: on an idle host, wait this long for its job to start using CPU (default: 0, an error)")
     fault.add_argument("--mbit", type=float, default=20.0, help="limit-bandwidth: Mbit/s each way (default: 20)")
     fault.add_argument("--delay-ms", type=float, default=20.0, help="delay-link: ms each way (default: 20)")
     fault.add_argument("--for", dest="for_s", type=float, default=None, metavar="SECONDS",
@@ -182,7 +184,7 @@ def _fault(bed: Testbed, args: argparse.Namespace) -> int:
         return 2
     applied = {
         "throttle-cpu": lambda: host_faults.throttle_cpu(bed, host, args.share),
-        "slow-cpu": lambda: host_faults.slow_cpu(bed, host, args.factor),
+        "slow-cpu": lambda: host_faults.slow_cpu(bed, host, args.factor, wait_s=args.wait_s),
         "freeze-rank": lambda: host_faults.freeze_rank(rank),
         "freeze-host": lambda: host_faults.freeze_host(host),
         "kill-rank": lambda: host_faults.kill_rank(rank),

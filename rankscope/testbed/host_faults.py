@@ -65,15 +65,22 @@ def throttle_cpu(bed: Testbed, host: Host, share: float) -> Applied:
                    lambda: set_cpu_quota(host, bed.cores))  # fmt: skip
 
 
-def slow_cpu(bed: Testbed, host: Host, factor: float, over_s: float = MEASURE_S) -> Applied:
+def slow_cpu(bed: Testbed, host: Host, factor: float, over_s: float = MEASURE_S, wait_s: float = 0.0,
+             log: Callable[[str], None] = print) -> Applied:  # fmt: skip
     """Cut the host's CPU to 1/``factor`` of what its processes used over the next ``over_s`` seconds: a host
     that many times slower. A cut of what it has (``throttle_cpu``) does not bind where its ranks got
     less than that anyway, on cores shared with other hosts and jobs (campaign seeds 1243506248,
-    711678378 and 1991925407: hosts cut 1.6x, 1.5x and 2.6x, their jobs no slower)."""
+    711678378 and 1991925407: hosts cut 1.6x, 1.5x and 2.6x, their jobs no slower). An idle host is
+    measured again for up to ``wait_s`` seconds (a fault set before its job starts), then an error."""
     if factor <= 1:
         raise ValueError(f"a slowed host runs slower by a factor above 1, not {factor}")
     used = cores_used(bed, host, over_s)
     if used < IDLE_SHARE * bed.cores:  # its ranks waited through the window (on another host): look longer
+        used = cores_used(bed, host, max(over_s, MEASURE_S))
+    deadline = time.monotonic() + wait_s
+    if used < IDLE_SHARE * bed.cores and wait_s > 0:
+        log(f"{host.name} is idle: waiting up to {wait_s:g} s for its processes to use CPU")
+    while used < IDLE_SHARE * bed.cores and time.monotonic() < deadline:
         used = cores_used(bed, host, max(over_s, MEASURE_S))
     if used < IDLE_SHARE * bed.cores:
         raise TestbedError(f"{host.name} used {used:.2g} of its {bed.cores:.2g} cores: it is idle, and a cut of what it uses would stop it")
