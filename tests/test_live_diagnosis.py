@@ -279,8 +279,7 @@ def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) ->
 def test_the_time_calls_wait_for_a_collector_behind_them_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
     """A loop that ticks on time but takes up each call 20 s after it was sent (a starved collector's
     backlog): heartbeats said 20 s ago arrive now, stale, so the ranks are heard 20 s ago: not lost while
-    every call waits that long, nor for ``REJOIN_S`` after the calls come in on time again (an agent whose
-    call outlived its deadline meanwhile is in its backoff), lost once that has passed and the ranks stay quiet."""
+    every call waits that long, lost once the calls come in on time again and the ranks stay quiet."""
     now = time.time_ns()
     beats = _two_ranks_stored_until(migrated, now - 20 * 10**9)
     heard = LastHeard(stale_ns=5 * 10**9, started_ns=now - 60 * 10**9)
@@ -292,16 +291,7 @@ def test_the_time_calls_wait_for_a_collector_behind_them_is_no_rank_s_silence(mi
     assert _lost(migrated, heard) == []
     heard.sent(now, now + 10**6)  # on time again: a new second ends the late one
     heard.sent(now + 10**9, now + 10**9 + 10**6)
-    assert heard.waited_s < 1 and heard.behind_ns() == 20 * 10**9 and _lost(migrated, heard) == []
-    assert heard.behind_ns(now + int((REJOIN_S + 3) * 1e9)) == 0
-    back_long_ago = LastHeard(stale_ns=5 * 10**9, started_ns=now - 120 * 10**9)  # the same, ended REJOIN_S and more ago
-    then = now - int((REJOIN_S + 5) * 1e9)
-    for late_by in (2, 1):
-        back_long_ago.sent(then - (late_by + 20) * 10**9, then - late_by * 10**9)
-    back_long_ago.sent(then, then + 10**6)
-    back_long_ago.sent(then + 10**9, then + 10**9 + 10**6)
-    back_long_ago.note(Decoded("heartbeats", {"heartbeats": beats}), now)
-    assert back_long_ago.behind_ns() == 0 and _lost(migrated, back_long_ago) == ["lost_host"]
+    assert heard.behind_ns() == 0 and _lost(migrated, heard) == ["lost_host"]
 
 
 def test_the_time_the_collector_keeps_calls_waiting_for_their_answer_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
@@ -323,7 +313,7 @@ def test_the_time_the_collector_keeps_calls_waiting_for_their_answer_is_no_rank_
     assert waiting.kept_waiting_ns() >= 20 * 10**9 and _lost(migrated, waiting) == []
     answered()
     assert waiting.kept_waiting_ns() >= 20 * 10**9 and _lost(migrated, waiting) == []  # answered just now, 20 s late
-    assert waiting.kept_waiting_ns(time.time_ns() + int((REJOIN_S + 2) * 1e9)) < 10**9  # past REJOIN_S, a slow answer is history
+    assert waiting.kept_waiting_ns(time.time_ns() + 6 * 10**9) < 10**9  # 5 s on, a slow answer is history
 
 
 def test_a_lane_closes_only_the_incidents_of_its_own_kinds() -> None:

@@ -52,11 +52,7 @@ class LastHeard:
     the collector; an old one replayed is stamped when sent again). While that exceeds ``stale_ns``
     every rank's heartbeats arrive stale and are heard when said, so ``of`` adds the wait to them:
     a rank is silent once it has been quiet for ``silent_after`` beyond how far behind the collector
-    is, and is still given the longest such wait for ``REJOIN_S`` after: the least wait of a second
-    hides the calls that waited longer, past the agents' deadline, and an agent whose call outlived
-    it spools and probes again, back within its deadline and its longest backoff (campaign trials at
-    load 12-20: calls 19-21 s behind, "on time again" at 4-6 s, and every host named lost while the
-    agents probed). A second without a batch keeps the last measure (the ranks all gone say nothing about it).
+    is. A second without a batch keeps the last measure (the ranks all gone say nothing about it).
 
     Nor the time a restarted collector waits for a run's agents to come back: a rank of a run known
     before the start is silent no earlier than ``silent_after`` after the run's first fresh call
@@ -70,7 +66,7 @@ class LastHeard:
     answered (a slow store, a flush behind a flood of replayed spools) cannot send its heartbeats,
     and one whose call outlives its deadline spools them and probes again. ``answering(received_ns)``
     counts each call until it is answered; ``of`` adds the longest a call has waited so far, or the
-    longest answer of the last ``REJOIN_S`` (the agent that gave up on it comes back within that). Seen: calls taken up 13 s late but answered past the
+    longest answer of the last ``stale_ns``. Seen: calls taken up 13 s late but answered past the
     agents' 30 s deadline, and eight ranks beating all along named lost.
 
     A rank whose last word (its end) has arrived is never silent: the store may hold its end only
@@ -88,7 +84,6 @@ class LastHeard:
         self._started_ns = time.time_ns() if started_ns is None else started_ns  # when the collector began to listen
         self._behind_ns = 0  # how long the calls of the last second with any waited for the loop (their least)
         self._second: tuple[int, int] = (0, 0)  # (the second in progress, its least wait so far)
-        self._late: dict[int, int] = {}  # second -> its least wait, for the seconds of the last REJOIN_S that waited beyond stale_ns
         self._back: dict[str, int] = {}  # run -> when its first fresh call since the start arrived
         self._open: dict[int, int] = {}  # calls not answered yet -> when they arrived
         self._answers: dict[int, int] = {}  # second -> the longest answer of the calls answered then
@@ -112,7 +107,7 @@ class LastHeard:
             self._back.setdefault(run_id, received_ns)
         if received_ns // 10**9 != second:
             if second:
-                self._took_up(second, least)
+                self._took_up(least)
             self._second = (received_ns // 10**9, waited)
         elif waited < least:
             self._second = (second, waited)
@@ -127,30 +122,26 @@ class LastHeard:
             took = now - self._open.pop(call, now)
             second = now // 10**9
             self._answers[second] = max(took, self._answers.get(second, 0))
-            for old in [s for s in self._answers if s < second - REJOIN_S]:
+            for old in [s for s in self._answers if s < second - self.stale_ns // 10**9]:
                 del self._answers[old]
 
         return answered
 
     def kept_waiting_ns(self, now_ns: int | None = None) -> int:
         """How long the collector keeps calls waiting: its oldest open call's wait, or the longest answer
-        of the last ``REJOIN_S`` (wall clock ``now_ns``), whichever is longer."""
+        of the last ``stale_ns`` (wall clock ``now_ns``), whichever is longer."""
         now_ns = time.time_ns() if now_ns is None else now_ns
         oldest = min(list(self._open.values()), default=now_ns)
-        recent = [took for second, took in list(self._answers.items()) if second >= now_ns // 10**9 - REJOIN_S]
+        recent = [took for second, took in list(self._answers.items()) if second >= (now_ns - self.stale_ns) // 10**9]
         return max(now_ns - oldest, max(recent, default=0))
 
-    def _took_up(self, second: int, waited_ns: int) -> None:
+    def _took_up(self, waited_ns: int) -> None:
         """A second's least wait becomes the measure; crossing ``stale_ns`` either way is said once."""
-        was, self._behind_ns = self._behind_ns > self.stale_ns, waited_ns
-        if waited_ns > self.stale_ns:
-            self._late[second] = waited_ns
-        for old in [s for s in self._late if s < second - REJOIN_S]:
-            del self._late[old]
-        if not was and waited_ns > self.stale_ns:
+        was, self._behind_ns = self.behind_ns(), waited_ns
+        if not was and self.behind_ns():
             log.warning("rankscope collector: calls wait %.1f s for this collector (short of CPU?): a rank is judged silent "
                         "that much later while it lasts", waited_ns / 1e9)  # fmt: skip
-        elif was and waited_ns <= self.stale_ns:
+        elif was and not self.behind_ns():
             log.warning("rankscope collector: calls are taken up on time again (%.1f s)", waited_ns / 1e9)
 
     @property
@@ -158,11 +149,9 @@ class LastHeard:
         """The last measure of how long calls wait for this collector (the metric)."""
         return self._behind_ns / 1e9
 
-    def behind_ns(self, now_ns: int | None = None) -> int:
-        """How long calls waited for this collector, the longest of the seconds of the last ``REJOIN_S``
-        (wall clock ``now_ns``) that waited beyond ``stale_ns`` (0: none did)."""
-        since = (time.time_ns() if now_ns is None else now_ns) // 10**9 - REJOIN_S
-        return max([waited for second, waited in list(self._late.items()) if second >= since], default=0)
+    def behind_ns(self) -> int:
+        """How long calls wait for this collector now, counted when beyond ``stale_ns`` (0 otherwise)."""
+        return self._behind_ns if self._behind_ns > self.stale_ns else 0
 
     def _stalled(self, now_ns: int) -> int:
         if self._ticked_ns is None:
