@@ -159,17 +159,13 @@ class LastHeard:
         late = now_ns - self._ticked_ns - self._tick_ns
         return late if late > self._tick_ns else 0
 
-    def note(self, decoded: Decoded, received_ns: int, answered_ns: int | None = None, sender: tuple[int, int] | None = None) -> None:
+    def note(self, decoded: Decoded, received_ns: int, answered_ns: int | None = None) -> None:
         """Every rank with a heartbeat or a registration in ``decoded`` is heard, each by its own newest
         (a rank registers seconds before its first heartbeat: a pass between the two must not judge it
         from the collector's start); every rank with an end in it has said its last word.
 
         ``answered_ns``: noted again once the batch is answered, a writer that kept the sender waiting
         (its store slow, its flush far) kept it from talking: heard until the answer, not the arrival.
-        ``sender``: (rank, when its agent sent this batch, collector clock) for a rank's own batch: it
-        spoke then, whatever its rows say. An agent whose calls outlived their deadline probes with its
-        registration, stamped when it first registered (campaign seeds 1830265141 and 2057148049: a
-        collector starved of CPU named every host lost while their agents probed).
         """
         ends = decoded.parts.get("exits")
         if ends is not None and ends.num_rows:
@@ -179,10 +175,7 @@ class LastHeard:
         for table, said_at in (("heartbeats", "time"), ("ranks", "registered")):
             rows = decoded.parts.get(table)
             if rows is not None and rows.num_rows:
-                said_ns = rows[said_at].cast(pa.int64()).to_numpy()
-                if sender is not None:
-                    said_ns = np.where(rows["rank"].to_numpy() == sender[0], np.maximum(said_ns, sender[1]), said_ns)
-                self._hear(rows, said_ns, received_ns, answered_ns or received_ns)
+                self._hear(rows, rows[said_at].cast(pa.int64()).to_numpy(), received_ns, answered_ns or received_ns)
 
     def _hear(self, rows: pa.Table, said_ns: np.ndarray, received_ns: int, answered_ns: int) -> None:
         """Each row's rank heard at ``answered_ns``, or when it spoke (``said_ns``) if that was older than

@@ -299,16 +299,15 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         for table, rows in decoded.parts.items():
             c.telemetry.rows_received.labels(table).inc(rows.num_rows)
         key = BatchKey(batch.run_id, batch.rank, batch.batch_id, decoded.kind)
-        sent_ns = batch.sent_ns + batch.clock_offset_ns if batch.sent_ns else 0
-        sender = (batch.rank, sent_ns) if sent_ns and not batch.parts else None  # a relay's stamp says the relay lives
-        c.heard.note(decoded, received_ns, sender=sender)
+        c.heard.note(decoded, received_ns)
         try:
             arrived()  # no await before the writer takes the rows
             written = await c.writer.write(decoded.parts, key, held)
         except StoreError as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"batch not stored, send it again: {e}") from None
         c.runs.stored(batch.run_id, decoded.parts)
-        c.heard.note(decoded, received_ns, answered_ns=time.time_ns(), sender=sender)
+        c.heard.note(decoded, received_ns, answered_ns=time.time_ns())
+        sent_ns = batch.sent_ns + batch.clock_offset_ns if batch.sent_ns else 0
         c.telemetry.delivered(decoded.kind, sent_ns, received_ns, time.time_ns())
         return written, decoded.ranks
 
