@@ -74,15 +74,16 @@ def slow_cpu(bed: Testbed, host: Host, factor: float, over_s: float = MEASURE_S,
     measured again for up to ``wait_s`` seconds (a fault set before its job starts), then an error."""
     if factor <= 1:
         raise ValueError(f"a slowed host runs slower by a factor above 1, not {factor}")
+    idle = IDLE_SHARE * bed.cores
     used = cores_used(bed, host, over_s)
-    if used < IDLE_SHARE * bed.cores:  # its ranks waited through the window (on another host): look longer
+    if used < idle:  # its ranks waited through the window (on another host), or its job has not started: look longer
+        if wait_s > 0:
+            log(f"{host.name} is idle: waiting up to {wait_s:g} s for its processes to use CPU")
+        deadline = time.monotonic() + wait_s
         used = cores_used(bed, host, max(over_s, MEASURE_S))
-    deadline = time.monotonic() + wait_s
-    if used < IDLE_SHARE * bed.cores and wait_s > 0:
-        log(f"{host.name} is idle: waiting up to {wait_s:g} s for its processes to use CPU")
-    while used < IDLE_SHARE * bed.cores and time.monotonic() < deadline:
-        used = cores_used(bed, host, max(over_s, MEASURE_S))
-    if used < IDLE_SHARE * bed.cores:
+        while used < idle and time.monotonic() < deadline:
+            used = cores_used(bed, host, max(over_s, MEASURE_S))
+    if used < idle:
         raise TestbedError(f"{host.name} used {used:.2g} of its {bed.cores:.2g} cores: it is idle, and a cut of what it uses would stop it")
     cores = max(used / factor, MIN_CORES)
     set_cpu_quota(host, cores)
