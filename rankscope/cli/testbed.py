@@ -10,6 +10,7 @@ waits for it; ``fault`` throttles, freezes, kills or slows a host or a rank of t
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -62,6 +63,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="slow-cpu: how many times less CPU the host gets than its processes used over the 2 s before (default: 2)")
     fault.add_argument("--wait", dest="wait_s", type=float, default=0.0, metavar="SECONDS",
                        help="slow-cpu: on an idle host, wait this long for its job to start using CPU (default: 0, an error)")
+    fault.add_argument("--at-step", type=count(1), metavar="N",
+                       help="apply the fault once the job reaches step N, as --collector heard it (the run heard from last since this "
+                            "command started): a drill's fault lands at a step, not after a sleep a slow start outruns")
+    fault.add_argument("--collector", metavar="ADDRESS", help="--at-step: the collector the job reports to (unix:PATH or HOST:PORT)")
     fault.add_argument("--mbit", type=float, default=20.0, help="limit-bandwidth: Mbit/s each way (default: 20)")
     fault.add_argument("--delay-ms", type=float, default=20.0, help="delay-link: ms each way (default: 20)")
     fault.add_argument("--for", dest="for_s", type=float, default=None, metavar="SECONDS",
@@ -171,6 +176,11 @@ def _fault(bed: Testbed, args: argparse.Namespace) -> int:
     from rankscope.testbed import host_faults
     from rankscope.testbed.job import find_ranks
 
+    started_ns = time.time_ns()
+    if args.at_step is not None and not args.collector:
+        print("rankscope testbed fault: --at-step needs --collector, the address the job reports to", file=sys.stderr)
+        return 2
+
     host = bed.host(int(args.host) if args.host.isdigit() else args.host) if args.host else None
     rank = None
     if args.kind.endswith("-rank"):
@@ -181,6 +191,8 @@ def _fault(bed: Testbed, args: argparse.Namespace) -> int:
         rank = ranks[args.rank]
     elif host is None:
         print(f"rankscope testbed fault: {args.kind} needs --host", file=sys.stderr)
+        return 2
+    if args.at_step is not None and not _reached(args.at_step, args.collector, started_ns):
         return 2
     applied = {
         "throttle-cpu": lambda: host_faults.throttle_cpu(bed, host, args.share),
@@ -204,6 +216,22 @@ def _fault(bed: Testbed, args: argparse.Namespace) -> int:
         applied.undo()
         print(f"lifted: {applied.what}")
     return 0
+
+
+def _reached(step: int, address: str, since_ns: int) -> bool:
+    """Wait for a run heard since ``since_ns`` to reach ``step``; False (said why) if the collector cannot be read."""
+    from rankscope.collector.client import QueryFailed, open_reader
+    from rankscope.collector.progress import wait_for_step
+
+    print(f"waiting for the job to reach step {step} (as {address} hears it)", flush=True)
+    try:
+        with open_reader(collector=address, token=os.environ.get("RANKSCOPE_TOKEN") or None) as reader:
+            run_id = wait_for_step(reader, step, since_ns=since_ns, poll_s=0.5)
+    except QueryFailed as e:
+        print(f"rankscope testbed fault: cannot read {address}: {e}", file=sys.stderr)
+        return False
+    print(f"{run_id} reached step {step}", flush=True)
+    return True
 
 
 def _interrupt(signum: int, frame: object) -> None:

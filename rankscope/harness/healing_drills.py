@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.collector.client import Client
+from rankscope.collector.progress import wait_for_step
 from rankscope.testbed import healing_job
 from rankscope.healing.policy import Policy
 from rankscope.testbed import hosts
 from rankscope.testbed import host_faults
 from rankscope.testbed.job import trainer
-from rankscope.harness.testbed_scenarios import STEP_SQL, staged
+from rankscope.harness.testbed_scenarios import staged
 
 HOSTS, RANKS_PER_HOST = 3, 2
 STEPS, CKPT_EVERY = 16, 2
@@ -149,14 +150,10 @@ def fault_at_step(
         if drill.apply is None:
             return
         with Client(address) as client:
-            while not until():
-                rows = client.query(STEP_SQL, {"run": outcome.run_id}).to_pylist()
-                if rows and (rows[0]["step"] or 0) >= drill.fault_step:
-                    applied.append(drill.apply(bed, bed.host(outcome.target)))
-                    outcome.fault_ns = applied[-1].at_ns
-                    log(f"{drill.name}: {applied[-1].what}")
-                    return
-                time.sleep(0.25)
+            if wait_for_step(client, drill.fault_step, run_id=outcome.run_id, stop=until) is not None:
+                applied.append(drill.apply(bed, bed.host(outcome.target)))
+                outcome.fault_ns = applied[-1].at_ns
+                log(f"{drill.name}: {applied[-1].what}")
 
     thread = threading.Thread(target=apply, daemon=True, name="fault")
     thread.start()

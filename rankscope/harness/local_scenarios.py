@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rankscope.collector.progress import STEP_SQL
 from rankscope.common.incidents import INCIDENTS_SQL
 from rankscope.harness.fault_effect import SLOWDOWNS, slowdown
 from rankscope.harness.orchestration import (
@@ -81,7 +82,6 @@ SCENARIOS: dict[str, Scenario] = {
     )
 }
 
-STEP_SQL = "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String}"
 FAULT_START_SQL = (
     "SELECT toUnixTimestamp64Nano(min(first_start)) AS ns FROM step_segments WHERE run_id = {run:String} AND step = {step:UInt32}"
 )

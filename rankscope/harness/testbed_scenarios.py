@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.common.agent_env import agent_environment
+from rankscope.collector.client import Reader
+from rankscope.collector.progress import wait_for_step
 from rankscope.common.incidents import INCIDENTS_SQL
 from rankscope.harness.fault_effect import SLOWDOWNS, slowdown
 from rankscope.harness.local_scenarios import SMALL_MODEL, verdict
@@ -119,9 +121,6 @@ SCENARIOS: dict[str, Scenario] = {
                  lambda bed, job, r: host_faults.kill_host(bed, r.host), names="host", program="ddp"),  # fmt: skip
     )
 }
-
-STEP_SQL = "SELECT max(step) AS step FROM heartbeats WHERE run_id = {run:String}"
-
 
 @dataclass
 class Score:
@@ -226,16 +225,13 @@ def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, l
     return score
 
 
-def _wait_for_step(client: object, run_id: str, step: int, job: Job, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        rows = client.query(STEP_SQL, {"run": run_id}).to_pylist()  # type: ignore[attr-defined]
-        if rows and (rows[0]["step"] or 0) >= step:
-            return
-        if job.finished():
-            raise RuntimeError(f"the job ended before step {step}\n{job.output()}")
-        time.sleep(0.25)
-    raise TimeoutError(f"the job did not reach step {step} in {timeout_s:.0f} s\n{job.output()}")
+def _wait_for_step(client: Reader, run_id: str, step: int, job: Job, timeout_s: float = 240) -> None:
+    try:
+        reached = wait_for_step(client, step, run_id=run_id, stop=job.finished, timeout_s=timeout_s)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{job.output()}") from None
+    if reached is None:
+        raise RuntimeError(f"the job ended before step {step}\n{job.output()}")
 
 
 def _watch(score: Score, client: object, job: Job, fault_ns: int, metrics: str, log: Callable[[str], None]) -> None:
