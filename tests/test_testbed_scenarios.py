@@ -32,6 +32,10 @@ RUN_ELSEWHERE = {
     "testbed-kill-host": "testbed-ddp-kill-host kills a host of a job and expects lost_host; docs/healing.md's drills kill one of the trainer's",
     "testbed-clean": "testbed-ddp-clean is a clean run on the test bed; the local clean scenario one of the trainer (test_diagnosis_scenarios.py)",
     "testbed-slow-link": "testbed-delay-link is a slow link on the test bed; tbf itself is tests/test_testbed.py's limited link",
+    "testbed-ddp-clean": "every other scenario asserts that nothing but its fault is named; clean runs: the local clean scenario "
+                         "(test_diagnosis_scenarios.py) and a clean DDP job (test_diagnosis_plain.py)",
+    "testbed-freeze-rank": "testbed-ddp-freeze-rank stops a rank from outside with SIGSTOP; the trainer's hangs are the local hang "
+                           "scenarios' (test_diagnosis_scenarios.py)",
 }
 
 #: scenarios whose `rankscope diagnose` afterwards need not name what the live diagnosis raised, and why;
