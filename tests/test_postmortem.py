@@ -194,6 +194,22 @@ def test_steps_that_all_outlast_hang_after_are_slow_not_hung(migrated: Store) ->
     assert [(i.finding.ranks, i.finding.first_seen_ns) for i in hangs] == [((2,), T0 + 40 * S)], hangs
 
 
+def test_a_rank_slow_to_start_is_hung_only_after_three_times_hang_after(migrated: Store) -> None:  # noqa: F811
+    """Rank 2 heard from 0 s but quiet at step 0 (still importing, loading), the others waiting on it in
+    default_pg #1 from 1 s: with hang_after at 6 s, start-up gets 18 s (a rank on a loaded host took
+    over 10 s to its first step and was named hung at step 0: CI, session 34); stalled past that, it is hung."""
+    _job(migrated, "start-up", {"default_pg": RANKS})
+    _heartbeats(
+        migrated, "start-up", [(r, t) for t in range(31) for r in RANKS], step=lambda t: 0, progress=lambda r, t: 0 if r == 2 else 1,
+        wait=lambda r, t: ("default_pg", 1, 1) if r != 2 and t >= 1 else None,
+    )  # fmt: skip
+    _collectives(migrated, "start-up", [(r, "default_pg", 1, T0 + S, 0, 0) for r in (0, 1, 3)])
+    ctx = RunContext.load("start-up", migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10))
+    assert [hang.detect(replace(ctx, until_ns=T0 + t * S)) for t in (8, 12, 17)] == [[]] * 3
+    (hung,) = hang.detect(replace(ctx, until_ns=T0 + 25 * S))
+    assert hung.ranks == (2,) and "since step 0" in hung.summary, hung.summary
+
+
 def test_a_frozen_host_heard_again_a_rank_at_a_time_is_still_the_host(migrated: Store) -> None:  # noqa: F811
     """node-1 (ranks 2, 3) frozen from 4 s inside default_pg #9, which both had entered (their rows
     pending), node-0's ranks waiting in it. Thawed at 20 s, rank 3 is heard once, still where it froze
