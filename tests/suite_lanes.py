@@ -1,15 +1,14 @@
 """Two lanes on two cores: the timing tests run one at a time at full weight, the rest in their shadow
 (a pytest plugin; tests/conftest.py loads it).
 
-`make test` runs pytest with three xdist workers (``-n 3 --dist loadgroup``). Each test runs in one
+`make test` runs pytest with two xdist workers (``-n 2 --dist loadgroup``). Each test runs in one
 of two lanes:
 
 - the foreground lane: the tests marked ``foreground``, whose checks depend on how fast ranks and
   hosts run next to each other (stragglers, throttled hosts, slow links, the self-check's verdicts,
   the docs pages that show them and take the default ports). They form one xdist group, handed out
   first: one worker runs them one after another, never two at once;
-- the background lane: every other test, taken by whichever worker is free (two at once: most of
-  them wait on processes, thresholds and deadlines more than they compute), the groups with slow
+- the background lane: every other test, taken by whichever worker is free, the groups with slow
   tests first; a module whose tests share a module- or session-scoped fixture is one group (its
   fixture is made once per lane that uses it: tests that share an expensive one are marked alike).
 
