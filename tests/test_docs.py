@@ -190,7 +190,7 @@ COMMANDS: dict[str, Run | NotHere] = {
     'rankscope sql --collector unix:/tmp/rankscope.sock "SELECT action, hosts, reason FROM actions WHERE run_id LIKE \'slurm-%\' ORDER BY time"':
         Run(expect=r"(?s)launched.*evict.*node1.*lost_host.*spare.*node3.*resumed.*finished"),
     "rankscope testbed down rsslheal": Run(expect="is down"),
-    "rankscope scenario run testbed-freeze-rank": NotHere("tests/test_testbed_scenarios.py runs every test-bed scenario"),
+    "rankscope scenario run testbed-freeze-rank": NotHere("tests/test_testbed_scenarios.py runs the test-bed scenarios (its RUN_ELSEWHERE says why this one is not)"),
     # docs/trainer.md
     "rankscope train --nproc 8 --tp 2 --pp 2 --dp 2 --layers 4 --hidden 64 --heads 4 --seq 64 --vocab 256 --micro-batch 2 --global-batch 16 --steps 20":
         Run("2 steps instead of 20", shorten=((r"--steps 20$", "--steps 2"),), expect=r"step\s+2/2"),

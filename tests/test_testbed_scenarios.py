@@ -30,10 +30,10 @@ RUN_ELSEWHERE = {
     "testbed-throttle-host": "docs/testbed.md's page throttles node2's CPU and `rankscope diagnose` names its two ranks (tests/test_docs.py)",
     "testbed-freeze-host": "the healing drill freeze-host freezes node1 and evicts it on the hang naming it (tests/test_healing.py)",
     "testbed-kill-host": "testbed-ddp-kill-host kills a host of a job and expects lost_host; docs/healing.md's drills kill one of the trainer's",
-    "testbed-clean": "testbed-ddp-clean is a clean run on the test bed; the local clean scenario one of the trainer (test_diagnosis_scenarios.py)",
+    "testbed-clean": "every other scenario asserts that nothing but its fault is named; clean runs: the local clean scenario "
+                     "(test_diagnosis_scenarios.py) and a clean DDP job (test_diagnosis_plain.py)",
     "testbed-slow-link": "testbed-delay-link is a slow link on the test bed; tbf itself is tests/test_testbed.py's limited link",
-    "testbed-ddp-clean": "every other scenario asserts that nothing but its fault is named; clean runs: the local clean scenario "
-                         "(test_diagnosis_scenarios.py) and a clean DDP job (test_diagnosis_plain.py)",
+    "testbed-ddp-clean": "as testbed-clean, with a plain DDP script",
     "testbed-freeze-rank": "testbed-ddp-freeze-rank stops a rank from outside with SIGSTOP; the trainer's hangs are the local hang "
                            "scenarios' (test_diagnosis_scenarios.py)",
 }
