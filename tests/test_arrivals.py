@@ -135,3 +135,41 @@ def test_the_window_is_as_long_as_being_last_by_chance_is_unlikely(store: Embedd
     ranks = list(range(8))
     found = arrivals.late_ranks(write(store, "host-of-four-late-7", {"default_pg": ranks}, {0: (13, 40), 1: (13, 40)}), 3, 19, STEP_NS / 1e9)
     assert sorted(found) == [0, 1] and found[0]["since_step"] == 13, found
+
+
+def compute(store: EmbeddedStore, run: str, cpu_ms: dict[int, float], wall_ms: float = 80) -> None:
+    """Each rank's optimizer segment of each step: ``wall_ms`` long, ``cpu_ms[rank]`` of it on the CPU
+    (within a couple of percent, as on a quiet machine), and the steps ``STEP_NS`` apart."""
+    cols: dict[str, list] = {"rank": [], "step": [], "start_time": [], "end_time": [], "cpu_ns": []}
+    for step in STEPS:
+        for rank, ms in cpu_ms.items():
+            start = T0 + step * STEP_NS
+            for key, value in (("rank", rank), ("step", step), ("start_time", start), ("end_time", start + int(wall_ms * MS)),
+                               ("cpu_ns", int(ms * (1 + 0.02 * ((rank + step) % 3)) * MS))):  # fmt: skip
+                cols[key].append(value)
+    store.insert_arrow("spans", rows("spans", len(cols["rank"]), run_id=run, name="optimizer", kind="optimizer", **cols))
+    store.insert_arrow("step_metrics", rows("step_metrics", len(STEPS), run_id=run, rank=0, step=list(STEPS), name="step_time_s",
+                                            value=STEP_NS / 1e9, time=T0))  # fmt: skip
+
+
+def test_a_rank_slower_in_cpu_time_is_a_straggler_only_if_its_groups_wait_for_it(store: EmbeddedStore) -> None:
+    """Rank 0 spends 50% more CPU time a step than its peers from step 1 (a clean DDP job under the suite:
+    ranks 0 and 2 at 65 ms against 44, their vCPU stolen), its wall time the others'. Arriving at the
+    all-reduces in turn with them, a few ms apart, it is nobody's straggler; 25 ms late at each from
+    step 1, as long as it is slower, its groups wait for it: named, with what they waited."""
+    from rankscope.collector.diagnosis import straggler
+
+    ranks = [0, 1, 2, 3]
+    for run, late in (("cpu-only", {}), ("cpu-and-late", {0: (1, 25)})):
+        ctx = write(store, run, {"default_pg": ranks}, late)
+        compute(store, run, {0: 66, 1: 44, 2: 44, 3: 44})
+        waited = arrivals.held_back(ctx, [0], 1, 19)
+        assert sorted(waited[0]) == list(range(1, 20))
+        found = straggler.detect(ctx)
+        if not late:
+            assert sum(waited[0].values()) / 19 < 3 * MS, waited
+            assert found == [], [f.summary for f in found]
+        else:
+            assert all(21 * MS <= w <= 29 * MS for w in waited[0].values()), waited
+            assert [(f.ranks, f.evidence["measure"]) for f in found] == [((0,), "CPU time")], [f.summary for f in found]
+            assert 21 <= found[0].evidence["groups_waited_for_it_ms_per_step"] <= 29

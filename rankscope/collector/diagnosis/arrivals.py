@@ -99,6 +99,10 @@ REACHED_SQL = (
 BEHIND_S = 10.0
 #: for people (an incident's SQL): who arrived last at each group's collectives of each step, how long the others waited for it
 EVIDENCE_SQL = _WAITS.format(who="rank", where="") + " ORDER BY group_name, step"
+#: who arrived last at the collectives of the groups of ``ranks`` over the steps (``held_back``)
+_HELD_SQL = _WAITS.format(who="rank", where=(
+    " AND group_name IN (SELECT DISTINCT group_name FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
+    " AND peer = -1 AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} AND rank IN {ranks:Array(UInt32)})"))
 
 
 def late_ranks(ctx: RunContext, first_step: int, last_step: int, step_s: float) -> dict[int, dict]:
@@ -168,6 +172,27 @@ def _late(ctx: RunContext, by: dict[str, str], who_of: Callable[[int], object], 
         if info is not None:
             found[who] = info
     return found
+
+
+def held_back(ctx: RunContext, ranks: list[int], first_step: int, last_step: int) -> dict[int, dict[int, int]]:
+    """rank -> step -> how long (ns) its groups waited for it alone at their collectives of the step
+    (0 where it was never last), for each of ``ranks`` that takes part in groups of two or more, over the
+    steps their collectives are stored for: a rank that the others never wait for costs them nothing,
+    whatever its spans say."""
+    params = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step, "ranks": ranks}
+    mine: dict[int, set[str]] = {}
+    for r in ctx.query(GROUPS_SQL, params).to_pylist():
+        if len(ctx.groups.get(r["group_name"], ())) > 1:
+            mine.setdefault(r["rank"], set()).add(r["group_name"])
+    if not mine:
+        return {}
+    waited: dict[int, dict[int, int]] = {rank: {} for rank in mine}
+    for r in ctx.query(_HELD_SQL, params).to_pylist():
+        for rank, groups in mine.items():
+            if r["group_name"] in groups:  # the step's rows are in: it counts, as 0 if another member was last
+                at = waited[rank]
+                at[r["step"]] = at.get(r["step"], 0) + (int(r["late_ns"]) if r["who"] == rank else 0)
+    return waited
 
 
 def steps_needed(s: Settings, members: int) -> int:
