@@ -13,6 +13,7 @@ collective is present on every member of the group with the same op, and every p
 from __future__ import annotations
 
 import collections
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Proc, ProcRunner, Running, free_port, start_collector
+from conftest import CLI, Proc, ProcRunner, Running, free_port, start_collector
 from rankscope.collector.client import Client
 from rankscope.collector.diagnosis.crash import TIMEOUT_WORDS
 
@@ -59,8 +60,12 @@ def run_of(client: Client, script: str) -> str:
     return found[0]["run_id"]
 
 
-def exits(client: Client, run: str, world: int, timeout_s: float = 30.0) -> dict[int, dict[str, Any]]:
-    """Every rank's EndOfRank, once all of them are stored (the collector writes in batches)."""
+def exits(client: Client, run: str, world: int, spool: Path, timeout_s: float = 30.0) -> dict[int, dict[str, Any]]:
+    """Every rank's EndOfRank, once all of them are stored (the collector writes in batches). A rank whose
+    collector was too busy to take its last rows before it exited spooled them in ``spool`` (CI of 20bd185:
+    2 of 4 exits stored): replayed with the command a user would run."""
+    if spool.is_dir() and any(spool.rglob("*.seg")):
+        subprocess.run([*CLI, "spool", "replay", str(spool), "--collector", client.target], check=True, capture_output=True, timeout=120)
     deadline = time.monotonic() + timeout_s
     while True:
         rows = query(client, "SELECT rank, reason, exit_code, signal, message FROM exits WHERE run_id = {run:String}", run)
@@ -118,7 +123,7 @@ def test_a_plain_ddp_script_with_only_the_switch_on(
     proc = torchrun([str(SCRIPTS / "ddp_plain.py"), "--steps", "4"], 4, env=agent_env(collector, tmp_path))
     assert proc.wait(180) == 0, proc.output()
     run = run_of(client, 'ddp_plain.py", "--steps", "4"]')  # the argv as registered: not the --by-hand run
-    assert {r: e["reason"] for r, e in exits(client, run, 4).items()} == {r: "normal" for r in range(4)}
+    assert {r: e["reason"] for r, e in exits(client, run, 4, tmp_path).items()} == {r: "normal" for r in range(4)}
     # The forked data-loader workers stayed quiet: one process and one exit per rank.
     assert query(client, "SELECT uniqExact(rank, pid) AS n FROM ranks WHERE run_id = {run:String}", run) == [{"n": 4}]
     assert query(client, "SELECT count() AS n FROM exits WHERE run_id = {run:String}", run) == [{"n": 4}]
@@ -145,7 +150,7 @@ def test_a_script_without_an_optimizer_gets_a_step_per_forward_and_backward(
     run = "by-hand"
     proc = torchrun([str(SCRIPTS / "ddp_plain.py"), "--steps", "4", "--by-hand"], 2, env=agent_env(collector, tmp_path, RANKSCOPE_RUN_ID=run))
     assert proc.wait(180) == 0, proc.output()
-    assert len(exits(client, run, 2)) == 2
+    assert len(exits(client, run, 2, tmp_path)) == 2
     spans = query(client, "SELECT rank, name, step FROM spans WHERE run_id = {run:String}", run)
     assert sorted((s["rank"], s["name"], s["step"]) for s in spans) == sorted(
         (rank, name, step) for rank in range(2) for name in ("forward", "backward", "grad_sync") for step in range(1, 5)
@@ -172,7 +177,7 @@ def test_every_operation_lines_up_and_plain_processes_agree_on_a_run_id(
     for r, proc in enumerate(procs):
         assert proc.wait(120) == 0 and f"tour ok {r}" in proc.stdout, proc.output()
     run = run_of(client, "collectives_tour.py")  # no launcher named the run: the store did
-    assert sorted(exits(client, run, 2)) == [0, 1]
+    assert sorted(exits(client, run, 2, tmp_path)) == [0, 1]
 
     rows = collectives(client, run)
     assert_lined_up(rows, members(client, run, rows))
@@ -204,7 +209,7 @@ def test_ranks_of_mp_spawn_with_accumulation_and_a_crash(
                              env={**agent_env(collector, tmp_path), **NOT_LAUNCHED, "OMP_NUM_THREADS": "1"}, name="spawn")  # fmt: skip
     assert proc.wait(120) != 0 and "spawned rank 1 failed at step 3" in proc.output(None)
     run = run_of(client, "spawn_accumulate.py")  # the spawned processes agreed on one run
-    ended = exits(client, run, 2)
+    ended = exits(client, run, 2, tmp_path)
     assert (ended[1]["reason"], ended[1]["exit_code"], ended[1]["message"]) == ("exception", 1, "RuntimeError: spawned rank 1 failed at step 3")
     # Rank 0 ends either way: by the launcher's SIGTERM, or first by its collective failing with
     # the peer gone; the two often race, and whichever comes second must not cut the first's report.
@@ -223,7 +228,7 @@ def test_dtensor_tensor_parallel_inside_fsdp2_lines_up(
     proc = torchrun([str(SCRIPTS / "dtensor_fsdp.py"), "--steps", "3"], 4, env=agent_env(collector, tmp_path))
     assert proc.wait(180) == 0, proc.output()
     run = run_of(client, "dtensor_fsdp.py")
-    assert len(exits(client, run, 4)) == 4
+    assert len(exits(client, run, 4, tmp_path)) == 4
     rows = collectives(client, run)
     groups = members(client, run, rows)
     assert_lined_up(rows, groups)

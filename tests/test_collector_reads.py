@@ -40,6 +40,8 @@ pytestmark = pytest.mark.slow
 CONCURRENCY = 2
 #: sleeps half a second per block of 65,409 numbers: minutes, stopped by the caller or the time limit
 SLOW = "SELECT sum(sleep(0.5)) AS s FROM numbers(100000000)"
+#: a query stopped for a caller that gave up is gone within this long (the deadline of rankscope sql is 30 s)
+STOPPED_S = 20
 #: the three queries of issue 30 that went through: 903 MB of one repeated string, 1 GB in one array, the engine's queries
 LIMIT_QUERIES = {
     "SELECT repeat('x', 1000) FROM numbers(900000)": (ResultTooLarge, "decodes to more than max_result_bytes"),
@@ -131,7 +133,7 @@ def test_batches_are_acknowledged_at_once_while_slow_and_limit_queries_fill_ever
     assert 0 not in priorities(collector.proc.pid)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_a_caller_that_gives_up_stops_its_query_in_the_collector(
     collector: Running, channel: grpc.Channel, module_runner: ProcRunner
 ) -> None:
@@ -143,17 +145,19 @@ def test_a_caller_that_gives_up_stops_its_query_in_the_collector(
     with pytest.raises(grpc.RpcError) as info:
         call.result()
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert await_queries(collector.metrics_url, 0, 0, timeout_s=3) < 2.0
+    # SLOW never ends by itself: gone within STOPPED_S of the caller giving up, it was stopped for it (in
+    # 0.1-2 s on a quiet machine; 3 s was too short in the background lane of a loaded one, CI of a9aafb1)
+    await_queries(collector.metrics_url, 0, 0, timeout_s=STOPPED_S)
     call = stub.Query.future(query_pb2.QueryRequest(sql=SLOW), timeout=30)  # no deadline soon: Ctrl-C
     await_queries(collector.metrics_url, 1, 0, timeout_s=5)
     call.cancel()
-    assert await_queries(collector.metrics_url, 0, 0, timeout_s=3) < 2.0
+    await_queries(collector.metrics_url, 0, 0, timeout_s=STOPPED_S)
     # a `rankscope sql` that dies mid-query (Ctrl-C; SIGINT itself is ignored by children of a background shell)
     sql = module_runner.start([*CLI, "sql", "--collector", collector.target, SLOW], name="rankscope-sql")
     await_queries(collector.metrics_url, 1, 0, timeout_s=30)
     sql.popen.kill()
     sql.wait(10)
-    assert await_queries(collector.metrics_url, 0, 0, timeout_s=3) < 2.0
+    await_queries(collector.metrics_url, 0, 0, timeout_s=STOPPED_S)
 
 
 @pytest.mark.timeout(120)

@@ -205,7 +205,7 @@ def test_the_agent_s_install_alone_records_a_ddp_run(agent_only: Path, proc_runn
     assert job.wait(240) == 0, job.output()
     assert sorted(rank for rank, _ in activations(job)) == ["0", "1"], job.output()
     with Client(collector.target) as client:
-        assert {r: e["reason"] for r, e in exits(client, run, 2).items()} == {0: "normal", 1: "normal"}
+        assert {r: e["reason"] for r, e in exits(client, run, 2, tmp_path / "spool").items()} == {0: "normal", 1: "normal"}
         spans = query(client, "SELECT rank, name, step FROM spans WHERE run_id = {run:String}", run)
         assert {(s["rank"], s["name"], s["step"]) for s in spans} == {
             (rank, name, step) for rank in range(2) for name in ("forward", "backward", "grad_sync", "optimizer") for step in range(1, steps + 1)

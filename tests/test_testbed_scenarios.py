@@ -29,11 +29,16 @@ STARTUP_BOUND = {"testbed-kill-rank", "testbed-freeze-rank", "testbed-ddp-freeze
 RUN_ELSEWHERE = {
     "testbed-throttle-host": "docs/testbed.md's page throttles node2's CPU and `rankscope diagnose` names its two ranks (tests/test_docs.py)",
     "testbed-freeze-host": "the healing drill freeze-host freezes node1 and evicts it on the hang naming it (tests/test_healing.py)",
-    "testbed-kill-host": "testbed-ddp-kill-host kills a host of a job and expects lost_host; docs/healing.md's drills kill one of the trainer's",
+    "testbed-kill-host": "docs/healing.md's test-bed drill kills node1 of the trainer's job and its actions name the lost_host "
+                         "incident that evicted it (tests/test_docs.py)",
     "testbed-clean": "every other scenario asserts that nothing but its fault is named; clean runs: the local clean scenario "
                      "(test_diagnosis_scenarios.py) and a clean DDP job (test_diagnosis_plain.py)",
     "testbed-slow-link": "testbed-delay-link is a slow link on the test bed; tbf itself is tests/test_testbed.py's limited link",
     "testbed-ddp-clean": "as testbed-clean, with a plain DDP script",
+    # session 35, for the suite's 30 minutes (85 s and 145 s in the foreground lane); `rankscope scenario run` runs them
+    "testbed-ddp-kill-host": "as testbed-kill-host: a lost host is told by its ranks' heartbeats, whatever the framework",
+    "testbed-ddp-throttle-host": "docs/testbed.md's page throttles a host of the trainer; a plain DDP job's rank starved from outside, "
+                                 "named by its late arrivals, is test_diagnosis_plain.py's, and a late host's arrivals test_arrivals.py's",
     "testbed-freeze-rank": "testbed-ddp-freeze-rank stops a rank from outside with SIGSTOP; the trainer's hangs are the local hang "
                            "scenarios' (test_diagnosis_scenarios.py)",
 }

@@ -187,6 +187,7 @@ def _state(pid: int) -> str | None:
     return None if state == "Z" else state
 
 
+@pytest.mark.timeout(420)  # three self-checks of hosts in the background lane: 180 s ran out in the second (session 34)
 def test_a_drained_node_comes_back_only_after_it_passes_its_self_check_again(cluster: slurm.Slurm, proc_runner: ProcRunner, tmp_path: Path) -> None:
     """``rankscope node resume``, as an operator runs it on the cluster: the node is held by a reservation
     and checked as a task in it against its healthy peers' stored figures. Throttled hard it fails

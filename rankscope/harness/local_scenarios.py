@@ -185,7 +185,10 @@ def _watch(scenario: Scenario, run_id: str, client: object, training: subprocess
             log(f"{scenario.name}: {score.expected[0]['summary']}")
 
     ended_at: float | None = None
-    deadline = time.monotonic() + 60 + 6 * scenario.steps
+    # A bound for a run that never ends: the training's own end (a hang's --timeout included) is what
+    # ends the watch. In the suite's background lane 60 + 6 s a step ran out before a hang at step 5 was
+    # named (CI of 20bd185: hang-tp named live by the collector after the scorer had stopped looking).
+    deadline = time.monotonic() + 180 + 12 * scenario.steps
     while time.monotonic() < deadline:
         if training.poll() == 0:
             # Ended well: every rank sent its last rows before it exited, and what is left is the
