@@ -41,8 +41,9 @@ class Settings:
     #: row 1.5-1.9x their stage's median with steady CPU time
     straggler_wall_excess: float = 1.0
     #: where a rank is slower in CPU time, its groups must have waited for it at their collectives for at
-    #: least this share of the time it was slower (diagnosis/straggler.py: CPU time on shared cores counts
-    #: the hypervisor's steal too; a rank 1.7x slower held its groups 4-5x its excess, clean ranks 0.04-0.2x)
+    #: least this share of the time it was slower, and ``straggler_excess`` of the step (diagnosis/straggler.py:
+    #: CPU time on shared cores counts the hypervisor's steal too; a rank 1.7x slower held its groups 3-5x
+    #: its excess, a third of its step or more; clean ranks 0.04-0.2x its excess, 1-3% of the step)
     straggler_waited_share: float = 0.5
     #: slow link: a pair's transfer time this many times the median of comparable pairs ...
     slow_link_ratio: float = 4.0
