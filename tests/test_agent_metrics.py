@@ -28,7 +28,7 @@ from rankscope.agent.heartbeat import Heartbeat
 from rankscope.agent.metrics import MetricsReporter, to_metric_batch
 from rankscope.agent.state import RankState
 from rankscope.agent.transport import Transport
-from rankscope.protos.v1 import query_pb2, query_pb2_grpc
+from rankscope.protos.v1 import ingest_pb2, query_pb2, query_pb2_grpc
 
 from conftest import ProcRunner
 from test_agent_transport import TOKEN, Collector, agent_config, collector, free_port, register, run_name, wait_until  # noqa: F401 - fixture
@@ -253,3 +253,37 @@ def test_heartbeat_counts_the_agents_drops(tmp_path: Path) -> None:
     assert heartbeat.events_dropped == 5 and heartbeat.status == "running"
     assert state.dropped == 6 and t.stats().rejected == 1
     t.close(timeout_s=0)
+
+
+def test_beats_go_on_while_a_stack_dump_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dump that takes seconds (py-spy on a loaded host: up to its 10 s timeout) runs beside the beats:
+    a host-mate taking a stopped rank's stack was judged silent with it while its beats waited (CI of 11134ce)."""
+    from rankscope.agent import heartbeat as heartbeat_module
+    from rankscope.protos.v1 import telemetry_pb2
+
+    taking, release = threading.Event(), threading.Event()
+
+    def slow_dump(reason: str) -> telemetry_pb2.StackDump:
+        taking.set()
+        release.wait(30)
+        return telemetry_pb2.StackDump(time_ns=time.time_ns(), reason=reason, method="py-spy", text="slow")
+
+    monkeypatch.setattr(heartbeat_module, "dump_stack", slow_dump)
+    submitted: list[object] = []
+    monkeypatch.setattr(heartbeat_module.Heartbeat, "_submit", lambda self, payload: submitted.append(payload))
+    t = Transport(agent_config(f"127.0.0.1:{free_port()}", tmp_path / "spool"), run_name(), 0)
+    beat = Heartbeat(RankState(step=2), t, interval_s=0.05, stall_s=60)
+    beat.start()
+    try:
+        beat.on_command(ingest_pb2.Command(stack_dump=ingest_pb2.StackDumpRequest()))
+        assert taking.wait(30)
+        beats = lambda: sum(isinstance(p, telemetry_pb2.HeartbeatBatch) for p in submitted)  # noqa: E731
+        before = beats()
+        wait_until(lambda: beats() >= before + 5, 30, "five beats while the dump is taken")
+        assert not any(isinstance(p, telemetry_pb2.StackDump) for p in submitted)  # still being taken
+        release.set()
+        wait_until(lambda: any(isinstance(p, telemetry_pb2.StackDump) for p in submitted), 30, "the dump, once taken")
+    finally:
+        release.set()
+        beat.stop()
+        t.close(timeout_s=0)
