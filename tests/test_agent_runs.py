@@ -148,8 +148,9 @@ def test_a_rank_blocked_by_a_hang_shows_it_and_still_ends_on_sigterm(
     (pid,) = [r["pid"] for r in query(client, "SELECT DISTINCT pid FROM ranks WHERE run_id = {run:String} AND rank = 0", "hang")]
     started = time.monotonic()
     os.kill(pid, signal.SIGTERM)  # rank 0 is inside gloo's wait: no Python code runs on its main thread
-    assert proc.wait(60) != 0
-    assert time.monotonic() - started < 20, "SIGTERM did not end the blocked rank promptly"
+    assert proc.wait(120) != 0
+    # promptly, not at the process group's 600 s timeout (26 s once in a loaded background lane: CI of 11134ce)
+    assert time.monotonic() - started < 90, "SIGTERM did not end the blocked rank promptly"
     ended = exits(client, "hang", 2, tmp_path)
     assert (ended[0]["reason"], ended[0]["signal"], ended[0]["message"]) == ("signal", signal.SIGTERM, "SIGTERM")
     assert "exitcode  : -15" in proc.output(None)  # and it died of the signal, as it would have without the agent
