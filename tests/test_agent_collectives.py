@@ -139,7 +139,10 @@ def test_a_plain_ddp_script_with_only_the_switch_on(
     assert {s["name"]: s["kind"] for s in spans} == {"forward": "compute", "backward": "compute", "grad_sync": "comm", "optimizer": "optimizer"}
     # gloo's flight recorder has no times: each ends when DDP's end-of-backward wait for it did (its grad_sync span)
     synced = {(s["rank"], s["step"]): s["end"] for s in spans if s["name"] == "grad_sync"}
-    assert all(r["issue"] <= r["end"] <= synced[(r["rank"], r["step"])] + 2_000_000 for r in reduces), reduces
+    # (the two times are read one after the other: 10 ms allows a loaded host's preemption between them)
+    late = [(r["rank"], r["step"], r["seq"], r["end"] - synced[(r["rank"], r["step"])]) for r in reduces
+            if not r["issue"] <= r["end"] <= synced[(r["rank"], r["step"])] + 10_000_000]  # fmt: skip
+    assert not late, late
     times = query(client, "SELECT rank, step FROM step_metrics WHERE run_id = {run:String} AND name = 'step_time_s'", run)
     assert {(t["rank"], t["step"]) for t in times} == {(rank, step) for rank in range(4) for step in range(1, 5)}
 

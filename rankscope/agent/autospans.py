@@ -237,10 +237,11 @@ class AutoSpans:
     def _synced(self) -> None:
         """DDP's end-of-backward callback returned: its gradient all-reduces are done."""
         began, self._synced_from = self._synced_from, None
+        end, wall = self.rec.now(), self.rec.clock.wall_ns()  # one instant: the reducer's all-reduces end with the span
         if began is not None:
-            self.rec.add_span(self.rec.strings.id("grad_sync"), COMM, began[1], -1, began[0], self.rec.now(), -1)
+            self.rec.add_span(self.rec.strings.id("grad_sync"), COMM, began[1], -1, began[0], end, -1)
         if self._collectives is not None:
-            self._collectives.backward_synced(self.rec.clock.wall_ns())
+            self._collectives.backward_synced(wall)
 
 
 def _outside(span: Span, closure: Callable[..., Any]) -> Callable[..., Any]:
