@@ -132,12 +132,16 @@ def heartbeats(client: Client, run: str, rank: int) -> list[dict[str, Any]]:
     )  # fmt: skip
 
 
+@pytest.mark.timeout(540)  # its waits are each bounded for a starved background lane; 300 s would cut them short
 def test_a_rank_blocked_by_a_hang_shows_it_and_still_ends_on_sigterm(
     torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:
     flags = [*layout(1, 1, 2), *TINY, "--steps", "4", "--timeout", "600", "--inject", "hang:rank=1,step=2"]
     env = agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="hang", RANKSCOPE_HEARTBEAT_S="0.3")
     proc = train(torchrun, flags, 2, env)
+    # from the hang on, not from the launch: two ranks' start-up in a starved background lane took most
+    # of the 120 s this wait had in all (CI of dd7abd5)
+    proc.wait_for("injected hang: rank 1 stops at step 2", timeout=240)
     deadline = time.monotonic() + 120
     while not any(b["waiting"] and 1 in b["waiting"] for b in heartbeats(client, "hang", 0)):
         assert time.monotonic() < deadline and proc.returncode is None, proc.output()

@@ -173,3 +173,19 @@ def test_a_rank_slower_in_cpu_time_is_a_straggler_only_if_its_groups_wait_for_it
             assert all(21 * MS <= w <= 29 * MS for w in waited[0].values()), waited
             assert [(f.ranks, f.evidence["measure"]) for f in found] == [((0,), "CPU time")], [f.summary for f in found]
             assert 21 <= found[0].evidence["groups_waited_for_it_ms_per_step"] <= 29
+
+
+def test_a_rank_slower_in_cpu_time_is_not_named_before_its_collectives_of_the_steps_are_in(store: EmbeddedStore) -> None:
+    """The same rank 0, 50% more CPU time a step and nobody waiting for it, its all-reduces of steps 3 on
+    not stored yet (DDP's come from the flight recorder, seconds late): not named while nothing tells
+    whether its groups waited for it (CI of dd7abd5: two ranks raised live that no later pass named),
+    nor once they are in and show that nobody did."""
+    from rankscope.collector.diagnosis import straggler
+
+    ranks = [0, 1, 2, 3]
+    ctx = write(store, "cpu-rows-behind", {"default_pg": ranks}, {}, held=lambda group, step: step <= 2)
+    compute(store, "cpu-rows-behind", {0: 66, 1: 44, 2: 44, 3: 44})
+    assert arrivals.held_back(ctx, [0], 3, 19) == {0: {}}  # it holds collectives: nothing known of these steps yet
+    assert straggler.detect(ctx) == []
+    write(store, "cpu-rows-behind", {"default_pg": ranks}, {}, held=lambda group, step: step > 2)
+    assert straggler.detect(ctx) == []

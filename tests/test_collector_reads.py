@@ -71,7 +71,7 @@ def queries(url: str) -> tuple[float, float]:
     return float(found["running"]), float(found["waiting"])
 
 
-def send_until(ingest: ingest_pb2_grpc.IngestStub, run_id: str, stop: threading.Event, took: list[float]) -> list[float]:
+def send_until(ingest: ingest_pb2_grpc.IngestStub, run_id: str, stop: threading.Event, took: list[float]) -> None:
     """Seconds from send to ack of a new run's batches (a registration, then spans), sent one after another
     until ``stop``, appended to ``took`` as they come back."""
     while not stop.is_set():
@@ -79,7 +79,6 @@ def send_until(ingest: ingest_pb2_grpc.IngestStub, run_id: str, stop: threading.
         sent = time.perf_counter()
         ingest.Send(batch, timeout=30)
         took.append(time.perf_counter() - sent)
-    return took
 
 
 def priorities(pid: int) -> list[int]:

@@ -99,6 +99,28 @@ def _rank_pid(proc: Proc, rank: int, timeout_s: float = 60) -> int:
     raise AssertionError(f"no worker of rank {rank} within {timeout_s} s")
 
 
+def _hosts_across_cores(proc: Proc, world: int = 4) -> None:
+    """Each core runs one rank of each simulated host (``node-{rank//2}``): ranks 0 and 2 on one, 1 and
+    3 on the other, every thread of each (those started later inherit it). The hosts share the
+    machine's two cores, and what the scheduler does there must not look like one host's fault: four
+    ranks floating on two cores run two at a time, and the pair it runs second arrives ~50 ms late at
+    every all-reduce, for tens of steps; when the pair was one host's, the host's ranks all arrived
+    after the other host's (CI of dd7abd5: node-0 named for 25 steps after the starved rank's
+    release). Two ranks pinned to one core run in turns and arrive together; with one rank of each
+    host on it, neither a core's extra load (the collector's diagnosis) nor the order falls on one
+    host's ranks alone, and neither of the two is last alone."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    for rank in range(world):
+        pid = _rank_pid(proc, rank)
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), {cpus[rank % 2]})
+            except ProcessLookupError:
+                pass  # a thread that ended meanwhile
+
+
 def _stored(collector: Running, sql: str, run: str) -> int:
     from rankscope.collector.client import Client
 
@@ -168,6 +190,7 @@ def test_a_rank_starved_of_cpu_from_outside_is_named_by_its_late_arrivals(
     gradient all-reduces: named live and by ``rankscope diagnose``, with its host, and nobody else."""
     run = "starved"
     proc = torchrun([*JOB, "--steps", "150"], 4, env=_env(collector, run, tmp_path / "spool"))
+    _hosts_across_cores(proc)
     pid = _rank_pid(proc, STARVED_RANK)
     deadline = time.monotonic() + 90
     while _stored_step(collector, run) < 1:  # training (its start-up at a tenth of a core would take minutes)
@@ -201,6 +224,7 @@ def test_a_rank_starved_of_cpu_from_outside_is_named_by_its_late_arrivals(
 def test_a_clean_ddp_job_names_nobody(collector: Running, torchrun: Callable[..., Proc], tmp_path: Path) -> None:
     run = "clean"
     proc = torchrun([*JOB, "--steps", "60"], 4, env=_env(collector, run, tmp_path / "spool"))
+    _hosts_across_cores(proc)
     assert proc.wait(240) == 0, proc.output()
     _ended(collector, run)
     time.sleep(3)  # passed over

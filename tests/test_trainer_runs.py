@@ -163,7 +163,7 @@ def test_a_job_restarted_on_fewer_hosts_resumes_at_a_smaller_dp(module_runner: P
 
 def test_crash_exits_non_zero_at_its_step(module_runner: ProcRunner, tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
-    proc = start(module_runner, "crash", [*layout(2, 2, 2), *TINY, "--inject", "crash:rank=3,step=3"], metrics)
+    proc = start(module_runner, "crash", [*layout(1, 2, 2), *TINY, "--inject", "crash:rank=3,step=3"], metrics)
     assert proc.wait(120) != 0
     assert "rankscope injected crash: rank 3 at step 3" in proc.output(None)
     assert [line["step"] for line in records(metrics)] == [1, 2]
@@ -171,26 +171,27 @@ def test_crash_exits_non_zero_at_its_step(module_runner: ProcRunner, tmp_path: P
 
 def test_hang_blocks_until_the_run_timeout(module_runner: ProcRunner, tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
-    flags = [*layout(2, 2, 2), *TINY, "--timeout", "8", "--inject", "hang:rank=6,step=2"]
+    flags = [*layout(1, 2, 2), *TINY, "--timeout", "8", "--inject", "hang:rank=3,step=2"]
     started = time.monotonic()
     proc = start(module_runner, "hang", flags, metrics)
     assert proc.wait(180) != 0
     output = proc.output(None)
-    assert "injected hang: rank 6 stops at step 2" in output
+    assert "injected hang: rank 3 stops at step 2" in output
     assert "Timed out" in output  # the peers gave up after --timeout, not before
     assert time.monotonic() - started > 8
     assert [line["step"] for line in records(metrics)] == [1]
 
 
 def test_nan_and_slow_link(module_runner: ProcRunner, tmp_path: Path) -> None:
-    """NaN injected into a first-stage rank's activations reaches the loss at that step; a slow link delays every step."""
+    """NaN injected into a first-stage rank's activations reaches the loss at that step; a slow link delays every step.
+    Two stages of one rank each: what the faults need (the layouts' parity is the test above's)."""
     metrics = tmp_path / "m.jsonl"
-    spec = "nan:rank=2,step=3;slow_link:src=1,dst=5,delay_ms=150"
-    proc = start(module_runner, "nan-link", [*layout(2, 2, 2), *TINY, "--steps", "4", "--inject", spec], metrics)
+    spec = "nan:rank=0,step=3;slow_link:src=0,dst=1,delay_ms=150"
+    proc = start(module_runner, "nan-link", [*layout(1, 2, 1), *TINY, "--steps", "4", "--inject", spec], metrics)
     assert proc.wait(180) == 0, proc.output()
     lines = records(metrics)
     assert [math.isfinite(line["loss"]) for line in lines] == [True, True, False, False]
-    # Rank 1 sends both micro-batches' activations to rank 5 every step: 2 x 150 ms at least. Not
+    # Rank 0 sends its four micro-batches' activations to rank 1 every step: 4 x 150 ms at least. Not
     # in the first step's time: the ranks enter it at different moments (one 0.294 s was seen).
     assert all(line["step_time_s"] >= 0.3 for line in lines[1:]), lines
 

@@ -237,7 +237,9 @@ class AutoSpans:
     def _synced(self) -> None:
         """DDP's end-of-backward callback returned: its gradient all-reduces are done."""
         began, self._synced_from = self._synced_from, None
-        end, wall = self.rec.now(), self.rec.clock.wall_ns()  # one instant: the reducer's all-reduces end with the span
+        end = self.rec.now()
+        # one instant: the reducer's all-reduces end with the span (both clocks read before it is recorded)
+        wall = self.rec.clock.wall_ns() if self._collectives is not None else 0
         if began is not None:
             self.rec.add_span(self.rec.strings.id("grad_sync"), COMM, began[1], -1, began[0], end, -1)
         if self._collectives is not None:

@@ -176,22 +176,22 @@ def _late(ctx: RunContext, by: dict[str, str], who_of: Callable[[int], object], 
 
 def held_back(ctx: RunContext, ranks: list[int], first_step: int, last_step: int) -> dict[int, dict[int, int]]:
     """rank -> step -> how long (ns) its groups waited for it alone at their collectives of the step
-    (0 where it was never last), for each of ``ranks`` that takes part in groups of two or more, over the
-    steps their collectives are stored for: a rank that the others never wait for costs them nothing,
-    whatever its spans say."""
+    (0 where it was never last), for each of ``ranks`` that took part in collectives of groups of two or
+    more up to ``last_step`` (from the set-up on), over the steps of ``first_step``..``last_step`` whose
+    collectives are stored: a rank that the others never wait for costs them nothing, whatever its
+    spans say. A rank whose rows of those steps are not in yet (the flight recorder's come seconds
+    late) maps to no step: nothing is known of it yet (CI of dd7abd5: two ranks raised live on CPU time
+    before their all-reduces of the steps came, which then showed nobody waiting for them)."""
     params = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step, "ranks": ranks}
-    mine: dict[int, set[str]] = {}
-    for r in ctx.query(GROUPS_SQL, params).to_pylist():
+    in_group: dict[str, list[int]] = {}  # group -> the ranks of ``ranks`` in it
+    for r in ctx.query(GROUPS_SQL, {**params, "first_step": 0}).to_pylist():
         if len(ctx.groups.get(r["group_name"], ())) > 1:
-            mine.setdefault(r["rank"], set()).add(r["group_name"])
-    if not mine:
-        return {}
-    waited: dict[int, dict[int, int]] = {rank: {} for rank in mine}
-    for r in ctx.query(_HELD_SQL, params).to_pylist():
-        for rank, groups in mine.items():
-            if r["group_name"] in groups:  # the step's rows are in: it counts, as 0 if another member was last
-                at = waited[rank]
-                at[r["step"]] = at.get(r["step"], 0) + (int(r["late_ns"]) if r["who"] == rank else 0)
+            in_group.setdefault(r["group_name"], []).append(r["rank"])
+    waited: dict[int, dict[int, int]] = {rank: {} for members in in_group.values() for rank in members}
+    for r in ctx.query(_HELD_SQL, params).to_pylist() if waited else ():
+        for rank in in_group.get(r["group_name"], ()):  # the step's rows are in: it counts, as 0 if another member was last
+            at = waited[rank]
+            at[r["step"]] = at.get(r["step"], 0) + (int(r["late_ns"]) if r["who"] == rank else 0)
     return waited
 
 

@@ -147,7 +147,7 @@ def _waited_for(ctx: RunContext, slow: dict[int, dict], last_step: int, step_s: 
     """``slow`` less the ranks slower in CPU time whose groups did not wait for them at their collectives,
     a step, for at least ``straggler_waited_share`` of the time they were slower and ``straggler_excess``
     of the median step ``step_s`` (the bar of a late arrival, arrivals.py), over the episode's slow steps
-    whose collectives are stored (none stored yet: judged at a later pass). CPU time on shared cores
+    whose collectives are stored (none stored yet: left out, judged at a later pass). CPU time on shared cores
     also counts what the hypervisor stole and what a neighbour's cache misses cost: a clean DDP job
     under the suite had ranks 0 and 2 spend 50% more CPU time a step than 1 and 3 (65 against 44 ms)
     while their groups waited 1-4 ms a step for them; after a starved rank's release two ranks spent
