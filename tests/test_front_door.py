@@ -70,9 +70,11 @@ def test_a_collector_stopped_longer_than_the_silence_bar_names_nobody_lost(proc_
     lost, crashed or hung, and the run finishes."""
     collector = start_collector(proc_runner, tmp_path / "store", "--silent-after", "4", "--diagnose-every", "1")
     env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": collector.target, "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool")}
-    flags = [*TINY, "--steps", "4000"]  # the later --steps wins; about 25 ms a step: it trains on well after the collector runs again
+    # the later --steps wins. 8-30 ms a step: it trains on at least 6 s after the collector runs again
+    # (4000 steps trained on for a minute or more, two ranks burning both cores of a loaded machine)
+    flags = [*TINY, "--steps", "2500"]
     training = proc_runner.start([str(Path(sys.executable).parent / "rankscope"), "train", *flags], env=env, cwd=tmp_path, name="train")
-    training.wait_for("step    20/4000", timeout=180)
+    training.wait_for("step    20/2500", timeout=180)
     collector.proc.wait_for("registered", timeout=60)
     os.killpg(collector.proc.popen.pid, signal.SIGSTOP)
     try:
