@@ -287,3 +287,15 @@ def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_ma
     assert "rank 2 (node-1) in step 4 (its last stored span: backward of step 4; its last heartbeat: forward at step 3) is silent" in hang.summary
     assert hang.summary.endswith("stack taken from outside (rank 2's by rank 3)"), hang.summary
     assert hang.evidence["stacks_from_outside"] == {"2": {"method": "py-spy", "text": "Process 1002: python ddp_job.py\n", "taken_by": 3}}
+
+
+def test_a_stall_before_or_in_the_first_step_is_given_start_up_time() -> None:
+    """Three times --hang-after before step 1 and in step 1 while no step before it sets a pace (ranks
+    in step 1 waiting for one still starting); after that --hang-after, or two steps at the pace."""
+    s = Settings(hang_after_s=10.0)
+    began = 100 * 10**9
+    assert hang.stall_after_ns(s, 0, None, None) == hang.stall_after_ns(s, 1, began, (0, began - 10**9)) == 30 * 10**9
+    assert hang.stall_after_ns(s, 1, began, None) == 30 * 10**9
+    assert hang.stall_after_ns(s, 2, began, None) == 10 * 10**9
+    assert hang.stall_after_ns(s, 3, began, (2, began - 10**9)) == 10 * 10**9
+    assert hang.stall_after_ns(s, 3, began, (2, began - 8 * 10**9)) == 16 * 10**9  # two steps at 8 s a step

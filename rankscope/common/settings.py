@@ -12,7 +12,7 @@ class Settings:
 
     #: a run whose steps stopped advancing this long while heartbeats still arrive is hung
     hang_after_s: float = 30.0
-    #: ... and before its first step (each attempt's: a restart loads a checkpoint) this many times as
+    #: ... and before its first step and in it, while no step sets a pace (each attempt's: a restart loads a checkpoint), this many times as
     #: long: start-up (process groups, the model, a checkpoint, compilation) outlasts a step, and a rank
     #: slow to start is not hung (torchtitan allows its first step 300 s, the others 100). A rank on a
     #: loaded host still importing torch after 10 s was named hung at step 0 (CI, sessions 24-25, 34)

@@ -279,11 +279,14 @@ def stall_after_ns(s: Settings, step: int, began_ns: int | None, prior: tuple[in
     of before it, and when). A job whose steps all outlast hang_after is slow, not hung (seed 739796868:
     a host's link at 12 Mbit/s, every step 14 s, a hang of the ranks in their gradient all-reduce named
     11 s into each with hang_after at 10 s; the postmortem's moments fell outside, and it named none).
-    Before the first step (step 0) a stall must last ``hang_first_step_factor`` times hang_after: start-up."""
+    Before the first step (step 0) a stall must last ``hang_first_step_factor`` times hang_after: start-up;
+    and so must one in the first step with no pace before it: some ranks in step 1 wait for one still
+    starting (CI of 4829125: a pipeline's rank 0 "idle at step 0" on a starved machine, its first step 18 s,
+    named hung after 10 s)."""
     if step <= 0:  # the agent's start, before any rank of this attempt reached step 1
         return int(s.hang_after_s * s.hang_first_step_factor * 1e9)
     if prior is None or prior[0] <= 0 or not began_ns:
-        return int(s.hang_after_s * 1e9)
+        return int(s.hang_after_s * (s.hang_first_step_factor if step <= 1 else 1.0) * 1e9)
     pace = (began_ns - prior[1]) / (step - prior[0])
     return int(max(s.hang_after_s * 1e9, STALL_STEPS * pace))
 
