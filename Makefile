@@ -25,7 +25,7 @@ PYTEST_ARGS ?=
 # (tests/suite_lanes.py). A third slowed the timing tests by half and failed them (session 34).
 # TEST_WORKERS=0 runs everything in one process, in file order.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --rerun-show-tracebacks
 # gpu_check.py refuses without a CUDA GPU (exit 1): `make gpu-check` runs it, not `make bench`.
 BENCHMARKS := $(sort $(filter-out benchmarks/gpu_check.py,$(wildcard benchmarks/*.py)))
 

@@ -19,6 +19,13 @@ gets the CPU the foreground leaves idle and yields it within a scheduler tick wh
 wants it, so a foreground test runs as it would alone. Without root or cgroup v1 only the nice
 value is set (children in sessions of their own then escape it: the kernel's autogroups).
 
+A background test that fails is run once more (pytest-rerunfailures' ``flaky`` mark, added here):
+its lane gets about 3% of a core while the foreground is busy, and a bound of its waits that
+holds on an idle machine can run out in a long foreground burst (a query unanswered for 30 s, a
+TLS handshake, three diagnosis passes: one such failure in most whole runs, a different test each
+time). The first attempt's failure is printed (``--rerun-show-tracebacks``) and counted in the
+summary line. A foreground test is never run again: its checks are the timing ones.
+
 Without xdist (``pytest`` alone, or ``-n 0``) nothing here acts: tests run in file order, at the
 priority pytest was started with.
 """
@@ -38,6 +45,7 @@ import pytest
 FOREGROUND, BACKGROUND = "foreground", "background"
 NICE = {FOREGROUND: 0, BACKGROUND: 15}
 SHARES = {FOREGROUND: 1024, BACKGROUND: 36}  # the kernel's weights of nice 0 and nice 15
+BACKGROUND_RERUNS = 1  # how many more times a failed background test runs
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 SUITE_GROUP = "rankscope-suite-"  # + the pid of the pytest that hands out the tests
 LANE = pytest.StashKey[str]()
@@ -79,6 +87,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups = {}
     for item in items:
         item.stash[LANE] = FOREGROUND if item.get_closest_marker(FOREGROUND) else BACKGROUND
+        if item.stash[LANE] == BACKGROUND and not item.get_closest_marker("flaky"):
+            item.add_marker(pytest.mark.flaky(reruns=BACKGROUND_RERUNS))
         groups[item.nodeid] = FOREGROUND if item.stash[LANE] == FOREGROUND else _module(item) if _shares_a_fixture(item) else item.nodeid
     slow = {groups[i.nodeid] for i in items if i.get_closest_marker("slow")}
     # stable: the foreground group is handed out first, then the groups with slow tests (a short test ends the run)

@@ -70,9 +70,14 @@ class Client:
     ``tls_ca``: the CA bundle (PEM) that signed the collector's certificate, for a collector
     started with ``--tls-cert``; without it the channel is plain text. QueryFailed when the file
     cannot be read.
+
+    ``timeout_s``: how long a call waits for its answer. The default is above the collector's own
+    time limit for a read (``--query-timeout``, 60 s) with room for its queue, so a read the
+    collector would still answer is not abandoned: a 30 s deadline gave up on a busy collector's
+    answers (CI of c39eff8). A collector that is not there fails at once, whatever the deadline.
     """
 
-    def __init__(self, target: str = DEFAULT_COLLECTOR, token: str | None = None, timeout_s: float = 30.0, tls_ca: Path | None = None):
+    def __init__(self, target: str = DEFAULT_COLLECTOR, token: str | None = None, timeout_s: float = 90.0, tls_ca: Path | None = None):
         self.target = target
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()

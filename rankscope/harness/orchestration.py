@@ -150,7 +150,7 @@ def diagnosis_passes(url: str) -> dict[str, int]:
     return passes
 
 
-def await_diagnosis(url: str, passes: int = 3, timeout_s: float = 60) -> None:
+def await_diagnosis(url: str, passes: int = 3, timeout_s: float = 180) -> None:
     """Return once every lane of the collector's live diagnosis has finished ``passes`` more passes
     than it had now: what was sent before this call is stored within the writer's flush interval, so
     a pass that began after that saw it (the first may have begun before, the next after the flush).
