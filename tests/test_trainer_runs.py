@@ -80,6 +80,11 @@ def test_parallel_layouts_match_the_single_process_model(
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
     assert losses(lines) == pytest.approx(reference[variant], abs=1e-5)
     assert reference["plain"][-1] < reference["plain"][0]  # it learns
+    assert_measured(lines)
+
+
+def assert_measured(lines: list[dict]) -> None:
+    """Each step line has its time and throughput (8 sequences of 32 tokens a step), and no MFU on CPU."""
     for line in lines:
         assert line["mfu"] is None and line["step_time_s"] > 0
         assert line["tokens_per_s"] == pytest.approx(8 * 32 / line["step_time_s"])
@@ -124,6 +129,7 @@ def test_checkpoint_resume_reproduces_the_losses(module_runner: ProcRunner, refe
     assert proc.wait(240) == 0, proc.output()
     straight = records(straight_metrics)
     assert losses(straight)[:5] == pytest.approx(reference["plain"], abs=1e-5)
+    assert_measured(straight)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003", "step-00000006"]
     # Pretend the run died after step 4: the last complete checkpoint is step 3.
     shutil.rmtree(tmp_path / "ckpt" / "step-00000006")

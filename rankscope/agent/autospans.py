@@ -238,12 +238,10 @@ class AutoSpans:
         """DDP's end-of-backward callback returned: its gradient all-reduces are done."""
         began, self._synced_from = self._synced_from, None
         end = self.rec.now()
-        # one instant: the reducer's all-reduces end with the span (both clocks read before it is recorded)
-        wall = self.rec.clock.wall_ns() if self._collectives is not None else 0
+        if self._collectives is not None:  # the reducer's all-reduces end with the span: both clocks read at one instant
+            self._collectives.backward_synced(self.rec.clock.wall_ns())
         if began is not None:
             self.rec.add_span(self.rec.strings.id("grad_sync"), COMM, began[1], -1, began[0], end, -1)
-        if self._collectives is not None:
-            self._collectives.backward_synced(wall)
 
 
 def _outside(span: Span, closure: Callable[..., Any]) -> Callable[..., Any]:

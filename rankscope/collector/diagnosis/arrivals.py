@@ -82,9 +82,16 @@ def _sql(by: dict[str, str]) -> tuple[str, str]:
 
 
 #: the groups of ``ranks`` that held collectives over the steps
+#: ``ctx.seen`` key: rank -> its groups of two or more (``_groups_of``)
+_GROUPS_KEY = "arrivals.groups"
 GROUPS_SQL = (
     "SELECT DISTINCT rank, group_name FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1 "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} AND rank IN {ranks:Array(UInt32)}"
+)
+#: the groups ``ranks`` held collectives in over the steps, with the newest step of each (``_groups_of``)
+_MEMBERSHIP_SQL = (
+    "SELECT rank, group_name, max(step) AS newest FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
+    "AND peer = -1 AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} AND rank IN {ranks:Array(UInt32)} GROUP BY rank, group_name"
 )
 #: how far the rows of ``ranks`` in each of their groups have come (step 0, the set-up, left out): the
 #: steps they held collectives at, the newest of them, and when the newest was issued
@@ -184,15 +191,35 @@ def held_back(ctx: RunContext, ranks: list[int], first_step: int, last_step: int
     before their all-reduces of the steps came, which then showed nobody waiting for them)."""
     params = {"run": ctx.run_id, "first_step": first_step, "last_step": last_step, "ranks": ranks}
     in_group: dict[str, list[int]] = {}  # group -> the ranks of ``ranks`` in it
-    for r in ctx.query(GROUPS_SQL, {**params, "first_step": 0}).to_pylist():
-        if len(ctx.groups.get(r["group_name"], ())) > 1:
-            in_group.setdefault(r["group_name"], []).append(r["rank"])
+    for rank, groups in _groups_of(ctx, ranks, last_step).items():
+        for group in groups:
+            in_group.setdefault(group, []).append(rank)
     waited: dict[int, dict[int, int]] = {rank: {} for members in in_group.values() for rank in members}
     for r in ctx.query(_HELD_SQL, params).to_pylist() if waited else ():
         for rank in in_group.get(r["group_name"], ()):  # the step's rows are in: it counts, as 0 if another member was last
             at = waited[rank]
             at[r["step"]] = at.get(r["step"], 0) + (int(r["late_ns"]) if r["who"] == rank else 0)
     return waited
+
+
+def _groups_of(ctx: RunContext, ranks: list[int], last_step: int) -> dict[int, set[str]]:
+    """rank -> the groups of two or more it has held collectives in up to ``last_step`` (from the set-up
+    on), of those of ``ranks`` that have any. What was read is kept from pass to pass (``ctx.seen``):
+    each pass reads a rank's rows after the newest step read of it before (its rows come in step
+    order, the flight recorder's seconds late)."""
+    known: dict[int, tuple[int, set[str]]] = ctx.seen.setdefault(_GROUPS_KEY, {})  # rank -> (newest step read, groups)
+    since: dict[int, list[int]] = {}  # first step to read -> ranks
+    for rank in ranks:
+        since.setdefault(known.get(rank, (-1, set()))[0] + 1, []).append(rank)
+    for first, some in since.items():
+        if first > last_step:
+            continue
+        for r in ctx.query(_MEMBERSHIP_SQL, {"run": ctx.run_id, "first_step": first, "last_step": last_step, "ranks": some}).to_pylist():
+            upto, groups = known.setdefault(r["rank"], (-1, set()))
+            if len(ctx.groups.get(r["group_name"], ())) > 1:
+                groups.add(r["group_name"])
+            known[r["rank"]] = (max(upto, int(r["newest"])), groups)
+    return {r: known[r][1] for r in ranks if known.get(r, (0, set()))[1]}
 
 
 def steps_needed(s: Settings, members: int) -> int:
