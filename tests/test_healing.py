@@ -144,6 +144,31 @@ def test_a_host_the_job_restarted_without_is_evicted_and_the_restarted_workers_a
     assert not cluster.killed  # the survivors restarted by themselves: their workers are attempt 1's
 
 
+def test_survivors_that_restarted_before_the_fence_are_not_killed_after_it() -> None:
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS), _attempt(1, ["node1", "node2"])]})
+    heal = _driver(cluster)
+    cluster.rows[INCIDENTS_SQL] = [{"incident_id": "lost:host=node0", "kind": "lost_host", "hosts": ["node0"], "first_seen_ns": time.time_ns(),
+                                    "status": "open", "summary": "every rank of node0 went silent"}]  # fmt: skip
+    heal.poll()
+    heal.poll()
+    assert cluster.fenced == ["node0"] and cluster.joined == ["node3"]
+    assert not cluster.killed  # attempt 1 went on without node0 before the fence: its workers are the job's now
+    assert "restart" not in [a for a, *_ in cluster.actions]
+
+
+def test_survivors_still_running_after_the_fence_are_killed_so_that_they_restart() -> None:
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)]})
+    heal = _driver(cluster)
+    cluster.rows[INCIDENTS_SQL] = [{"incident_id": "lost:host=node0", "kind": "lost_host", "hosts": ["node0"], "first_seen_ns": time.time_ns(),
+                                    "status": "open", "summary": "every rank of node0 went silent"}]  # fmt: skip
+    heal.poll()
+    heal.poll()
+    assert cluster.fenced == ["node0"] and cluster.killed == {("node0", 101), ("node2", 102)}
+    assert [reason for action, _, reason in cluster.actions if action == "restart"] == [
+        "2 workers of the survivors still ran 0 s after the fence: killed, so that torchrun restarts them"
+    ]
+
+
 def test_too_few_hosts_left_hands_the_job_back_to_its_scheduler_when_the_policy_requeues() -> None:
     policy = Policy(min_hosts=3, requeue=True)
     assert policy.verdict("lost_host", ["node1"], 0, HOSTS)[0] is Verdict.REQUEUE

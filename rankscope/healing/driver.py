@@ -176,8 +176,8 @@ class Driver:
         self._recheck()
         if self._fenced is not None and time.monotonic() - self._fenced[0] > self.restart_grace_s:
             stale, self._fenced = self._fenced[1] & self.fleet.workers(self.remaining), None
-            if stale:  # the survivors' workers of before the fence have not failed by themselves: make them
-                killed = self.fleet.signal(stale, signal.SIGKILL)
+            killed = self.fleet.signal(stale, signal.SIGKILL) if stale else 0
+            if killed:  # the survivors' workers of before the fence had not failed by themselves: now they have
                 self._act("restart", self.remaining, reason=f"{killed} workers of the survivors still ran {self.restart_grace_s:.0f} s "
                           "after the fence: killed, so that torchrun restarts them")  # fmt: skip
 
@@ -292,7 +292,7 @@ class Driver:
             self.requeue()  # type: ignore[misc]
             self.requeued = True
             return
-        if not restarted:
+        if not (restarted or self._went_on_without(hosts)):
             self._fenced = (time.monotonic(), self.fleet.workers(self.remaining))
         for host in hosts:
             if self.spares and self.join is not None:
@@ -301,6 +301,16 @@ class Driver:
                 self._active.append(spare)
                 self._act("spare", [spare], incident_id, f"{spare} joins the job in place of {host}")
                 self.log(f"[rankscope launch] {spare} joins the job in place of {host}")
+
+    def _went_on_without(self, hosts: list[str]) -> bool:
+        """Whether the survivors restarted by themselves before ``hosts`` were fenced: the newest attempt
+        is a restart that none of them joined. Its workers are not the ones to kill: a snapshot of them
+        at the fence, killed ``restart_grace_s`` later, cost a restart (a Slurm drill's small model
+        restarted on node1's loss before the lost host was raised, session 36)."""
+        if not self._attempts:
+            return False
+        newest = self._attempts[max(self._attempts)]
+        return int(newest["attempt"]) > 0 and not set(hosts) & set(newest["hosts"])
 
     def _recheck(self) -> None:
         """Self-check again each host drained at least ``policy.recheck_s`` ago; one that passes (judged
