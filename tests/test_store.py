@@ -14,6 +14,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from rankscope.collector.store.base import (
     open_store,
 )
 from rankscope.collector.store.chdb import EmbeddedStore
-from rankscope.collector.store.ddl import create_statements
+from rankscope.collector.store.ddl import add_column_statements, create_statements
 from rankscope.collector.store.migrations import MIGRATIONS, Migration, migrate, retention
 from rankscope.collector.store.schema import BY_NAME, SCHEMA_VERSION, TABLES, Table
 
@@ -231,7 +232,8 @@ def test_every_table_round_trips(migrated: Store, table: str) -> None:
     before = read_back(migrated, table)  # schema_version has a row already
     rows = sample_rows(table)
     migrated.insert_arrow(f"{migrated.database}.{table}", rows)
-    assert repr(read_back(migrated, table)) == repr(before + as_ns(rows))  # repr: NaN equals NaN
+    by_key = sorted(before + as_ns(rows), key=lambda row: [row[k] for k in BY_NAME[table].order_by])
+    assert repr(read_back(migrated, table)) == repr(by_key)  # repr: NaN equals NaN
 
 
 def test_materialized_duration_is_computed_by_the_engine(migrated: Store) -> None:
@@ -398,6 +400,33 @@ def test_the_attempts_step_refills_the_step_rollup_from_the_spans_already_stored
     ).to_pylist()
     assert [(r["attempt"], r["step"], r["rank"]) for r in rows] == [(0, 1, 0), (1, 2, 1), (0, 3, 2), (1, 4, 3)]
     assert all(r["total"] > 12_000_000 for r in rows)
+
+
+def test_the_ranks_step_keeps_each_ranks_row_of_every_attempt(store: Store) -> None:
+    db = store.database
+    migrate(store, db, None)
+    # ranks as schema version 5 left it: keyed by (run_id, rank), its later columns added at its end
+    later = {"attempt", "world", "cycle"}
+    ranks = BY_NAME["ranks"]
+    old = replace(ranks, columns=tuple(c for c in ranks.columns if c.name not in later), order_by=("run_id", "rank"))
+    store.command(f"DROP TABLE {db}.ranks")
+    for sql in create_statements(db, tables=[old])[1:]:
+        store.command(sql)
+    for column in (c for c in ranks.columns if c.name in later):
+        for sql in add_column_statements(ranks, column, db, None):
+            store.command(sql)
+    store.command(f"DELETE FROM {db}.schema_version WHERE version = 6")
+    rows = sample_rows("ranks", 2)
+    rows = rows.set_column(rows.schema.get_field_index("rank"), "rank", pa.array([3, 3], pa.uint32()))
+    rows = rows.set_column(rows.schema.get_field_index("attempt"), "attempt", pa.array([0, 1], pa.uint16()))
+    for attempt in (0, 1):  # two inserts, as two registrations come (one block is merged as it is written)
+        store.insert_arrow("ranks", rows.slice(attempt, 1).select([c.name for c in ranks.columns if c.name not in later] + ["attempt", "world"]))
+    assert migrate(store, db, None) == SCHEMA_VERSION
+    store.command(f"OPTIMIZE TABLE {db}.ranks FINAL")  # a merge: before, it kept attempt 1's row alone
+    kept = store.query_arrow(f"SELECT attempt, host, pid FROM {db}.ranks ORDER BY attempt").to_pylist()
+    assert kept == [{"attempt": a, "host": rows["host"][a].as_py(), "pid": rows["pid"][a].as_py()} for a in (0, 1)]
+    assert store.query_arrow(f"SELECT count() AS n FROM system.tables WHERE database = '{db}' AND name = 'ranks_by_attempt'")["n"][0].as_py() == 0
+    assert migrate(store, db, None) == SCHEMA_VERSION  # nothing more to do
 
 
 def test_migrate_runs_only_the_newer_steps_and_records_each(store: Store) -> None:

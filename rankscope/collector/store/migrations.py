@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
@@ -42,6 +42,9 @@ class Migration:
     doc: str
     #: (database, retention_days, cluster) -> statements
     statements: Callable[[str, int | None, str | None], list[str]]
+    #: (store, database, cluster) -> whether the store still needs the statements (for steps that
+    #: cannot be written to be safe to run again, run again after a stop half-way: a table made anew)
+    needed: Callable[[Store, str, str | None], bool] | None = None
 
 
 def _attempts(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
@@ -91,12 +94,41 @@ def _cycles(database: str, retention_days: int | None, cluster: str | None) -> l
     return [sql for table in TABLES if CYCLE in table.columns for sql in add_column_statements(table, CYCLE, database, cluster)]
 
 
+def _ranks_by_attempt(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
+    """Version 6: ``ranks`` keeps each rank's row of every attempt. Keyed by (run_id, rank), the
+    engine's merges replaced a rank's row of one attempt by the next one's, and who each rank was
+    before a restart (its host, its process) was lost: a Slurm drill's store held the last attempt's
+    rows alone (session 37). The table is made anew in the new key, filled from the old one, and the
+    two exchanged (``_ranks_keyed_by_rank`` tells whether a store still needs it)."""
+    old, new = BY_NAME["ranks"], replace(BY_NAME["ranks"], name="ranks_by_attempt")
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    columns = ", ".join(c.name for c in old.columns)  # by name: the old table's later columns were added at its end
+    drop = [f"DROP TABLE IF EXISTS {database}.{name}{on_cluster}" for name in {storage_table(new, cluster), new.name}]
+    foreground = " SETTINGS distributed_foreground_insert = 1" if cluster else ""  # in the new tables before they are exchanged
+    return [
+        *drop,  # a copy left by a step stopped half-way
+        *create_statements(database, retention_days=retention_days, cluster=cluster, tables=[new])[1:],
+        f"INSERT INTO {database}.{new.name} ({columns}) SELECT {columns} FROM {database}.{old.name}{foreground}",
+        f"EXCHANGE TABLES {database}.{storage_table(old, cluster)} AND {database}.{storage_table(new, cluster)}{on_cluster}",
+        *drop,
+    ]
+
+
+def _ranks_keyed_by_rank(store: Store, database: str, cluster: str | None) -> bool:
+    rows = store.query_arrow(
+        "SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = {name:String}",
+        {"db": database, "name": storage_table(BY_NAME["ranks"], cluster)},
+    ).to_pylist()
+    return bool(rows) and "attempt" not in rows[0]["sorting_key"]
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create the tables", lambda db, days, cluster: create_statements(db, retention_days=days, cluster=cluster)),
     Migration(2, "attempts of a run, self-healing actions and self-checks", _attempts),
     Migration(3, "a bounded state for the live diagnosis: rollups and step-range indexes", _bounded_diagnosis),
     Migration(4, "nodes' states as healing sees them", _node_states),
     Migration(5, "each row's flush cycle: a batch's rows and its id stored together or not at all", _cycles),
+    Migration(6, "a rank's row of every attempt kept: ranks keyed by attempt", _ranks_by_attempt, _ranks_keyed_by_rank),
 )
 
 
@@ -126,7 +158,7 @@ def migrate(
         if step.version > current:
             # A new store is created in this rankscope's shape by step 1: the steps up to this
             # schema version only bring older stores there, and are recorded without running.
-            if not (fresh and 1 < step.version <= SCHEMA_VERSION):
+            if not (fresh and 1 < step.version <= SCHEMA_VERSION) and (step.needed is None or step.needed(store, database, cluster)):
                 for sql in step.statements(database, retention_days, cluster):
                     store.command(sql)
             _record(store, database, step.version)

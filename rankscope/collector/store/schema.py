@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 TIME = "DateTime64(9)"
 TIME_CODEC = "CODEC(Delta, ZSTD(1))"
@@ -143,7 +143,7 @@ _TABLES: tuple[Table, ...] = (
             ATTEMPT,
             WORLD,
         ),
-        order_by=("run_id", "rank"),
+        order_by=("run_id", "attempt", "rank"),  # a rank's row of each attempt: who it was before a restart too
         version_column="registered",
     ),
     Table(
