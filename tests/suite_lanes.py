@@ -24,7 +24,8 @@ its lane gets about 3% of a core while the foreground is busy, and a bound of it
 holds on an idle machine can run out in a long foreground burst (a query unanswered for 30 s, a
 TLS handshake, three diagnosis passes: one such failure in most whole runs, a different test each
 time). The first attempt's failure is printed (``--rerun-show-tracebacks``) and counted in the
-summary line. A foreground test is never run again: its checks are the timing ones.
+summary line. A foreground test is never run again: its checks are the timing ones; nor a test that
+shares a fixture with others (a collector of its module): its first attempt's runs are still in it.
 
 Without xdist (``pytest`` alone, or ``-n 0``) nothing here acts: tests run in file order, at the
 priority pytest was started with.
@@ -87,7 +88,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups = {}
     for item in items:
         item.stash[LANE] = FOREGROUND if item.get_closest_marker(FOREGROUND) else BACKGROUND
-        if item.stash[LANE] == BACKGROUND and not item.get_closest_marker("flaky"):
+        if item.stash[LANE] == BACKGROUND and not _shares_a_fixture(item) and not item.get_closest_marker("flaky"):
             item.add_marker(pytest.mark.flaky(reruns=BACKGROUND_RERUNS))
         groups[item.nodeid] = FOREGROUND if item.stash[LANE] == FOREGROUND else _module(item) if _shares_a_fixture(item) else item.nodeid
     slow = {groups[i.nodeid] for i in items if i.get_closest_marker("slow")}

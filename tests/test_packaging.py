@@ -95,7 +95,7 @@ def test_wheel_metadata(wheel: tuple[Path, zipfile.ZipFile]) -> None:
         "dashboard": {"rankscope[collector]", "streamlit", "plotly"},
         "all": {"rankscope[collector,dashboard,gpu,stacks]"},
         "campaign": {"lightning", "accelerate"},
-        "dev": {"pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools", "playwright", "pyyaml", "import-linter"},
+        "dev": {"pytest", "pytest-timeout", "pytest-xdist", "pytest-rerunfailures", "grpcio-tools", "playwright", "pyyaml", "import-linter"},
     }
     assert set(re.findall(r"^Provides-Extra: (.+)$", meta, re.M)) == set(requires)
     # the extra a command names when it is missing (rankscope.cli.main.missing_extra) is one of these
