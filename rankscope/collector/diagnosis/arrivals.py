@@ -81,9 +81,9 @@ def _sql(by: dict[str, str]) -> tuple[str, str]:
     return candidates, steps
 
 
-#: the groups of ``ranks`` that held collectives over the steps
 #: ``ctx.seen`` key: rank -> its groups of two or more (``_groups_of``)
 _GROUPS_KEY = "arrivals.groups"
+#: the groups of ``ranks`` that held collectives over the steps
 GROUPS_SQL = (
     "SELECT DISTINCT rank, group_name FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1 "
     "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} AND rank IN {ranks:Array(UInt32)}"
