@@ -99,6 +99,7 @@ def await_queries(url: str, running: int, waiting: int, timeout_s: float) -> flo
     return time.monotonic() - started
 
 
+@pytest.mark.foreground  # its checks are the reads' priorities and the acks' latency while they run
 @pytest.mark.timeout(150)
 def test_batches_are_acknowledged_at_once_while_slow_and_limit_queries_fill_every_query_thread(
     collector: Running, channel: grpc.Channel
@@ -138,6 +139,7 @@ def test_batches_are_acknowledged_at_once_while_slow_and_limit_queries_fill_ever
     assert 0 not in priorities(collector.proc.pid)
 
 
+@pytest.mark.foreground  # the module's collector, and how soon a query is stopped (a starved background lane missed 10 s, CI of 4632f73)
 @pytest.mark.timeout(150)
 def test_a_caller_that_gives_up_stops_its_query_in_the_collector(
     collector: Running, channel: grpc.Channel, module_runner: ProcRunner
