@@ -83,13 +83,8 @@ def _sql(by: dict[str, str]) -> tuple[str, str]:
 
 #: ``ctx.seen`` key: rank -> its groups of two or more (``_groups_of``)
 _GROUPS_KEY = "arrivals.groups"
-#: the groups of ``ranks`` that held collectives over the steps
+#: the groups ``ranks`` held collectives in over the steps, with the newest step of each
 GROUPS_SQL = (
-    "SELECT DISTINCT rank, group_name FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer = -1 "
-    "AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} AND rank IN {ranks:Array(UInt32)}"
-)
-#: the groups ``ranks`` held collectives in over the steps, with the newest step of each (``_groups_of``)
-_MEMBERSHIP_SQL = (
     "SELECT rank, group_name, max(step) AS newest FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
     "AND peer = -1 AND step BETWEEN {first_step:UInt32} AND {last_step:UInt32} AND rank IN {ranks:Array(UInt32)} GROUP BY rank, group_name"
 )
@@ -214,7 +209,7 @@ def _groups_of(ctx: RunContext, ranks: list[int], last_step: int) -> dict[int, s
     for first, some in since.items():
         if first > last_step:
             continue
-        for r in ctx.query(_MEMBERSHIP_SQL, {"run": ctx.run_id, "first_step": first, "last_step": last_step, "ranks": some}).to_pylist():
+        for r in ctx.query(GROUPS_SQL, {"run": ctx.run_id, "first_step": first, "last_step": last_step, "ranks": some}).to_pylist():
             upto, groups = known.setdefault(r["rank"], (-1, set()))
             if len(ctx.groups.get(r["group_name"], ())) > 1:
                 groups.add(r["group_name"])
