@@ -77,22 +77,25 @@ def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: 
     cutoff = culprits[0]["time_ns"] if culprits else after_hang_ns
     if cutoff is not None:  # silence after the job started failing is a consequence
         silent = {r: t for r, t in silent.items() if t < cutoff}
-    findings += _lost(ctx, _settled(ctx, silent, exits, last_beat, now_ns), exits, own)
+    findings += _lost(ctx, _settled(ctx, silent, exits, now_ns), exits, own)
     return findings
 
 
-def _settled(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], last_beat: dict[int, int], now_ns: int) -> dict[int, int]:
+def _settled(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], now_ns: int) -> dict[int, int]:
     """The silent ranks whose fate is known. Silence alone does not tell a dead process or host from a
     frozen one (``died_at``); around a frozen one the others wait, and the hang detector names it
     once the run has stalled for ``hang_after_s``. Until ranks end, or well past that (a hang that
-    was never named), silence is left undecided while others are still heard."""
+    was never named), silence is left undecided, whether others are still heard or not: a silence
+    of every rank at once is as much the collector's (starved of CPU, the calls waiting unread in
+    its sockets: seen, four hosts named lost while the calls waited 15 s, which shows only once they
+    are taken up) or the network's as the hosts'."""
     if not silent:
         return silent
     since = min(silent.values())
-    ended_since = died_at(since, (e["time_ns"] for e in exits.values()), ctx.settings)
-    heard = any(r not in silent and r not in exits and now_ns - t < ctx.settings.silent_after_s * 1e9 for r, t in last_beat.items())
+    if died_at(since, (e["time_ns"] for e in exits.values()), ctx.settings):
+        return silent
     patience_ns = (ctx.settings.hang_after_s + ctx.settings.silent_after_s) * 1e9
-    return silent if ended_since or not heard or now_ns - since > patience_ns else {}
+    return silent if now_ns - since > patience_ns else {}
 
 
 def _on_its_own(row: dict) -> bool:
