@@ -231,6 +231,52 @@ def test_a_restarted_job_is_one_run_whose_rows_carry_their_attempt() -> None:
     assert _decode(register("r", 0, 2, world="10.0.0.3:7000/2"), restarted).parts["ranks"].to_pylist()[0]["attempt"] == 2
 
 
+def _relayed(kind: str, batches: list[ingest_pb2.Batch]) -> ingest_pb2.Batch:
+    """A relay's batch of its ranks' ``batches`` of one kind, as ``node_relay`` sends it: their rows
+    merged (each naming its rank), each batch a part with its own id."""
+    from rankscope.agent.relay_merge import merge, rows
+
+    payloads = [(b.rank, getattr(b, kind)) for b in batches]
+    merged = envelope(batches[0].run_id, batches[0].rank, **{kind: merge(kind, payloads)})
+    merged.parts.extend(ingest_pb2.BatchPart(rank=b.rank, batch_id=b.batch_id, count=rows(kind, p)) for b, (_, p) in zip(batches, payloads))
+    return merged
+
+
+def _from(process: ingest_pb2.Batch, batch: ingest_pb2.Batch) -> ingest_pb2.Batch:
+    """``batch`` as the agent that sent ``process`` makes it: its ids begin with the agent's instance."""
+    batch.batch_id = process.batch_id[:8] + os.urandom(8)
+    return batch
+
+
+def test_a_relays_late_rows_keep_the_attempt_of_the_process_that_recorded_them() -> None:
+    """A relay spools its ranks' rows and delivers them after the job was requeued and its ranks
+    registered again (Slurm's requeue, the relay's spool replayed): each row keeps its own process's
+    attempt, in a batch that mixes both rounds too, and an end the earlier round left behind is
+    stored but ends nothing. A sender of several ranks (the simulator's worker) is one process."""
+    registry = RunRegistry()
+    first = [register("r", rank, 2, host="node-0", world="10.0.0.1:5000/2") for rank in range(2)]
+    for batch in first:
+        _decode(batch, registry)
+    old_spans = [_from(first[rank], spans("r", rank, 3)) for rank in range(2)]
+    again = [register("r", rank, 2, host="node-1", world="10.0.0.2:6000/2") for rank in range(2)]
+    for batch in again:
+        _decode(batch, registry)
+    late = _decode(_relayed("spans", old_spans), registry).parts["spans"].to_pylist()
+    assert {(row["rank"], row["attempt"]) for row in late} == {(0, 0), (1, 0)} and len(late) == 6
+    mixed = _relayed("heartbeats", [_from(first[0], heartbeats("r", 0)), _from(again[1], heartbeats("r", 1))])
+    assert [(row["rank"], row["attempt"]) for row in _decode(mixed, registry).parts["heartbeats"].to_pylist()] == [(0, 0), (1, 1)]
+    unknown = _relayed("heartbeats", [heartbeats("r", 0), heartbeats("r", 1)])  # processes this collector never saw register
+    assert [row["attempt"] for row in _decode(unknown, registry).parts["heartbeats"].to_pylist()] == [1, 1]
+
+    worker = RunRegistry()
+    old = _registers("s", [0, 1], 2, world="10.0.0.1:5000/2")
+    _decode(old, worker)
+    _decode(_registers("s", [0, 1], 2, world="10.0.0.2:6000/2"), worker)
+    ends = envelope("s", 0, ends=telemetry_pb2.EndBatch(ends=[end("s", r).end for r in range(2)], ranks=[0, 1]))
+    parts = _decode(_from(old, ends), worker).parts
+    assert parts["exits"]["attempt"].to_pylist() == [0, 0] and "runs" not in parts and not worker.has_ended("s", 0)
+
+
 def test_run_level_records_store_a_drivers_actions_and_a_hosts_self_check() -> None:
     from rankscope.healing.record import Figure, action_batch, selfcheck_batch
 

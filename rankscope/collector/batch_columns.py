@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rankscope.collector.batch_limits import MAX_ID_CHARS, STRING_EXPANSION, IngestError, check_count, check_repeated, shown
-from rankscope.collector.run_registry import RunInfo
+from rankscope.collector.run_registry import RunInfo, sender
 from rankscope.collector.store import schema
 from rankscope.collector.store.base import arrow_schema, arrow_type
 from rankscope.protos.v1 import ingest_pb2
@@ -96,6 +96,10 @@ class BatchContext:
         #: the ranks the rows speak for and each row's attempt, when rows name their ranks (``row_ranks``)
         self.ranks: tuple[int, ...] = ()
         self.row_attempts: np.ndarray | None = None
+        #: a relay's batch: the ranks' batches it holds, in the order of its rows (``Batch.parts``)
+        self.parts = batch.parts
+        #: the agent instance that made the batch (``run_registry.sender``)
+        self.sender = sender(batch)
         #: the run as the registry knows it (``decode`` sets it; empty for registrations and run-level records)
         self.run = RunInfo()
         self.offset = batch.clock_offset_ns
@@ -320,11 +324,18 @@ def timestamps(values: np.ndarray) -> pa.Array:
 
 def row_ranks(ctx: BatchContext, ranks: np.ndarray, where: str) -> np.ndarray:
     """Check the ranks rows name (``check_ranks``) and note them in ``ctx``: the batch speaks for them,
-    and its rows take each rank's attempt (``BatchContext.row_attempts``)."""
+    and its rows take the attempt of the process that recorded them where the collector saw it
+    register, else their rank's newest (``BatchContext.row_attempts``)."""
     check_ranks(ctx.run, ranks, where)
     unique, where_in = np.unique(ranks, return_inverse=True)
     ctx.ranks = tuple(unique.tolist())
-    ctx.row_attempts = np.array(ctx.run.attempts(ctx.ranks), dtype=np.uint16)[where_in]
+    newest = np.array(ctx.run.attempts(ctx.ranks), dtype=np.int64)[where_in]
+    counts = [p.count for p in ctx.parts]
+    if len(counts) > 1:  # a relay's batch: a process per part (counted in its rows; held_parts checks)
+        known = np.repeat(ctx.run.part_attempts(ctx.parts), counts) if sum(counts) == len(ranks) else np.full(len(ranks), -1)
+    else:  # one process that speaks for several ranks (a simulator's worker)
+        known = np.full(len(ranks), ctx.run.processes.get(ctx.sender, -1))
+    ctx.row_attempts = np.where(known >= 0, known, newest).astype(np.uint16)
     return ranks.astype(np.uint32)
 
 

@@ -181,10 +181,13 @@ def decode_end(ctx: BatchContext, msg: telemetry_pb2.EndOfRank, registry: RunReg
 
 
 def decode_ends(ctx: BatchContext, msg: telemetry_pb2.EndBatch, registry: RunRegistry) -> dict[str, pa.Table]:
-    """Several ranks' ends from one sender, each of its rank's newest registration's attempt."""
+    """Several ranks' ends from one sender (a relay's, or a simulator's), each of its process's attempt
+    (``row_ranks``): an end an earlier attempt left behind, replayed from a relay's spool after the
+    rank registered again, is stored but ends nothing."""
     _check_several("ends", "end", msg.ends, msg.ranks)
-    ranks = row_ranks(ctx, np.asarray(msg.ranks, dtype=np.int64), "ends.ranks")
-    return _exits(ctx, [(int(r), end, True) for r, end in zip(ranks, msg.ends)], registry, lambda i: f"ends.ends[{i}]")
+    ranks = row_ranks(ctx, np.asarray(msg.ranks, dtype=np.int64), "ends.ranks").tolist()
+    current = np.asarray(ctx.attempts) >= np.array(ctx.run.attempts(ranks))
+    return _exits(ctx, [(r, end, bool(now)) for r, end, now in zip(ranks, msg.ends, current)], registry, lambda i: f"ends.ends[{i}]")
 
 
 def _exits(ctx: BatchContext, ends: list[tuple[int, telemetry_pb2.EndOfRank, bool]], registry: RunRegistry, where: Callable[[int], str]) -> dict[str, pa.Table]:

@@ -65,8 +65,9 @@ class RunInfo:
     exits: dict[int, tuple[str, int]] = field(default_factory=dict)
     #: world (torchrun round, ``Register.world``) -> its attempt, numbered in the order worlds registered
     worlds: dict[str, int] = field(default_factory=dict)
-    #: (rank, agent instance) -> the attempt of the world that process registered in
-    processes: dict[tuple[int, bytes], int] = field(default_factory=dict)
+    #: agent instance (the first 8 bytes of its batch ids) -> the attempt of the world that process
+    #: registered in: what a late row of an earlier attempt is told apart by (``sender``)
+    processes: dict[bytes, int] = field(default_factory=dict)
     #: group name -> the group as this collector last stored it (``group_key``): every rank's
     #: registration carries its groups, which need storing once, not once per member (at 100,000
     #: ranks, a data-parallel group of 782 members would be written 782 times)
@@ -118,17 +119,25 @@ class RunInfo:
         world = _world(batch)
         if world:
             return self.worlds[world] if world in self.worlds else max(self.worlds.values(), default=-1) + 1
-        process = (batch.rank, bytes(batch.batch_id[:8]))
-        if process in self.processes:
-            return self.processes[process]
+        held = self.processes.get(sender(batch))
+        if held is not None:
+            return held
         return self.attempt(batch.rank) if batch.rank in self.registered else batch.attempt
+
+    def part_attempts(self, parts: Iterable[ingest_pb2.BatchPart]) -> list[int]:
+        """The attempt of the process behind each of a relay's batch's ``parts``, -1 where this collector
+        has not seen it register (it restarted since, or the agent sends no world): a relay's spool
+        replayed after a restart holds the earlier attempt's rows, which its ranks' newest registration
+        would mislabel."""
+        return [self.processes.get(bytes(p.batch_id[:8]), -1) for p in parts]
 
     def note_world(self, batch: ingest_pb2.Batch, attempt: int) -> None:
         """Keep the world a registration ``batch`` that passed its checks names, and its process's attempt."""
         world = _world(batch)
         if world:
             self.worlds.setdefault(world, attempt)
-            self.processes[(batch.rank, bytes(batch.batch_id[:8]))] = attempt
+            for process in [bytes(p.batch_id[:8]) for p in batch.parts] or [sender(batch)]:
+                self.processes[process] = attempt
 
     def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> int | None:
         """Note a registration of ``rank`` (its process's start and its time on the rank's clock,
@@ -213,6 +222,12 @@ class RunRegistry:
             known = self.run(run_id).groups
             for row in groups.select(["name", "description", "ranks"]).to_pylist():
                 known[row["name"]] = group_key(telemetry_pb2.Group(**row))
+
+
+def sender(batch: ingest_pb2.Batch) -> bytes:
+    """The agent instance that made ``batch``: its own id's, or its one part's when a relay passed it on
+    (a relay's batch of several parts has several senders: ``RunInfo.part_attempts``)."""
+    return bytes((batch.parts[0].batch_id if len(batch.parts) == 1 else batch.batch_id)[:8])
 
 
 def _world(batch: ingest_pb2.Batch) -> str:
