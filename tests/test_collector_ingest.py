@@ -259,8 +259,9 @@ def test_a_relays_late_rows_keep_the_attempt_of_the_process_that_recorded_them()
         _decode(batch, registry)
     old_spans = [_from(first[rank], spans("r", rank, 3)) for rank in range(2)]
     again = [register("r", rank, 2, host="node-1", world="10.0.0.2:6000/2") for rank in range(2)]
-    for batch in again:
-        _decode(batch, registry)
+    stored = [_decode(batch, registry).parts for batch in again]
+    # the same groups again, stored for the new attempt: a restart may change the layout (groups are per attempt)
+    assert {(g["name"], g["attempt"]) for p in stored for g in p["groups"].to_pylist()} == {("world", 1)}
     late = _decode(_relayed("spans", old_spans), registry).parts["spans"].to_pylist()
     assert {(row["rank"], row["attempt"]) for row in late} == {(0, 0), (1, 0)} and len(late) == 6
     mixed = _relayed("heartbeats", [_from(first[0], heartbeats("r", 0)), _from(again[1], heartbeats("r", 1))])

@@ -402,30 +402,42 @@ def test_the_attempts_step_refills_the_step_rollup_from_the_spans_already_stored
     assert all(r["total"] > 12_000_000 for r in rows)
 
 
-def test_the_ranks_step_keeps_each_ranks_row_of_every_attempt(store: Store) -> None:
+@pytest.mark.parametrize(
+    ("name", "key", "shown", "added_before", "version"),
+    [("ranks", "rank", "host", {"attempt", "world", "cycle"}, 6), ("groups", "name", "ranks", {"cycle"}, 7)],
+)
+def test_a_step_that_keys_a_table_by_attempt_keeps_its_rows_of_every_attempt(
+    store: Store, name: str, key: str, shown: str, added_before: set[str], version: int
+) -> None:
+    """``ranks`` (version 6) and ``groups`` (version 7), keyed without the attempt: the engine's merges
+    kept one row of a rank's (a group's) every attempt. The step makes the table anew, keyed by it."""
     db = store.database
     migrate(store, db, None)
-    # ranks as schema version 5 left it: keyed by (run_id, rank), its later columns added at its end
-    later = {"attempt", "world", "cycle"}
-    ranks = BY_NAME["ranks"]
-    old = replace(ranks, columns=tuple(c for c in ranks.columns if c.name not in later), order_by=("run_id", "rank"))
-    store.command(f"DROP TABLE {db}.ranks")
+    table = BY_NAME[name]
+    rows = sample_rows(name, 2)
+    rows = rows.set_column(rows.schema.get_field_index(key), key, pa.array([rows[key][0].as_py()] * 2, rows.schema.field(key).type))
+    rows = rows.set_column(rows.schema.get_field_index("attempt"), "attempt", pa.array([0, 1], pa.uint16()))
+    store.insert_arrow(name, rows.slice(0, 1))  # the first attempt's row, moved into the old table below
+    # the table as the version before left it: keyed without the attempt, its later columns added at its end
+    later = {"attempt", "world", "cycle"} & {c.name for c in table.columns}
+    old = replace(table, name=f"{name}_old", columns=tuple(c for c in table.columns if c.name not in later),
+                  order_by=tuple(k for k in table.order_by if k != "attempt"))  # fmt: skip
     for sql in create_statements(db, tables=[old])[1:]:
         store.command(sql)
-    for column in (c for c in ranks.columns if c.name in later):
-        for sql in add_column_statements(ranks, column, db, None):
+    for column in (c for c in table.columns if c.name in added_before):
+        for sql in add_column_statements(replace(table, name=old.name), column, db, None):
             store.command(sql)
-    store.command(f"DELETE FROM {db}.schema_version WHERE version = 6")
-    rows = sample_rows("ranks", 2)
-    rows = rows.set_column(rows.schema.get_field_index("rank"), "rank", pa.array([3, 3], pa.uint32()))
-    rows = rows.set_column(rows.schema.get_field_index("attempt"), "attempt", pa.array([0, 1], pa.uint16()))
-    for attempt in (0, 1):  # two inserts, as two registrations come (one block is merged as it is written)
-        store.insert_arrow("ranks", rows.slice(attempt, 1).select([c.name for c in ranks.columns if c.name not in later] + ["attempt", "world"]))
+    columns = ", ".join([c.name for c in old.columns] + sorted(added_before & {"attempt", "world"}))
+    store.command(f"INSERT INTO {db}.{old.name} ({columns}) SELECT {columns} FROM {db}.{name}")
+    store.command(f"DROP TABLE {db}.{name}")
+    store.command(f"RENAME TABLE {db}.{old.name} TO {db}.{name}")
+    store.command(f"DELETE FROM {db}.schema_version WHERE version >= {version}")
     assert migrate(store, db, None) == SCHEMA_VERSION
-    store.command(f"OPTIMIZE TABLE {db}.ranks FINAL")  # a merge: before, it kept attempt 1's row alone
-    kept = store.query_arrow(f"SELECT attempt, host, pid FROM {db}.ranks ORDER BY attempt").to_pylist()
-    assert kept == [{"attempt": a, "host": rows["host"][a].as_py(), "pid": rows["pid"][a].as_py()} for a in (0, 1)]
-    assert store.query_arrow(f"SELECT count() AS n FROM system.tables WHERE database = '{db}' AND name = 'ranks_by_attempt'")["n"][0].as_py() == 0
+    store.insert_arrow(name, rows.slice(1, 1))  # the next attempt's row, after the step
+    store.command(f"OPTIMIZE TABLE {db}.{name} FINAL")  # a merge: before, it kept attempt 1's row alone
+    kept = store.query_arrow(f"SELECT attempt, {shown} FROM {db}.{name} ORDER BY attempt").to_pylist()
+    assert kept == [{"attempt": a, shown: rows[shown][a].as_py()} for a in (0, 1)]
+    assert store.query_arrow(f"SELECT count() AS n FROM system.tables WHERE database = '{db}' AND name = '{name}_by_attempt'")["n"][0].as_py() == 0
     assert migrate(store, db, None) == SCHEMA_VERSION  # nothing more to do
 
 

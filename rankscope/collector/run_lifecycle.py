@@ -88,7 +88,7 @@ def _registrations(
             continue  # an older registration than the rank's newest (or than its end), delivered late
         rows.append((rank, reg, version))
         for g, key in zip(reg.groups, group_keys):  # stored once, not once per member
-            if run.groups.get(g.name) != key:
+            if run.groups.get((ctx.attempt, g.name)) != key:
                 groups[g.name] = (g, version)
         # A rank that does not know its coordinates yet (registered before the script set the topology)
         # does not undo the sizes a rank that knew them sent.
@@ -129,6 +129,7 @@ def _registrations(
                 "description": [g.description for g, _ in groups.values()], "ranks": [list(g.ranks) for g, _ in groups.values()],
                 "registered": pa.array([v for _, v in groups.values()], type=TIMESTAMP),
             },
+            ctx.attempt,
         ),
     }
     if alive:

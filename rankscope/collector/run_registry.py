@@ -68,10 +68,10 @@ class RunInfo:
     #: agent instance (the first 8 bytes of its batch ids) -> the attempt of the world that process
     #: registered in: what a late row of an earlier attempt is told apart by (``sender``)
     processes: dict[bytes, int] = field(default_factory=dict)
-    #: group name -> the group as this collector last stored it (``group_key``): every rank's
+    #: (attempt, group name) -> the group as this collector last stored it (``group_key``): every rank's
     #: registration carries its groups, which need storing once, not once per member (at 100,000
     #: ranks, a data-parallel group of 782 members would be written 782 times)
-    groups: dict[str, bytes] = field(default_factory=dict)
+    groups: dict[tuple[int, str], bytes] = field(default_factory=dict)
 
     def merge(self, other: RunInfo) -> None:
         """Fill what this record lacks from ``other`` (an older record read back from the store)."""
@@ -220,8 +220,9 @@ class RunRegistry:
         groups = parts.get("groups")
         if groups is not None and groups.num_rows:
             known = self.run(run_id).groups
-            for row in groups.select(["name", "description", "ranks"]).to_pylist():
-                known[row["name"]] = group_key(telemetry_pb2.Group(**row))
+            for row in groups.select(["attempt", "name", "description", "ranks"]).to_pylist():
+                attempt = row.pop("attempt")
+                known[(attempt, row["name"])] = group_key(telemetry_pb2.Group(**row))
 
 
 def sender(batch: ingest_pb2.Batch) -> bytes:

@@ -117,7 +117,12 @@ WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND step = {step:UInt
   AND (group_name, seq) IN {p2p:Array(Tuple(String, Int64))}
 """
 
-GROUPS_SQL = "SELECT name, argMax(ranks, registered) AS ranks FROM groups WHERE run_id = {run:String} GROUP BY name"
+# An attempt's groups are those its registrations stored; a store migrated from before groups had an
+# attempt holds them all as attempt 0, so an attempt without groups of its own takes the newest before it.
+_GROUPS_OF_ATTEMPT = """
+groups WHERE run_id = {run:String}
+  AND attempt = (SELECT max(attempt) FROM groups WHERE run_id = {run:String} AND attempt <= {attempt:UInt16})"""
+GROUPS_SQL = f"SELECT name, argMax(ranks, registered) AS ranks FROM {_GROUPS_OF_ATTEMPT} GROUP BY name"
 
 # Each rank's pipeline stage: its pp coordinate, or else its place in its pp group (a rank can
 # register before its trainer set its coordinates), or else 0.
@@ -126,7 +131,7 @@ SELECT r.rank AS rank, if(r.pp >= 0, r.pp, greatest(g.stage, 0)) AS stage
 FROM (SELECT rank, argMax(pp_rank, registered) AS pp FROM ranks WHERE run_id = {run:String} AND attempt <= {attempt:UInt16} GROUP BY rank) AS r
 LEFT JOIN (
     SELECT member AS rank, toInt32(position - 1) AS stage
-    FROM (SELECT argMax(ranks, registered) AS members FROM groups WHERE run_id = {run:String} AND startsWith(name, 'pp[') GROUP BY name)
+    FROM (SELECT argMax(ranks, registered) AS members FROM""" + _GROUPS_OF_ATTEMPT + """ AND startsWith(name, 'pp[') GROUP BY name)
     ARRAY JOIN members AS member, arrayEnumerate(members) AS position
 ) AS g ON g.rank = r.rank
 """
@@ -482,7 +487,7 @@ class _Timelines:
     def groups(self) -> GroupIndex:
         """The run's groups: as given, else read once."""
         if self._groups is None:
-            table = self.query(GROUPS_SQL, {"run": self.params["run"]}).to_pydict()
+            table = self.query(GROUPS_SQL, {"run": self.params["run"], "attempt": self.params["attempt"]}).to_pydict()
             self._groups = GroupIndex.of(dict(zip(table["name"], table["ranks"])))
             self.queries += 1
         return self._groups

@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 from clickhouse_connect.driver.binding import format_bind_value
 
-from rankscope.collector.anatomy.path import GroupIndex
+from rankscope.collector.anatomy.path import GROUPS_SQL, GroupIndex
 from rankscope.common.incidents import who
 from rankscope.common.settings import Settings
 
@@ -77,10 +77,7 @@ class RunContext:
             ctx.host[r["rank"]] = r["host"]
             ctx.stage[r["rank"]] = max(r["pp"], 0)
             ctx.ranks_of_host.setdefault(r["host"], []).append(r["rank"])
-        for g in query(
-            "SELECT name, argMax(ranks, registered) AS ranks FROM groups WHERE run_id = {run:String} GROUP BY name",
-            {"run": run_id},
-        ).to_pylist():
+        for g in ctx.query(GROUPS_SQL, {"run": run_id}).to_pylist():
             ctx.groups[g["name"]] = list(g["ranks"])
         return ctx
 

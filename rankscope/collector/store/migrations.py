@@ -31,7 +31,11 @@ from rankscope.collector.store.ddl import (
     storage_table,
     ttl_clause,
 )
-from rankscope.collector.store.schema import ATTEMPT, BY_NAME, CYCLE, SCHEMA_VERSION, TABLES, WORLD
+from rankscope.collector.store.schema import ATTEMPT, BY_NAME, CYCLE, SCHEMA_VERSION, TABLES, WORLD, Column
+
+
+Step = Callable[[str, int | None, str | None], list[str]]
+Needed = Callable[[Store, str, str | None], bool]
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,10 @@ class Migration:
     version: int
     doc: str
     #: (database, retention_days, cluster) -> statements
-    statements: Callable[[str, int | None, str | None], list[str]]
+    statements: Step
     #: (store, database, cluster) -> whether the store still needs the statements (for steps that
     #: cannot be written to be safe to run again, run again after a stop half-way: a table made anew)
-    needed: Callable[[Store, str, str | None], bool] | None = None
+    needed: Needed | None = None
 
 
 def _attempts(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
@@ -94,32 +98,45 @@ def _cycles(database: str, retention_days: int | None, cluster: str | None) -> l
     return [sql for table in TABLES if CYCLE in table.columns for sql in add_column_statements(table, CYCLE, database, cluster)]
 
 
-def _ranks_by_attempt(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
-    """Version 6: ``ranks`` keeps each rank's row of every attempt. Keyed by (run_id, rank), the
-    engine's merges replaced a rank's row of one attempt by the next one's, and who each rank was
-    before a restart (its host, its process) was lost: a Slurm drill's store held the last attempt's
-    rows alone (session 37). The table is made anew in the new key, filled from the old one, and the
-    two exchanged (``_ranks_keyed_by_rank`` tells whether a store still needs it)."""
-    old, new = BY_NAME["ranks"], replace(BY_NAME["ranks"], name="ranks_by_attempt")
-    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
-    columns = ", ".join(c.name for c in old.columns)  # by name: the old table's later columns were added at its end
-    drop = [f"DROP TABLE IF EXISTS {database}.{name}{on_cluster}" for name in {storage_table(new, cluster), new.name}]
-    foreground = " SETTINGS distributed_foreground_insert = 1" if cluster else ""  # in the new tables before they are exchanged
-    return [
-        *drop,  # a copy left by a step stopped half-way
-        *create_statements(database, retention_days=retention_days, cluster=cluster, tables=[new])[1:],
-        f"INSERT INTO {database}.{new.name} ({columns}) SELECT {columns} FROM {database}.{old.name}{foreground}",
-        f"EXCHANGE TABLES {database}.{storage_table(old, cluster)} AND {database}.{storage_table(new, cluster)}{on_cluster}",
-        *drop,
-    ]
+def _keyed_by_attempt(name: str, copied: Callable[[tuple[Column, ...]], list[Column]] = list) -> tuple[Step, Needed]:
+    """A step that makes table ``name`` anew in its schema's sorting key, which holds ``attempt``: keyed
+    without it, the engine's merges replaced a row of one attempt by the next attempt's. The new
+    table is filled from the old one (the columns ``copied`` keeps of the new shape: the old table's,
+    by name, as its later columns were added at its end), and the two exchanged; the check tells
+    whether a store still needs it (its key lacks ``attempt``: safe after a stop half-way)."""
+    old = BY_NAME[name]
+    new = replace(old, name=f"{name}_by_attempt")
+
+    def statements(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
+        on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+        columns = ", ".join(c.name for c in copied(old.columns))
+        drop = [f"DROP TABLE IF EXISTS {database}.{table}{on_cluster}" for table in {storage_table(new, cluster), new.name}]
+        foreground = " SETTINGS distributed_foreground_insert = 1" if cluster else ""  # in the new tables before they are exchanged
+        return [
+            *drop,  # a copy left by a step stopped half-way
+            *create_statements(database, retention_days=retention_days, cluster=cluster, tables=[new])[1:],
+            f"INSERT INTO {database}.{new.name} ({columns}) SELECT {columns} FROM {database}.{old.name}{foreground}",
+            f"EXCHANGE TABLES {database}.{storage_table(old, cluster)} AND {database}.{storage_table(new, cluster)}{on_cluster}",
+            *drop,
+        ]
+
+    def needed(store: Store, database: str, cluster: str | None) -> bool:
+        rows = store.query_arrow(
+            "SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = {name:String}",
+            {"db": database, "name": storage_table(old, cluster)},
+        ).to_pylist()
+        return bool(rows) and "attempt" not in rows[0]["sorting_key"]
+
+    return statements, needed
 
 
-def _ranks_keyed_by_rank(store: Store, database: str, cluster: str | None) -> bool:
-    rows = store.query_arrow(
-        "SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = {name:String}",
-        {"db": database, "name": storage_table(BY_NAME["ranks"], cluster)},
-    ).to_pylist()
-    return bool(rows) and "attempt" not in rows[0]["sorting_key"]
+#: Version 6: ``ranks`` keeps each rank's row of every attempt: who each rank was before a restart (its
+#: host, its process) was lost at the engine's next merge (a Slurm drill's store held the last
+#: attempt's rows alone, session 37).
+_RANKS_BY_ATTEMPT = _keyed_by_attempt("ranks")
+#: Version 7: ``groups`` keeps each attempt's groups (``attempt`` is new, 0 for the rows already there):
+#: a restart that changes the layout replaced the earlier attempts' membership.
+_GROUPS_BY_ATTEMPT = _keyed_by_attempt("groups", lambda columns: [c for c in columns if c is not ATTEMPT])
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -128,7 +145,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(3, "a bounded state for the live diagnosis: rollups and step-range indexes", _bounded_diagnosis),
     Migration(4, "nodes' states as healing sees them", _node_states),
     Migration(5, "each row's flush cycle: a batch's rows and its id stored together or not at all", _cycles),
-    Migration(6, "a rank's row of every attempt kept: ranks keyed by attempt", _ranks_by_attempt, _ranks_keyed_by_rank),
+    Migration(6, "a rank's row of every attempt kept: ranks keyed by attempt", *_RANKS_BY_ATTEMPT),
+    Migration(7, "each attempt's process groups kept: groups keyed by attempt", *_GROUPS_BY_ATTEMPT),
 )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 TIME = "DateTime64(9)"
 TIME_CODEC = "CODEC(Delta, ZSTD(1))"
@@ -155,8 +155,9 @@ _TABLES: tuple[Table, ...] = (
             Column("description", "String"),
             Column("ranks", "Array(UInt32)"),
             Column("registered", TIME),
+            ATTEMPT,
         ),
-        order_by=("run_id", "name"),
+        order_by=("run_id", "attempt", "name"),  # each attempt's groups: a restart may change the layout
         version_column="registered",
     ),
     Table(

@@ -208,5 +208,5 @@ def _topology(store: Store, topo: Topology, run_id: str, start_ns: int, prefix: 
     names = list(topo.groups)
     store.insert_arrow(f"{prefix}groups", pa.table({
         "run_id": [run_id] * len(names), "name": names, "description": [n.split("[")[0] for n in names],
-        "ranks": [topo.groups[n] for n in names], "registered": [start_ns] * len(names),
+        "ranks": [topo.groups[n] for n in names], "registered": [start_ns] * len(names), "attempt": np.zeros(len(names), np.uint16),
     }, schema=arrow_schema(BY_NAME["groups"])))  # fmt: skip
