@@ -170,6 +170,27 @@ def test_a_frozen_host_is_one_hang_and_its_thaw_names_none_of_its_ranks_alone(mi
     assert [(i.status, i.finding.ranks, i.finding.hosts) for i in hangs] == [("closed", (2, 3), ("node-1",))], hangs
 
 
+def test_a_thaw_whose_first_sign_is_stored_after_a_later_pass_names_none_of_the_hosts_ranks_alone(migrated: Store) -> None:  # noqa: F811
+    """As above, but the heartbeat that says rank 2 works again (said at 13 s, entered #9 since) is
+    stored only after a pass that read node-0's heartbeats up to 15 s and named the host (a collector
+    behind: campaign seed 1608066736). The next pass finds rank 3 heard again without moving, and
+    the others waiting on it alone: rank 2's own progress, later than the pass that named it read,
+    says the stall is ending, and rank 3 is not named alone."""
+    _job(migrated, "late-thaw", {"default_pg": RANKS})
+    step = lambda t: 3 if t < 5 else 4  # noqa: E731
+    wait = lambda r, t: ("default_pg", 9, 6) if (r < 2 and t >= 6) or (r == 2 and t >= 13) else None  # noqa: E731
+    progress = lambda r, t: t if t < 5 else 13 if r == 2 and t >= 13 else 5 if r < 2 else 3  # noqa: E731  (rank 2: its backward ended at 13 s)
+    beats = lambda keep: [(r, t) for t in range(21) for r in RANKS if keep(r, t)]  # noqa: E731
+    _heartbeats(migrated, "late-thaw", beats(lambda r, t: (r < 2 and t <= 15) or t < 4), step=step, progress=progress, wait=wait, phase="backward")
+    settings = Settings(hang_after_s=6, silent_after_s=10)
+    ctx = RunContext.load("late-thaw", migrated.query_arrow, settings)
+    (frozen,) = hang.detect(ctx)
+    assert frozen.ranks == (2, 3) and frozen.summary.startswith("hang: host node-1 ("), frozen.summary
+    later = lambda r, t: (r < 2 and t > 15) or (r == 2 and t >= 13) or (r == 3 and t == 20)  # noqa: E731
+    _heartbeats(migrated, "late-thaw", beats(later), step=step, progress=progress, wait=wait, phase="backward")
+    assert hang.detect(ctx) == []  # was: rank 3 named alone, heard again without moving
+
+
 def test_steps_that_all_outlast_hang_after_are_slow_not_hung(migrated: Store) -> None:  # noqa: F811
     """Every step 10 s with hang_after at 6 s: in steps 2-4 rank 2 computes for 9 s (its spans end late,
     nothing in between), the others waiting in default_pg #step from 2 s in. That is the job's pace,

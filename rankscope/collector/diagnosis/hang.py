@@ -115,12 +115,11 @@ NAMED = "hang.named"
 
 
 class Named(NamedTuple):
-    """The stall a pass named last: its start, the roots, the pass's newest heartbeat, and when a root was
-    first seen working again (``_resuming``; kept while the same stall is named again)."""
+    """The stall a pass named last: its start, each root's last progress as that pass read it, and when
+    a root was first seen working again (``_resuming``; kept while the same stall is named again)."""
 
     advanced: int
-    roots: list[int]
-    named_ns: int
+    progress_ns: dict[int, int]
     resumed_ns: int | None = None
 
 
@@ -251,7 +250,8 @@ def detect(ctx: RunContext) -> list[Finding]:
         "not_heard_since_stall": int(alive.sum() - heard.sum()),
     }
     before = ctx.seen.get(NAMED)
-    ctx.seen[NAMED] = Named(advanced, root_list, last_heartbeat, before.resumed_ns if before and before.advanced == advanced else None)
+    progress_ns = {r: int(st.progress_ns[st.row[r]]) for r in root_list if r in st.row}
+    ctx.seen[NAMED] = Named(advanced, progress_ns, before.resumed_ns if before and before.advanced == advanced else None)
     stacks = _peer_stacks(ctx, sorted(silent), advanced)
     if stacks:  # beside the root's own dumps (``stacks``, attached by the engine: a stopped rank's are from before it stopped)
         evidence["stacks_from_outside"] = stacks
@@ -329,15 +329,18 @@ def _gapped(ctx: RunContext, ranks: list[int], advanced: int) -> set[int]:
 
 
 def _resuming(ctx: RunContext, st: _States, advanced: int, now_ns: int) -> bool:
-    """Whether a rank this stall was pinned on before works again (progress by its own account since
-    the pass that named it): the stall is ending, as a frozen host's ranks resume one by one, and the
-    one that resumed first may have entered what the others wait in already, leaving its host-mate
-    the only rank waited on (seed 555533734 again: rank 2 named alone at the thaw). For
-    ``hang_after_s`` from then no rank is named for this stall; one still waited on after that is."""
+    """Whether a rank this stall was pinned on before works again (progress by its own account later
+    than when the pass that named it read it): the stall is ending, as a frozen host's ranks resume one
+    by one, and the one that resumed first may have entered what the others wait in already, leaving
+    its host-mate the only rank waited on (seed 555533734 again: rank 2 named alone at the thaw). Its
+    own progress, not the pass's newest heartbeat, is the mark: the heartbeat that says it resumed may
+    be stored after a pass that read the others' later ones (campaign seed 1608066736, a collector
+    behind at load 10: the host named, then its rank 3 alone). For ``hang_after_s`` from then no rank
+    is named for this stall; one still waited on after that is."""
     named = ctx.seen.get(NAMED)
     if named is None or named.advanced != advanced:
         return False
-    if not any(r in st.row and st.progress_ns[st.row[r]] > named.named_ns for r in named.roots):
+    if not any(r in st.row and st.progress_ns[st.row[r]] > then for r, then in named.progress_ns.items()):
         return False
     if named.resumed_ns is None:
         named = ctx.seen[NAMED] = named._replace(resumed_ns=now_ns)
