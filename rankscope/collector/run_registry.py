@@ -129,14 +129,14 @@ class RunInfo:
         has not seen it register (it restarted since, or the agent sends no world): a relay's spool
         replayed after a restart holds the earlier attempt's rows, which its ranks' newest registration
         would mislabel."""
-        return [self.processes.get(bytes(p.batch_id[:8]), -1) for p in parts]
+        return [self.processes.get(_instance(p.batch_id), -1) for p in parts]
 
     def note_world(self, batch: ingest_pb2.Batch, attempt: int) -> None:
         """Keep the world a registration ``batch`` that passed its checks names, and its process's attempt."""
         world = _world(batch)
         if world:
             self.worlds.setdefault(world, attempt)
-            for process in [bytes(p.batch_id[:8]) for p in batch.parts] or [sender(batch)]:
+            for process in [_instance(p.batch_id) for p in batch.parts] or [sender(batch)]:
                 self.processes[process] = attempt
 
     def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> int | None:
@@ -228,7 +228,12 @@ class RunRegistry:
 def sender(batch: ingest_pb2.Batch) -> bytes:
     """The agent instance that made ``batch``: its own id's, or its one part's when a relay passed it on
     (a relay's batch of several parts has several senders: ``RunInfo.part_attempts``)."""
-    return bytes((batch.parts[0].batch_id if len(batch.parts) == 1 else batch.batch_id)[:8])
+    return _instance(batch.parts[0].batch_id if len(batch.parts) == 1 else batch.batch_id)
+
+
+def _instance(batch_id: bytes) -> bytes:
+    """The agent instance a batch id names: its first 8 bytes (the rest count the instance's batches)."""
+    return bytes(batch_id[:8])
 
 
 def _world(batch: ingest_pb2.Batch) -> str:

@@ -98,18 +98,18 @@ def _cycles(database: str, retention_days: int | None, cluster: str | None) -> l
     return [sql for table in TABLES if CYCLE in table.columns for sql in add_column_statements(table, CYCLE, database, cluster)]
 
 
-def _keyed_by_attempt(name: str, copied: Callable[[tuple[Column, ...]], list[Column]] = list) -> tuple[Step, Needed]:
+def _keyed_by_attempt(name: str, *, added: tuple[Column, ...] = ()) -> tuple[Step, Needed]:
     """A step that makes table ``name`` anew in its schema's sorting key, which holds ``attempt``: keyed
     without it, the engine's merges replaced a row of one attempt by the next attempt's. The new
-    table is filled from the old one (the columns ``copied`` keeps of the new shape: the old table's,
-    by name, as its later columns were added at its end), and the two exchanged; the check tells
+    table is filled from the old one (by column name, as the old table's later columns were added at
+    its end; the columns the step ``added`` take their defaults), and the two exchanged; the check tells
     whether a store still needs it (its key lacks ``attempt``: safe after a stop half-way)."""
     old = BY_NAME[name]
     new = replace(old, name=f"{name}_by_attempt")
 
     def statements(database: str, retention_days: int | None, cluster: str | None) -> list[str]:
         on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
-        columns = ", ".join(c.name for c in copied(old.columns))
+        columns = ", ".join(c.name for c in old.columns if c not in added)
         drop = [f"DROP TABLE IF EXISTS {database}.{table}{on_cluster}" for table in {storage_table(new, cluster), new.name}]
         foreground = " SETTINGS distributed_foreground_insert = 1" if cluster else ""  # in the new tables before they are exchanged
         return [
@@ -136,7 +136,7 @@ def _keyed_by_attempt(name: str, copied: Callable[[tuple[Column, ...]], list[Col
 _RANKS_BY_ATTEMPT = _keyed_by_attempt("ranks")
 #: Version 7: ``groups`` keeps each attempt's groups (``attempt`` is new, 0 for the rows already there):
 #: a restart that changes the layout replaced the earlier attempts' membership.
-_GROUPS_BY_ATTEMPT = _keyed_by_attempt("groups", lambda columns: [c for c in columns if c is not ATTEMPT])
+_GROUPS_BY_ATTEMPT = _keyed_by_attempt("groups", added=(ATTEMPT,))
 
 
 MIGRATIONS: tuple[Migration, ...] = (
