@@ -41,6 +41,9 @@ SLURMD_TIMEOUT_S = 60
 #: seconds a job step's credential lives (Slurm's default is 120); a requeued job waits this long (and a
 #: second) before it may start again
 CRED_EXPIRE_S = 20
+#: seconds between the scheduler's passes over pending jobs (Slurm's defaults: 60 for the main loop, 30 for
+#: backfill): a requeued job, eligible again once its credential expired, waited up to a pass more to start
+SCHED_INTERVAL_S = 2
 START_TIMEOUT_S = 30.0
 #: the host's /etc/hosts over the machine's, then the host name, then the daemon (``unshare --mount``
 #: keeps the mount to the daemon and its job steps)
@@ -195,5 +198,6 @@ JobRequeue=1
 SlurmdTimeout={SLURMD_TIMEOUT_S}
 MessageTimeout=5
 KillWait=5
+SchedulerParameters=sched_interval={SCHED_INTERVAL_S},bf_interval={SCHED_INTERVAL_S}
 {nodes}PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
