@@ -36,7 +36,7 @@ from conftest import Proc, ProcRunner
 from rankscope.cli.main import COMMANDS as CLI_COMMANDS
 from rankscope.cli.main import build_parser
 from rankscope.testbed import hosts as testbed_hosts
-from rankscope.harness.local_scenarios import SMALL_MODEL
+from rankscope.harness.local_scenarios import SMALL_MODEL, SMALL_SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -98,6 +98,8 @@ STREAMLIT_SERVES = "You can now view your Streamlit app"  # printed once the ser
 NO_DOCKER = NotHere("needs a Docker engine: none runs on the development machine or in CI (docker-compose.yml is checked as data in test_deploy.py)")
 SIM_SHORT = ((r"--ranks 12288 --tp 8 --pp 16 --dp 96 --steps 120", "--ranks 256 --tp 4 --pp 4 --dp 16 --steps 24"),
              (r"rank=3000", "rank=100"), (r"hang:rank=7777,step=96\"$", 'hang:rank=200,step=18" --hold 10'))  # fmt: skip
+#: docs/healing.md's two drills (the test bed's and Slurm's): 24 steps of the small model, not 60 of the default one
+HEAL_SHORT = ((r"--steps 60 ", f"--steps 24 {' '.join(SMALL_SHAPE)} "),)
 
 #: every shell command of README.md and docs/*.md -> how the suite treats it
 COMMANDS: dict[str, Run | NotHere] = {
@@ -144,7 +146,7 @@ COMMANDS: dict[str, Run | NotHere] = {
     # docs/testbed.md
     "rankscope testbed up --hosts 4 --ranks-per-host 2": Run(expect="node3"),
     "rankscope collector --listen unix:/tmp/rankscope.sock &": Run(),
-    "rankscope testbed fault slow-cpu --host node2 --factor 3 --wait 300 --for 600 &": Run(),
+    "rankscope testbed fault slow-cpu --host node2 --factor 3 --at-step 2 --collector unix:/tmp/rankscope.sock --for 600 &": Run(),
     "rankscope testbed run --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 2 --dp 2 --steps 40":
         # all 40 steps, as the page: the host rule wants both its ranks slow in every step of its window but
         # one, and in 10 or 14 steps one of the two sharing node2's quota was slow first (CI of 4872a31: rank 4
@@ -176,7 +178,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     "rankscope testbed fault kill-host --testbed rsheal --host node1 --at-step 10 --collector unix:/tmp/rankscope.sock &": Run(),
     "rankscope launch --testbed rsheal --collector unix:/tmp/rankscope.sock -- -m rankscope.trainer --tp 2 --pp 1 --dp 0 "
     "--global-batch 12 --micro-batch 2 --steps 60 --ckpt-dir ckpt --ckpt-every 2 --resume":
-        Run("24 steps instead of 60", shorten=((r"--steps 60 ", "--steps 24 "),),  # the survivors ended well, node1 was evicted
+        # the survivors ended well, node1 was evicted. The default model: 3.5 s a step on the bed's hosts, 150 s the drill
+        Run("24 steps of a small model instead of 60 of the default one (1.5 s a step, 72 s the drill)", shorten=HEAL_SHORT,
             expect=r"(?s)(?=.*node0: exit 0\n)(?=.*node2: exit 0\n).*node1: exit -9 \(evicted\)", timeout_s=420),
     'rankscope sql --collector unix:/tmp/rankscope.sock "SELECT action, hosts, reason FROM actions ORDER BY time"':
         # the lost host is evicted on its incident, and the job resumes from a checkpoint, not from scratch
@@ -200,7 +203,7 @@ COMMANDS: dict[str, Run | NotHere] = {
 
 #: the pages' scripts (``script_files``), written as the page shows them but for ``shorten``
 SCRIPTS = {
-    "heal.sbatch": Run("24 steps instead of 60, as the test bed's drill above", shorten=((r"--steps 60 ", "--steps 24 "),)),
+    "heal.sbatch": Run("24 steps of a small model instead of 60 of the default one, as the test bed's drill above", shorten=HEAL_SHORT),
 }
 #: pages that read a recorded run through a collector at the default address (a copy of the README's store)
 NEEDS_A_COLLECTOR = {"docs/diagnosis.md", "docs/sql.md", "docs/dashboard.md"}

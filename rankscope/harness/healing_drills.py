@@ -27,6 +27,7 @@ from rankscope.healing.policy import Policy
 from rankscope.testbed import hosts
 from rankscope.testbed import host_faults
 from rankscope.testbed.job import trainer
+from rankscope.harness.local_scenarios import SMALL_SHAPE
 from rankscope.harness.testbed_scenarios import staged
 
 HOSTS, RANKS_PER_HOST = 3, 2
@@ -133,9 +134,8 @@ def run(drill: Drill, *, workdir: Path | None = None, log: Callable[[str], None]
 
 def trainer_flags(workdir: Path, steps: int = STEPS) -> list[str]:
     """The drills' job: the bundled trainer, TP2 inside a host, dp over the hosts, ``steps`` steps, checkpoints in ``workdir``."""
-    return ["--tp", "2", "--pp", "1", "--dp", "0", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "256",
-            "--micro-batch", "2", "--global-batch", "12", "--steps", str(steps), "--ckpt-dir", str(workdir / "ckpt"),
-            "--ckpt-every", str(CKPT_EVERY), "--resume", "--timeout", "120"]  # fmt: skip
+    return ["--tp", "2", "--pp", "1", "--dp", "0", *SMALL_SHAPE, "--micro-batch", "2", "--global-batch", "12", "--steps", str(steps),
+            "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(CKPT_EVERY), "--resume", "--timeout", "120"]  # fmt: skip
 
 
 def fault_at_step(

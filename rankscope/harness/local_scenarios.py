@@ -39,7 +39,8 @@ HANG_AFTER_S = 10.0
 #: a step, the default one in about 1 s. These scenarios keep the default model: on the small one a 9 ms
 #: blip of a 32 kB transfer is 16x its pairs, and the crash scenario was named a slow link too (before a
 #: slow link had to cost a tenth of a step).
-SMALL_MODEL = ("--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "256", "--micro-batch", "2", "--global-batch", "16")
+SMALL_SHAPE = ("--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "256")
+SMALL_MODEL = (*SMALL_SHAPE, "--micro-batch", "2", "--global-batch", "16")
 
 
 @dataclass(frozen=True)
