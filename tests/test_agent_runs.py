@@ -1,7 +1,8 @@
 """The bundled trainer with the agent on, end to end: real torchrun runs on gloo, a real collector.
 
 - TP2xPP2xDP2: the tp, pp and dp collectives line up across their members and the losses are
-  bit for bit those of the same run with the agent off;
+  bit for bit those of the same run with the agent off, which are the single-process model's (the
+  plain 3D layout of tests/test_trainer_runs.py's layouts, run here rather than once more there);
 - an injected straggler: its forward compute is about `factor` times its tp peer's, while the
   peer's, which waits for it in every tp all-reduce, is not inflated (segments are split);
 - a rank that hangs: heartbeats show its peer blocked in the collective, and SIGTERM still
@@ -34,6 +35,10 @@ TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--voc
         "--micro-batch", "2", "--global-batch", "8", "--timeout", "60"]  # fmt: skip
 
 
+#: steps of the 3D run: as many as tests/test_trainer_runs.py's layouts run
+STEPS_3D = 5
+
+
 def layout(tp: int, pp: int, dp: int) -> list[str]:
     return ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp)]
 
@@ -51,13 +56,20 @@ def losses(path: Path) -> list[float]:
 def test_3d_parallel_collectives_line_up_and_the_losses_do_not_change(
     torchrun: Callable[..., Proc], collector: Running, client: Client, tmp_path: Path
 ) -> None:
-    flags = [*layout(2, 2, 2), *TINY, "--steps", "3"]
-    on, off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
-    proc = train(torchrun, flags, 8, agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="3d"), on)
+    flags = [*TINY, "--steps", str(STEPS_3D)]
+    on, off, single = tmp_path / "on.jsonl", tmp_path / "off.jsonl", tmp_path / "single.jsonl"
+    proc = train(torchrun, [*layout(2, 2, 2), *flags], 8, agent_env(collector, tmp_path, RANKSCOPE_RUN_ID="3d"), on)
     assert proc.wait(240) == 0, proc.output(None)  # every rank's traceback: CI of a9aafb1 lost the root one to the tail
-    proc = train(torchrun, flags, 8, {"RANKSCOPE_ENABLE": "0"}, off)
+    proc = train(torchrun, [*layout(2, 2, 2), *flags], 8, {"RANKSCOPE_ENABLE": "0"}, off)
     assert proc.wait(240) == 0, proc.output()
-    assert losses(on) == losses(off) and len(losses(on)) == 3
+    assert losses(on) == losses(off) and len(losses(on)) == STEPS_3D
+    proc = train(torchrun, [*layout(1, 1, 1), *flags], 1, {"RANKSCOPE_ENABLE": "0"}, single)
+    assert proc.wait(240) == 0, proc.output()
+    assert losses(off) == pytest.approx(losses(single), abs=1e-5)  # the 3D layout computes the model
+    assert losses(single)[-1] < losses(single)[0]  # which learns
+    for line in map(json.loads, off.read_text().splitlines()):  # each step timed, its throughput 8 sequences of 32 tokens, no MFU on CPU
+        assert line["mfu"] is None and line["step_time_s"] > 0
+        assert line["tokens_per_s"] == pytest.approx(8 * 32 / line["step_time_s"])
 
     assert {e["reason"] for e in exits(client, "3d", 8, tmp_path).values()} == {"normal"}
     rows = collectives(client, "3d")
@@ -77,7 +89,7 @@ def test_3d_parallel_collectives_line_up_and_the_losses_do_not_change(
         client, "SELECT rank, name, step, microbatch FROM spans WHERE run_id = {run:String} AND name IN ('forward', 'backward')", "3d"
     )
     assert {(s["rank"], s["name"], s["step"], s["microbatch"]) for s in spans} == {
-        (rank, name, step, mb) for rank in range(8) for name in ("forward", "backward") for step in (1, 2, 3) for mb in (0, 1)
+        (rank, name, step, mb) for rank in range(8) for name in ("forward", "backward") for step in range(1, STEPS_3D + 1) for mb in (0, 1)
     }
     scalars = query(
         client, "SELECT step, value FROM step_metrics WHERE run_id = {run:String} AND rank = 4 AND name = 'loss' ORDER BY step", "3d"
