@@ -191,7 +191,7 @@ COMMANDS: dict[str, Run | NotHere] = {
     # node1 drained with the incident the driver acted on, not Slurm's own "Not responding"
     "rankscope testbed slurm --testbed rsslheal -- sinfo --list-reasons --format=\"%N %E\"": Run(expect=r"node1 rankscope: lost_host \S+: "),
     'rankscope sql --collector unix:/tmp/rankscope.sock "SELECT action, hosts, reason FROM actions WHERE run_id LIKE \'slurm-%\' ORDER BY time"':
-        Run(expect=r"(?s)launched.*evict.*node1.*lost_host.*spare.*node3.*resumed.*finished"),
+        Run(expect=r'(?s)launched(?=.*spare +\["node3"\] +node3 joined attempt \d+ in place of node1)(?=.*evict +\["node1"\] +lost_host).*resumed.*finished'),
     "rankscope testbed down rsslheal": Run(expect="is down"),
     "rankscope scenario run testbed-freeze-rank": NotHere("tests/test_testbed_scenarios.py runs the test-bed scenarios (its RUN_ELSEWHERE says why this one is not)"),
     # docs/trainer.md

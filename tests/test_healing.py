@@ -97,12 +97,22 @@ class Cluster:
         self.released.append(host)
         return f"resumed {host}"
 
+    #: set once the job's launchers (but the waiting spares') have ended
+    done: bool = False
+    stopped: list[str] = field(default_factory=list)
+
     # the job
-    def finished(self) -> bool:
-        return False
+    def finished(self, but: Any = ()) -> bool:
+        return self.done
 
     def exited(self) -> dict[str, int]:
         return dict(self.exits)
+
+    def wait(self, timeout_s: float) -> dict[str, int]:
+        return dict(self.exits)
+
+    def stop(self, grace_s: float = 5.0, hosts: Any = None) -> None:
+        self.stopped += list(hosts)
 
 
 def _driver(cluster: Cluster) -> driver.Driver:
@@ -112,6 +122,43 @@ def _driver(cluster: Cluster) -> driver.Driver:
 
 def _attempt(attempt: int, on: list[str]) -> dict[str, Any]:
     return {"attempt": attempt, "hosts": on, "ranks": 2 * len(on), "registered_ns": 0}
+
+
+def test_a_spare_waits_in_the_rendezvous_from_the_first_attempt_and_joins_the_survivors_restart() -> None:
+    """The spare's launcher starts once this launch's first attempt registered (not before: it would take a
+    starting host's place), joins the round the survivors restart in without node0 (torchrun's redundancy
+    list), and counts as a host of the job from then on: the eviction that follows starts no second one."""
+    cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)]})  # registered before this launch: a requeued run's
+    heal = _driver(cluster)
+    heal.poll()
+    assert cluster.joined == []
+    cluster.rows[driver.ATTEMPTS_SQL] = [{**_attempt(0, HOSTS), "registered_ns": time.time_ns()}]
+    heal.poll()
+    heal.poll()
+    assert cluster.joined == ["node3"] and heal.spares == ["node3"] and heal.remaining == HOSTS  # waiting, once
+    cluster.rows[driver.ATTEMPTS_SQL].append({**_attempt(1, ["node1", "node3"]), "registered_ns": time.time_ns()})
+    heal.poll()
+    assert heal.spares == ["node3"]  # attempt 1 still registering: node2's ranks are not in yet
+    cluster.rows[driver.ATTEMPTS_SQL][-1]["hosts"] = ["node1", "node2", "node3"]
+    cluster.rows[driver.STEPS_SQL] = [{"attempt": 1, "first_step": 5, "last_step": 5, "first_step_ns": time.time_ns()}]
+    heal.poll()
+    spare = [a for a in cluster.actions if a[0] == "spare"]
+    assert spare == [("spare", ["node3"], "node3 joined attempt 1 in place of node0")] and heal.spares == []
+    cluster.rows[INCIDENTS_SQL] = [{"incident_id": "lost:host=node0", "kind": "lost_host", "hosts": ["node0"], "first_seen_ns": time.time_ns(),
+                                    "status": "open", "summary": "every rank of node0 went silent"}]  # fmt: skip
+    heal.poll()
+    assert cluster.fenced == ["node0"] and cluster.joined == ["node3"] and heal.remaining == ["node1", "node2", "node3"]
+
+
+def test_a_spare_the_job_never_needed_is_stopped_when_the_job_ends_and_its_exit_is_not_the_jobs() -> None:
+    cluster = Cluster(exits={"node0": 0, "node1": 0, "node2": 0, "node3": -15})
+    heal = _driver(cluster)
+    cluster.rows[driver.ATTEMPTS_SQL] = [{**_attempt(0, HOSTS), "registered_ns": time.time_ns()}]
+    heal.poll()
+    assert cluster.joined == ["node3"]
+    cluster.done = True
+    assert heal.run() == {"node0": 0, "node1": 0, "node2": 0} and cluster.stopped == ["node3"]
+    assert [a for a, *_ in cluster.actions][-1] == "finished"
 
 
 def test_a_lost_rank_that_becomes_its_hosts_loss_is_considered_again() -> None:

@@ -46,7 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              " waits as a spare, unless drained twice within the hour (default: 0, never: rankscope node resume)")  # fmt: skip
     parser.add_argument("--straggler-steps", type=count(0), default=3, help="act on a straggler once it stayed slow this many steps (default: 3)")
     parser.add_argument("--spares", type=count(0), default=0,
-                        help="the last N hosts (the test bed's, or the allocation's nodes) wait outside the job; one joins it for each host evicted (default: 0)")  # fmt: skip
+                        help="the last N hosts (the test bed's, or the allocation's nodes) wait in the job's rendezvous from its first attempt;"
+                             " one joins the first restart with a host gone (default: 0)")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("launch-logs"), help="hosts' logs and the rendezvous log (default: ./launch-logs)")
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="PROGRAM",
                         help="after --: -m rankscope.trainer ... --dp 0 --ckpt-dir DIR --ckpt-every N --resume, or a script that resumes by itself")  # fmt: skip

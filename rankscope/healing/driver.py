@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,11 +70,13 @@ ACTOR = "rankscope launch"
 class Job(Protocol):
     """The running job: whether its launchers have all ended, and how."""
 
-    def finished(self) -> bool: ...
+    def finished(self, but: Collection[str] = ()) -> bool: ...
 
     def exited(self) -> dict[str, int]: ...
 
     def wait(self, timeout_s: float) -> dict[str, int]: ...
+
+    def stop(self, grace_s: float = 5.0, hosts: Collection[str] | None = None) -> None: ...
 
 
 @dataclass
@@ -93,9 +95,12 @@ class Driver:
     #: how long the survivors may take to restart by themselves after a fence before their workers are killed
     restart_grace_s: float = 10.0
     log: Callable[[str], None] = print
-    #: hosts that wait outside the job; one joins it for each host evicted (``join`` starts it)
+    #: hosts that wait outside the job (``join`` starts a host's launcher): in its rendezvous once an attempt of
+    #: this launch registered, or on an eviction before that
     spares: list[str] = field(default_factory=list)
     join: Callable[[str], None] | None = None
+    #: when this launch started the job's launchers: an attempt registered since is this launch's
+    launched_ns: int = field(default_factory=time.time_ns)
     #: hands the whole job back to its scheduler to place anew (the policy's ``requeue``): this
     #: allocation ends, and the job comes back as the next attempt of the same run
     requeue: Callable[[], None] | None = None
@@ -119,6 +124,8 @@ class Driver:
     _since_ns: int = field(default_factory=time.time_ns)
     #: the hosts this driver drained, and when it last looked at each (a re-check brings them back)
     _drained: dict[str, float] = field(default_factory=dict)
+    #: the spares whose launcher runs: they wait in the job's rendezvous (``_warm_spares``)
+    _hot: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._active = [h for h in self.fleet.hosts() if h not in self.spares]
@@ -127,12 +134,15 @@ class Driver:
         self._safely(self._first_launch)
         self._act("launched", self._active, reason=f"{len(self._active)} hosts, {len(self.spares)} spares",
                   evidence={"spares": self.spares, "policy": vars(self.policy)})  # fmt: skip
-        while not self.job.finished():
+        while not self.job.finished(but=self._waiting()):
             self._safely(self.poll)
             if self.requeued:  # the scheduler ends this allocation: the run goes on in the next one
                 return self.job.exited()
             time.sleep(self.poll_s)
-        exits = self.job.wait(0)
+        if unused := self._waiting():  # spares the job never needed: their launchers would wait on a closed rendezvous
+            self.job.stop(hosts=unused)
+            self.log(f"[rankscope launch] the job did not need {', '.join(unused)}: stopped")
+        exits = {host: code for host, code in self.job.wait(0).items() if host not in unused}
         self._safely(self.poll)
         self._safely(lambda: self._conclude(exits))
         deadline = time.monotonic() + 30
@@ -280,10 +290,12 @@ class Driver:
             done = self.fleet.fence(host, told)
             self.evicted.append(host)
             self._active.remove(host)
+            self._hot.discard(host)  # its launcher is fenced with it: a spare again (a re-check) starts it anew
             self._drained[host] = time.monotonic()
             self._node(host, DRAINED, incident_id, told)
             self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining}, time_ns=decided_ns)
-            goes = "goes back to its scheduler" if requeue else f"goes on with {', '.join(self.remaining)}"
+            beside = f" and {', '.join(self._waiting())}, waiting in its rendezvous" if self._waiting() else ""
+            goes = "goes back to its scheduler" if requeue else f"goes on with {', '.join(self.remaining)}{beside}"
             self.log(f"[rankscope launch] evicted {host} ({why}); the job {goes}")
         if requeue:
             self._act("requeue", self.remaining, incident_id, f"{len(self.remaining)} hosts left, fewer than {self.policy.min_hosts}: "
@@ -294,13 +306,16 @@ class Driver:
             return
         if not (restarted or self._went_on_without(hosts)):
             self._fenced = (time.monotonic(), self.fleet.workers(self.remaining))
-        for host in hosts:
-            if self.spares and self.join is not None:
-                spare = self.spares.pop(0)
-                self.join(spare)
-                self._active.append(spare)
-                self._act("spare", [spare], incident_id, f"{spare} joins the job in place of {host}")
-                self.log(f"[rankscope launch] {spare} joins the job in place of {host}")
+        waiting = self._waiting()  # each takes a place in the survivors' next round by itself (``_seat_spares``)
+        for host in hosts[len(waiting):]:
+            cold = [s for s in self.spares if s not in self._hot]
+            if not cold or self.join is None:
+                break
+            self.spares.remove(cold[0])
+            self.join(cold[0])
+            self._active.append(cold[0])
+            self._act("spare", [cold[0]], incident_id, f"{cold[0]} joins the job in place of {host}")
+            self.log(f"[rankscope launch] {cold[0]} joins the job in place of {host}")
 
     def _went_on_without(self, hosts: list[str]) -> bool:
         """Whether the survivors restarted by themselves before ``hosts`` were fenced: the newest attempt
@@ -366,6 +381,41 @@ class Driver:
                 self._act("restart", sorted(row["hosts"]), reason=f"attempt {attempt}: {row['ranks']} ranks on {', '.join(sorted(row['hosts']))}",
                           evidence={"world_size": row["ranks"]}, attempt=attempt, time_ns=row["registered_ns"])  # fmt: skip
                 self._resume(attempt, steps)
+        self._seat_spares(steps)
+        self._warm_spares()
+
+    def _waiting(self) -> list[str]:
+        """The spares whose launcher runs, not in the job yet."""
+        return [s for s in self.spares if s in self._hot]
+
+    def _warm_spares(self) -> None:
+        """Start each spare's launcher once an attempt of this launch has registered (its rendezvous round
+        complete): it waits in the rendezvous (torchrun's redundancy list) and takes a place in the first
+        round with a place free. The survivors' own restart after a host is lost takes it in, where a spare
+        started once the host was named made them restart a second time (the Slurm drill's first step after the
+        restart came 60.7 s after the fault, 31.9 s with the spare waiting). Started
+        before the first round completed, a spare could take the place of a host the job starts on."""
+        if self.join is None or not any(a["registered_ns"] >= self.launched_ns for a in self._attempts.values()):
+            return
+        for spare in [s for s in self.spares if s not in self._hot]:
+            self.join(spare)
+            self._hot.add(spare)
+            self.log(f"[rankscope launch] {spare} waits in the job's rendezvous, a spare")
+
+    def _seat_spares(self, steps: dict[int, dict[str, Any]]) -> None:
+        """A waiting spare in the newest attempt has joined the job: one of its hosts from now on. Read once
+        the attempt completed a step (every rank of it registered: a row read before lacks some hosts)."""
+        if not self._attempts or max(self._attempts) not in steps:
+            return
+        newest = self._attempts[max(self._attempts)]
+        before = [self._attempts[a]["hosts"] for a in sorted(self._attempts) if a < newest["attempt"]][-1:]
+        gone = sorted(h for hosts in before for h in hosts if h not in newest["hosts"])  # evicted already, or not yet
+        for spare in [s for s in self._waiting() if s in newest["hosts"]]:
+            self.spares.remove(spare)
+            self._active.append(spare)
+            said = f"{spare} joined attempt {newest['attempt']} in place of {', '.join(gone) or 'a host'}"
+            self._act("spare", [spare], reason=said, attempt=newest["attempt"], time_ns=newest["registered_ns"])
+            self.log(f"[rankscope launch] {said}")
 
     def _drop_departed(self) -> None:
         """Evict the hosts whose launcher ended while the job went on without them in a later attempt.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,8 +33,9 @@ class Launchers:
             raise ValueError(f"{host} cannot join job {self.run_id}: {'it runs the job already' if running else 'no way to start it'}")
         self.launchers[host], self.logs[host] = self.start_on(host)
 
-    def finished(self) -> bool:
-        return all(p.poll() is not None for p in self.launchers.values())
+    def finished(self, but: Collection[str] = ()) -> bool:
+        """Whether every launcher has ended, those of the hosts ``but`` aside (spares waiting to join)."""
+        return all(p.poll() is not None for name, p in self.launchers.items() if name not in but)
 
     def exited(self) -> dict[str, int]:
         """The exit status of each host's launcher that has ended."""
@@ -49,11 +50,12 @@ class Launchers:
             time.sleep(0.2)
         return {name: p.returncode for name, p in self.launchers.items()}
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stop every launcher and what it started."""
-        for proc in self.launchers.values():
-            terminate_tree(proc, grace_s)
-            proc.wait()
+    def stop(self, grace_s: float = 5.0, hosts: Collection[str] | None = None) -> None:
+        """Stop every launcher (or those of ``hosts``) and what it started."""
+        for name, proc in self.launchers.items():
+            if hosts is None or name in hosts:
+                terminate_tree(proc, grace_s)
+                proc.wait()
 
     def output(self, tail: int = 4000) -> str:
         return "\n".join(f"--- {name} ---\n{path.read_text(errors='replace')[-tail:]}" for name, path in self.logs.items())

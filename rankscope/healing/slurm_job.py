@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,13 +92,14 @@ def run(
         return proc, path
 
     job = Launchers(run_id=run_id, start_on=start_on)
+    launched_ns = time.time_ns()
     try:
         for node in starting:
             job.add(node)
         fleet = SlurmFleet(found.job_id, slurm)
         with Client(collector) as client:
             driver = Driver(run_id, client, fleet, policy, job, ranks_per_node, check_timeout_s=check_timeout_s, log=log,
-                            spares=list(waiting), join=job.add, requeue=fleet.requeue)  # fmt: skip
+                            spares=list(waiting), join=job.add, requeue=fleet.requeue, launched_ns=launched_ns)  # fmt: skip
             log(f"[rankscope launch] run {run_id}: Slurm job {found.job_id}, {ranks_per_node} ranks on each of {', '.join(starting)}"
                 f"{'; spares ' + ', '.join(waiting) if waiting else ''}; logs in {workdir}")  # fmt: skip
             return driver.run(), driver

@@ -8,6 +8,7 @@ a training host, so any host may fail; the agents' command line and the rendezvo
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def run(
            # A fresh worker store every round: torchrun's shared one (served by the round's first node,
            # chosen once) keeps the previous attempt's keys, whose gloo addresses are dead processes.
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
+    launched_ns = time.time_ns()
     job = launch(
         bed, program, run_id=run_id, workdir=workdir / "hosts", ranks_per_host=ranks_per_host, env=env, max_restarts=max_restarts,
         min_hosts=policy.min_hosts, rendezvous=f"{CONTROL_ADDRESS}:{RDZV_PORT}", rdzv_conf=RDZV_CONF, hosts=starting, cwd=Path.cwd(),
@@ -62,7 +64,7 @@ def run(
     try:
         with Client(collector) as client:
             driver = Driver(run_id, client, TestbedFleet(bed), policy, job, ranks_per_host, check_timeout_s=check_timeout_s, log=log,
-                            spares=[h.name for h in waiting], join=job.add)  # fmt: skip
+                            spares=[h.name for h in waiting], join=job.add, launched_ns=launched_ns)  # fmt: skip
             placement = job.placement()
             log(f"[rankscope launch] run {run_id}: {len(placement)} ranks on {len(bed.hosts)} hosts; logs in {workdir}")
             if on_start is not None:
