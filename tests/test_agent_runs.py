@@ -25,6 +25,7 @@ import pytest
 from test_agent_collectives import (  # noqa: F401 - client and collector are fixtures
     agent_env, assert_lined_up, client, collectives, collector, exits, members, query,
 )
+from test_trainer_runs import assert_measured
 
 from conftest import Proc, Running
 from rankscope.collector.client import Client
@@ -67,9 +68,7 @@ def test_3d_parallel_collectives_line_up_and_the_losses_do_not_change(
     assert proc.wait(240) == 0, proc.output()
     assert losses(off) == pytest.approx(losses(single), abs=1e-5)  # the 3D layout computes the model
     assert losses(single)[-1] < losses(single)[0]  # which learns
-    for line in map(json.loads, off.read_text().splitlines()):  # each step timed, its throughput 8 sequences of 32 tokens, no MFU on CPU
-        assert line["mfu"] is None and line["step_time_s"] > 0
-        assert line["tokens_per_s"] == pytest.approx(8 * 32 / line["step_time_s"])
+    assert_measured([json.loads(line) for line in off.read_text().splitlines()])
 
     assert {e["reason"] for e in exits(client, "3d", 8, tmp_path).values()} == {"normal"}
     rows = collectives(client, "3d")

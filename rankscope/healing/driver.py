@@ -294,7 +294,7 @@ class Driver:
             self._drained[host] = time.monotonic()
             self._node(host, DRAINED, incident_id, told)
             self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining}, time_ns=decided_ns)
-            beside = f" and {', '.join(self._waiting())}, waiting in its rendezvous" if self._waiting() else ""
+            beside = f" and {', '.join(waiting)}, waiting in its rendezvous" if (waiting := self._waiting()) else ""
             goes = "goes back to its scheduler" if requeue else f"goes on with {', '.join(self.remaining)}{beside}"
             self.log(f"[rankscope launch] evicted {host} ({why}); the job {goes}")
         if requeue:
@@ -393,8 +393,8 @@ class Driver:
         complete): it waits in the rendezvous (torchrun's redundancy list) and takes a place in the first
         round with a place free. The survivors' own restart after a host is lost takes it in, where a spare
         started once the host was named made them restart a second time (the Slurm drill's first step after the
-        restart came 60.7 s after the fault, 31.9 s with the spare waiting). Started
-        before the first round completed, a spare could take the place of a host the job starts on."""
+        restart came 60.7 s after the fault, 31.9 s with the spare waiting). Started before the first round
+        completed, a spare could take the place of a host the job starts on."""
         if self.join is None or not any(a["registered_ns"] >= self.launched_ns for a in self._attempts.values()):
             return
         for spare in [s for s in self.spares if s not in self._hot]:
