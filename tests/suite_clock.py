@@ -38,6 +38,8 @@ class Spent:
     nodeid: str
     wall_s: float
     cpu_s: float  # this process and the children it reaped, during the test
+    started: float  # when its setup began (Unix time): where it sat in the run, beside what ran on the other worker
+    worker: str  # the xdist worker that ran it ("" without xdist)
     outcome: str
 
     @property
@@ -50,8 +52,8 @@ _spent: list[Spent] = []
 _outcomes: dict[str, str] = {}  # node id -> its worst phase outcome so far
 _started = time.monotonic()
 _gathers = True  # False on an xdist worker: its reports go to the pytest that hands out the tests
-CLOCK = pytest.StashKey[tuple[float, float]]()
-PROPERTY = "suite_clock"  # the teardown report's user property carrying (wall s, CPU s)
+CLOCK = pytest.StashKey[tuple[float, float, float]]()
+PROPERTY = "suite_clock"  # the teardown report's user property carrying (wall s, CPU s, start time, worker)
 
 
 def _cpu() -> float:
@@ -66,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    item.stash[CLOCK] = (time.monotonic(), _cpu())
+    item.stash[CLOCK] = (time.monotonic(), _cpu(), time.time())
     yield
 
 
@@ -77,8 +79,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed and call.excinfo is not None and str(call.excinfo.value).startswith("Timeout (>"):
         report.sections.append(("stacks of the test's child processes (py-spy)", _child_stacks()))
     if report.when == "teardown" and CLOCK in item.stash:  # the figures travel with the report (xdist sends it on)
-        wall, cpu = item.stash[CLOCK]
-        report.user_properties.append((PROPERTY, (time.monotonic() - wall, _cpu() - cpu)))
+        wall, cpu, started = item.stash[CLOCK]
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        report.user_properties.append((PROPERTY, (time.monotonic() - wall, _cpu() - cpu, started, worker)))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
