@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from rankscope.harness.orchestration import CLI, free_port, listen_address, metrics_url
+from rankscope.common import torchrun_launcher
 from rankscope.common.processes import terminate_tree
 from rankscope.testbed.hosts import Testbed
 
@@ -156,12 +157,13 @@ class ProcRunner:
         env: Mapping[str, str] | None = None,
         name: str | None = None,
     ) -> Proc:
-        """``torchrun --standalone --nproc-per-node N args...`` with this interpreter.
+        """``torchrun --standalone --nproc-per-node N args...`` with this interpreter (``rankscope.common.torchrun_launcher``:
+        the same agent, started with less CPU).
 
         --standalone makes torchrun pick a free rendezvous port itself, so parallel tests do
         not collide. OMP_NUM_THREADS=1 keeps N ranks from oversubscribing the two cores.
         """
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+        cmd = torchrun_launcher.command("--standalone", f"--nproc-per-node={nproc}", *args)
         return self.start(cmd, env={"OMP_NUM_THREADS": "1", **(env or {})}, name=name or f"torchrun-{len(self.procs)}")
 
     def cleanup(self) -> None:

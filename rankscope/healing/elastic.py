@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rankscope.agent.host_relay import requested
+from rankscope.common import torchrun_launcher
 from rankscope.common.processes import terminate_tree
 
 __all__ = ["RDZV_CONF", "RDZV_PORT", "RendezvousError", "agent_command", "relay_socket", "start_rendezvous"]
@@ -42,10 +43,11 @@ def agent_command(
     beside = [sys.executable, "-m", "rankscope.agent.host_relay", "--listen", relay, "--"] if relay else []
     return [
         *beside,
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={ranks_per_host}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-        f"--rdzv-conf={','.join(f'{k}={v}' for k, v in rdzv_conf.items())}", f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.5", *program,
+        *torchrun_launcher.command(
+            f"--nnodes={nnodes}", f"--nproc-per-node={ranks_per_host}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}", f"--rdzv-conf={','.join(f'{k}={v}' for k, v in rdzv_conf.items())}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *program,
+        ),
     ]  # fmt: skip
 
 

@@ -13,15 +13,13 @@ import subprocess
 import sys
 
 from rankscope.agent.autoload import forbid
+from rankscope.common import torchrun_launcher
 from rankscope.trainer.train_config import ConfigError, TrainConfig, parse_args, rank_argv
 
 
 def torchrun_command(argv: list[str], nproc: int) -> list[str]:
     """The torchrun command line that runs the trainer with ``argv`` (``rank_argv``'s) on ``nproc`` local ranks."""
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "rankscope.trainer", *argv,
-    ]  # fmt: skip
+    return torchrun_launcher.command("--standalone", f"--nproc-per-node={nproc}", "-m", "rankscope.trainer", *argv)
 
 
 def planned(cfg: TrainConfig) -> TrainConfig:
