@@ -39,6 +39,8 @@ def test_demo_runs_reports_the_straggler_and_stops_everything(proc_runner: ProcR
         env={"TMPDIR": str(tmp_path)}, name="demo",  # its log directory goes under TMPDIR
     )  # fmt: skip
     demo.wait_for("INCIDENT straggler: rank 5 (node-2)", timeout=200)
+    raised = next(line for line in demo.stdout.splitlines() if "INCIDENT straggler: rank 5" in line)
+    assert "costs 0% " not in raised, raised  # its cost walked on steps every rank had sent (issue 29)
     assert re.search(r"Open http://127\.0\.0\.1:\d+/\?run=demo-\w+", demo.stdout), demo.output()
     tree = process_tree(demo.pid)
     assert len(tree) >= 12, f"expected the demo, collector, dashboard, launcher, torchrun and 8 ranks: {tree}"

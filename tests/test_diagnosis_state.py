@@ -19,6 +19,7 @@ import pytest
 
 from rankscope.harness.simulate import anatomy_rows
 from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, segment_window, straggler
+from rankscope.collector.anatomy.path import INCIDENT_STEPS
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.common.settings import Settings
 from rankscope.harness.simulate import topology
@@ -182,7 +183,33 @@ def test_a_pass_reads_from_the_newest_step_it_saw(run: tuple[EmbeddedStore, int]
     assert not [p for p in asked if "steps" in p]  # nothing new was stored: no point is read again
     assert before[0].evidence["critical_path_cost"]["share"] > 0
     assert not [p for p in asked if "step" in p]  # nor the frame of a step whose cost it kept
-    assert [p["path_steps"] for p in asked if "path_steps" in p] == [before[0].evidence["critical_path_cost"]["steps"]]  # only counts its pieces
+    window = [p["step"] for p in before[0].evidence["recent_steps"]]
+    assert [p["path_steps"] for p in asked if "path_steps" in p] == [window]  # only counts the window's pieces
+    assert before[0].evidence["critical_path_cost"]["steps"] == window[-INCIDENT_STEPS:]  # every rank sent them
+
+
+def test_a_stragglers_cost_is_walked_on_the_newest_steps_every_rank_has_sent(run: tuple[EmbeddedStore, int]) -> None:
+    """A step whose rows still arrive is left out of the straggler's cost (its path can miss the straggler:
+    the demo's first incident said "costs 0% of step time"); while no step is whole, the incident has no cost."""
+    store, _ = run
+    arriving: set[int] = set()  # steps a rank's rows of which are not in yet
+
+    def query(sql: str, params: dict) -> pa.Table:
+        table = store.query_arrow(sql, params)
+        if sql != straggler.STEP_PIECES_SQL:
+            return table
+        return pa.Table.from_pylist([r | {"ranks": r["ranks"] - 1} if r["step"] in arriving else r for r in table.to_pylist()],
+                                    schema=table.schema)  # fmt: skip
+
+    found = straggler.detect(RunContext.load(RUN, query, Settings()))
+    window = [p["step"] for p in found[0].evidence["recent_steps"]]
+    assert found[0].evidence["critical_path_cost"]["steps"] == window[-INCIDENT_STEPS:]
+    arriving.add(window[-1])
+    found = straggler.detect(RunContext.load(RUN, query, Settings()))
+    assert found[0].evidence["critical_path_cost"]["steps"] == window[-INCIDENT_STEPS - 1 : -1]
+    arriving.update(window)
+    found = straggler.detect(RunContext.load(RUN, query, Settings()))
+    assert found and "critical_path_cost" not in found[0].evidence and "of step time" not in found[0].summary, found[0].summary
 
 
 def test_rows_that_come_late_are_read_with_their_step(run: tuple[EmbeddedStore, int]) -> None:

@@ -50,8 +50,8 @@ EVIDENCE_SQL = (
 HOSTS_NAMED = "straggler.hosts"
 #: how much of each step the store holds, all its segments: what its critical path is walked on (pieces only add up)
 STEP_PIECES_SQL = (
-    "SELECT step, sum(pieces) AS pieces FROM step_segments WHERE run_id = {run:String} AND attempt = {attempt:UInt16} "
-    "AND step IN {path_steps:Array(UInt32)} GROUP BY step"
+    "SELECT step, sum(pieces) AS pieces, uniqExact(rank) AS ranks FROM step_segments WHERE run_id = {run:String} "
+    "AND attempt = {attempt:UInt16} AND step IN {path_steps:Array(UInt32)} GROUP BY step"
 )
 
 # Only the groups of the ranks asked about: every group's collectives would be a million rows at scale.
@@ -251,7 +251,7 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
         sql = ctx.literal_sql(late_arrivals.EVIDENCE_SQL, first_step=info["since_step"], last_step=info["steps"][-1]["step"])
     else:
         sql = ctx.literal_sql(EVIDENCE_SQL, segments=segments, ranks=stage_ranks)
-    cost = _cost(ctx, [p["step"] for p in info["steps"][-INCIDENT_STEPS:]], ranks, costs)
+    cost = _cost(ctx, [p["step"] for p in info["steps"]], ranks, costs)
     if cost is not None:
         evidence["critical_path_cost"] = cost
         summary = f"{summary}; {cost['text']}"
@@ -269,13 +269,18 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
     )
 
 
-def _cost(ctx: RunContext, steps: list[int], ranks: list[int], costs: dict[tuple, tuple]) -> dict | None:
-    """What the links of ``ranks`` on the critical paths of ``steps`` cost them (rankscope/collector/anatomy),
-    as the pass before found it while the store holds as many pieces of those steps, all their segments
-    (their paths, and so the cost, are the same): at 100,000 ranks asking each step's frame again took
-    0.2 s a pass, counting the pieces 0.02 s. ``costs``: what this pass found, kept for the next."""
-    counted = ctx.query(STEP_PIECES_SQL, {"run": ctx.run_id, "path_steps": steps}).to_pydict()
-    held = tuple(sorted(zip(counted["step"], counted["pieces"])))
+def _cost(ctx: RunContext, window: list[int], ranks: list[int], costs: dict[tuple, tuple]) -> dict | None:
+    """What the links of ``ranks`` on the critical paths of the newest ``INCIDENT_STEPS`` steps of ``window``
+    that every rank has sent cost them (rankscope/collector/anatomy); None while no step is whole. A path
+    walked while a step's rows still arrive can miss the straggler: the demo's first incident said it cost
+    "0% of step time". The pass before's figure is kept while the store holds as many pieces of those
+    steps, all their segments (their paths, and so the cost, are the same): at 100,000 ranks asking each
+    step's frame again took 0.2 s a pass, counting the pieces 0.02 s. ``costs``: this pass's, for the next."""
+    counted = ctx.query(STEP_PIECES_SQL, {"run": ctx.run_id, "path_steps": window}).to_pylist()
+    steps = sorted(c["step"] for c in counted if c["ranks"] >= len(ctx.host))[-INCIDENT_STEPS:]
+    if not steps:
+        return None
+    held = tuple((c["step"], c["pieces"]) for c in sorted(counted, key=lambda c: c["step"]) if c["step"] in steps)
     kept: dict = ctx.seen.get("straggler.costs", {})
     key = (tuple(steps), tuple(ranks))
     if key in kept and kept[key][0] == held:
