@@ -19,7 +19,7 @@ import pytest
 
 from rankscope.harness.simulate import anatomy_rows
 from rankscope.collector.diagnosis import crash, engine, gpu, hang, nan, segment_window, straggler
-from rankscope.collector.anatomy.path import INCIDENT_STEPS
+from rankscope.collector.anatomy.path import INCIDENT_STEPS, STEP_PIECES_SQL
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.common.settings import Settings
 from rankscope.harness.simulate import topology
@@ -196,7 +196,7 @@ def test_a_stragglers_cost_is_walked_on_the_newest_steps_every_rank_has_sent(run
 
     def query(sql: str, params: dict) -> pa.Table:
         table = store.query_arrow(sql, params)
-        if sql != straggler.STEP_PIECES_SQL:
+        if sql != STEP_PIECES_SQL:
             return table
         return pa.Table.from_pylist([r | {"ranks": r["ranks"] - 1} if r["step"] in arriving else r for r in table.to_pylist()],
                                     schema=table.schema)  # fmt: skip

@@ -768,10 +768,23 @@ def _overlap(s: int, e: int, merged: list[tuple[int, int]]) -> int:
 
 #: the steps an incident's cost is the median of (the newest complete ones of its window)
 INCIDENT_STEPS = 3
+#: each step's pieces (rows of spans, summed) and ranks: which steps every rank has sent, and whether one grew
+STEP_PIECES_SQL = (
+    "SELECT step, sum(pieces) AS pieces, uniqExact(rank) AS ranks FROM step_segments WHERE run_id = {run:String} "
+    "AND attempt = {attempt:UInt16} AND step IN {path_steps:Array(UInt32)} GROUP BY step"
+)
 #: (run, attempt, step) -> (what the step's frame was, its critical path): the live diagnosis asks every pass
 _PATHS: dict[tuple[str, int, int], tuple[dict[str, Any], CriticalPath | None]] = {}
 _PATHS_KEPT = 64
 _PATHS_LOCK = threading.Lock()
+
+
+def whole_steps(query: Query, run_id: str, window: Iterable[int], world: int, *, attempt: int) -> dict[int, int]:
+    """The newest ``INCIDENT_STEPS`` steps of ``window`` that ``world`` ranks have sent -> their pieces: an
+    incident's cost is walked on those. A path walked on a step still arriving can miss the rank that holds
+    everyone (the demo's first straggler "costs 0% of step time"); the pieces tell a step that grew since."""
+    counted = query(STEP_PIECES_SQL, {"run": run_id, "attempt": attempt, "path_steps": list(window)}).to_pylist()
+    return dict(sorted((c["step"], c["pieces"]) for c in counted if c["ranks"] >= world)[-INCIDENT_STEPS:])
 
 
 def incident_cost(query: Query, run_id: str, steps: Iterable[int], ranks: Iterable[int], *, attempt: int | None = None,

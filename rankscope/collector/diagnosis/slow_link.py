@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
+from rankscope.collector.anatomy.path import incident_cost, whole_steps
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.collector.diagnosis.transfer_window import TransferWindow
@@ -25,6 +25,8 @@ from rankscope.common.incidents import Finding
 KINDS = ("slow_link",)
 DETECTOR = FunctionDetector("slow_link", KINDS, "thorough", lambda scan: detect(scan.ctx))
 MIN_STEPS = 3
+#: the steps judged: the newest completed ones, at most this many back from the newest
+WINDOW_STEPS = 10
 NEWEST_SQL = (
     "SELECT max(step) AS newest FROM collectives WHERE run_id = {run:String} AND attempt = {attempt:UInt16} AND peer >= 0 "
     "AND step >= {since:UInt32}"
@@ -46,7 +48,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     # Completed steps only (the newest is in progress, or cut short by a hang or crash), not the
     # first (start-up), and enough of them to judge; without a step time there is no yardstick.
     last_step -= 1
-    first_step = max(2, last_step - 10)
+    first_step = max(2, last_step - WINDOW_STEPS)
     if last_step - first_step + 1 < MIN_STEPS:
         return []
     step_s = ctx.median_step_s(first_step, last_step)
@@ -107,7 +109,7 @@ def _finding(ctx: RunContext, found: list[dict], step_s: float, last_step: int) 
         summary = f"slow link between {' and '.join(hosts)}: {transfers} (and {others})"
     summary += f", {worst['median'] / max(typical, 1.0):.0f}x the {typical / 1e6:.1f} ms of other pairs moving {worst['nbytes']} bytes"
     # what the link's communication on the critical paths of the latest steps cost them (rankscope/collector/anatomy)
-    steps = range(max(1, last_step - INCIDENT_STEPS + 1), last_step + 1)
+    steps = whole_steps(ctx.query, ctx.run_id, range(max(2, last_step - WINDOW_STEPS), last_step + 1), len(ctx.host), attempt=ctx.attempt)
     cost = incident_cost(ctx.query, ctx.run_id, steps, (src, dst), attempt=ctx.attempt, kinds=("comm", "p2p"), groups=ctx.group_index)
     if cost is not None:
         summary += f"; {cost['text']}"

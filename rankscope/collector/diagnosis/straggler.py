@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from rankscope.collector.anatomy.path import INCIDENT_STEPS, incident_cost
+from rankscope.collector.anatomy.path import incident_cost, whole_steps
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis import arrivals as late_arrivals
 from rankscope.collector.diagnosis import segment_window
@@ -49,11 +49,6 @@ EVIDENCE_SQL = (
 #: ``ctx.seen`` key: the hosts named slow as a whole, while a rank of theirs is still slow
 HOSTS_NAMED = "straggler.hosts"
 #: how much of each step the store holds, all its segments: what its critical path is walked on (pieces only add up)
-STEP_PIECES_SQL = (
-    "SELECT step, sum(pieces) AS pieces, uniqExact(rank) AS ranks FROM step_segments WHERE run_id = {run:String} "
-    "AND attempt = {attempt:UInt16} AND step IN {path_steps:Array(UInt32)} GROUP BY step"
-)
-
 # Only the groups of the ranks asked about: every group's collectives would be a million rows at scale.
 ARRIVALS_SQL = (
     "SELECT rank, count() AS collectives, countIf(is_last) AS last FROM ("
@@ -270,17 +265,15 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
 
 
 def _cost(ctx: RunContext, window: list[int], ranks: list[int], costs: dict[tuple, tuple]) -> dict | None:
-    """What the links of ``ranks`` on the critical paths of the newest ``INCIDENT_STEPS`` steps of ``window``
-    that every rank has sent cost them (rankscope/collector/anatomy); None while no step is whole. A path
-    walked while a step's rows still arrive can miss the straggler: the demo's first incident said it cost
-    "0% of step time". The pass before's figure is kept while the store holds as many pieces of those
-    steps, all their segments (their paths, and so the cost, are the same): at 100,000 ranks asking each
-    step's frame again took 0.2 s a pass, counting the pieces 0.02 s. ``costs``: this pass's, for the next."""
-    counted = ctx.query(STEP_PIECES_SQL, {"run": ctx.run_id, "path_steps": window}).to_pylist()
-    steps = sorted(c["step"] for c in counted if c["ranks"] >= len(ctx.host))[-INCIDENT_STEPS:]
-    if not steps:
+    """What the links of ``ranks`` on the critical paths of the newest steps of ``window`` that every rank has
+    sent cost them (rankscope/collector/anatomy: ``whole_steps``); None while no step is whole. The pass
+    before's figure is kept while the store holds as many pieces of those steps, all their segments (their
+    paths, and so the cost, are the same): at 100,000 ranks asking each step's frame again took 0.2 s a
+    pass, counting the pieces 0.02 s. ``costs``: this pass's, for the next."""
+    pieces = whole_steps(ctx.query, ctx.run_id, window, len(ctx.host), attempt=ctx.attempt)
+    if not pieces:
         return None
-    held = tuple((c["step"], c["pieces"]) for c in sorted(counted, key=lambda c: c["step"]) if c["step"] in steps)
+    steps, held = list(pieces), tuple(pieces.items())
     kept: dict = ctx.seen.get("straggler.costs", {})
     key = (tuple(steps), tuple(ranks))
     if key in kept and kept[key][0] == held:
