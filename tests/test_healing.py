@@ -161,6 +161,34 @@ def test_a_spare_the_job_never_needed_is_stopped_when_the_job_ends_and_its_exit_
     assert [a for a, *_ in cluster.actions][-1] == "finished"
 
 
+def test_a_waiting_spare_whose_launcher_failed_is_started_again_only_in_an_evicted_hosts_place() -> None:
+    """Not in a loop while it waits (a broken spare would fail again, and a job's end closes the rendezvous);
+    its exit is not the job's."""
+    cluster = Cluster()
+    heal = _driver(cluster)
+    cluster.rows[driver.ATTEMPTS_SQL] = [{**_attempt(0, HOSTS), "registered_ns": time.time_ns()}]
+    heal.poll()
+    cluster.exits["node3"] = 1
+    heal.poll()
+    heal.poll()
+    assert cluster.joined == ["node3"] and heal.spares == ["node3"]
+    cluster.rows[INCIDENTS_SQL] = [{"incident_id": "lost:host=node0", "kind": "lost_host", "hosts": ["node0"], "first_seen_ns": time.time_ns(),
+                                    "status": "open", "summary": "every rank of node0 went silent"}]  # fmt: skip
+    heal.poll()
+    assert cluster.fenced == ["node0"] and cluster.joined == ["node3", "node3"] and heal.remaining == ["node1", "node2", "node3"]
+
+
+def test_the_exit_of_a_spare_whose_launcher_failed_is_not_the_jobs() -> None:
+    cluster = Cluster()
+    heal = _driver(cluster)
+    cluster.rows[driver.ATTEMPTS_SQL] = [{**_attempt(0, HOSTS), "registered_ns": time.time_ns()}]
+    heal.poll()
+    cluster.exits = {"node0": 0, "node1": 0, "node2": 0, "node3": 1}
+    heal.poll()
+    cluster.done = True
+    assert heal.run() == {"node0": 0, "node1": 0, "node2": 0} and cluster.stopped == []
+
+
 def test_a_lost_rank_that_becomes_its_hosts_loss_is_considered_again() -> None:
     cluster = Cluster(rows={driver.ATTEMPTS_SQL: [_attempt(0, HOSTS)]})
     heal = _driver(cluster)

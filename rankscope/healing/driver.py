@@ -126,6 +126,8 @@ class Driver:
     _drained: dict[str, float] = field(default_factory=dict)
     #: the spares whose launcher runs: they wait in the job's rendezvous (``_warm_spares``)
     _hot: set[str] = field(default_factory=set)
+    #: the spares whose launcher failed while they waited: started again only to take an evicted host's place
+    _failed_spares: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._active = [h for h in self.fleet.hosts() if h not in self.spares]
@@ -142,7 +144,7 @@ class Driver:
         if unused := self._waiting():  # spares the job never needed: their launchers would wait on a closed rendezvous
             self.job.stop(hosts=unused)
             self.log(f"[rankscope launch] the job did not need {', '.join(unused)}: stopped")
-        exits = {host: code for host, code in self.job.wait(0).items() if host not in unused}
+        exits = {host: code for host, code in self.job.wait(0).items() if host not in self.spares}  # a spare's end is not the job's
         self._safely(self.poll)
         self._safely(lambda: self._conclude(exits))
         deadline = time.monotonic() + 30
@@ -313,6 +315,7 @@ class Driver:
                 break
             self.spares.remove(cold[0])
             self.join(cold[0])
+            self._failed_spares.discard(cold[0])
             self._active.append(cold[0])
             self._act("spare", [cold[0]], incident_id, f"{cold[0]} joins the job in place of {host}")
             self.log(f"[rankscope launch] {cold[0]} joins the job in place of {host}")
@@ -397,7 +400,13 @@ class Driver:
         completed, a spare could take the place of a host the job starts on."""
         if self.join is None or not any(a["registered_ns"] >= self.launched_ns for a in self._attempts.values()):
             return
-        for spare in [s for s in self.spares if s not in self._hot]:
+        exited = self.job.exited()
+        for spare in [s for s in self._waiting() if exited.get(s, 0) != 0]:  # 0: the job ended and closed its rendezvous
+            self._hot.discard(spare)
+            self._failed_spares.add(spare)
+            self.log(f"[rankscope launch] {spare}'s launcher ended with code {exited[spare]} while it waited; "
+                     "it is started again only to take an evicted host's place")
+        for spare in [s for s in self.spares if s not in self._hot | self._failed_spares]:
             self.join(spare)
             self._hot.add(spare)
             self.log(f"[rankscope launch] {spare} waits in the job's rendezvous, a spare")
