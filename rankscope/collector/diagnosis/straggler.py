@@ -48,7 +48,7 @@ EVIDENCE_SQL = (
 
 #: ``ctx.seen`` key: the hosts named slow as a whole, while a rank of theirs is still slow
 HOSTS_NAMED = "straggler.hosts"
-#: how much of each step the store holds, all its segments: what its critical path is walked on (pieces only add up)
+
 # Only the groups of the ranks asked about: every group's collectives would be a million rows at scale.
 ARRIVALS_SQL = (
     "SELECT rank, count() AS collectives, countIf(is_last) AS last FROM ("
