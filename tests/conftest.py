@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from rankscope.harness.orchestration import CLI, free_port, listen_address, metrics_url
-from rankscope.common import torchrun_launcher
+from rankscope.trainer import torchrun_launcher
 from rankscope.common.processes import terminate_tree
 from rankscope.testbed.hosts import Testbed
 
@@ -157,7 +157,7 @@ class ProcRunner:
         env: Mapping[str, str] | None = None,
         name: str | None = None,
     ) -> Proc:
-        """``torchrun --standalone --nproc-per-node N args...`` with this interpreter (``rankscope.common.torchrun_launcher``:
+        """``torchrun --standalone --nproc-per-node N args...`` with this interpreter (``rankscope.trainer.torchrun_launcher``:
         the same agent, started with less CPU).
 
         --standalone makes torchrun pick a free rendezvous port itself, so parallel tests do

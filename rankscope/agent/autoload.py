@@ -33,7 +33,7 @@ from typing import Any
 
 from rankscope import agent as api
 
-__all__ = ["activate", "active", "boot", "forbid", "when_imported"]
+__all__ = ["activate", "active", "boot", "forbid", "forked_rank", "when_imported"]
 
 ROLE_VARIABLE = "RANKSCOPE_ROLE"
 PARENT_VARIABLE = "RANKSCOPE_AGENT_PID"
@@ -119,6 +119,21 @@ def activate(rank: int | None = None) -> bool:
             _warn("start", f"could not start ({exc!r}); training continues without it")
             return _stay_off()
         return active()
+
+
+def forked_rank() -> bool:
+    """This process was forked to be a rank, not as a copy of one (rankscope's launcher forks the
+    bundled trainer's ranks from torchrun's agent, which is no rank): decide as a new process would,
+    now that torchrun's RANK is set. Returns whether the agent is active afterwards."""
+    global _forked, _tried
+    with _lock:
+        if not _booted:  # RANKSCOPE_ENABLE was unset in the agent, and so it is here
+            return False
+        _forked = _tried = False
+        api._may_start = os.environ.get("RANKSCOPE_ENABLE") == "1"
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
+        return activate()
+    return active()
 
 
 def _stay_off() -> bool:

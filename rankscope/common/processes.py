@@ -9,13 +9,17 @@ every descendant, a grace period, then SIGKILL to what is left (Linux).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["alive", "lower_threads", "process_tree", "signal_each", "terminate_tree", "training_rank", "yield_cpu"]
+__all__ = ["alive", "lower_threads", "name_forked_rank", "process_tree", "signal_each", "terminate_tree", "training_rank", "yield_cpu"]
+
+#: the name (``/proc/PID/comm``) of a rank forked from its torchrun agent: ``rank5:1`` is RANK 5, LOCAL_RANK 1
+_FORKED_RANK = re.compile(r"rank(\d+):(\d+)")
 
 
 def _proc_table() -> dict[int, tuple[int, int, str, int]]:
@@ -152,18 +156,38 @@ def signal_each(pids: Iterable[int], sig: signal.Signals) -> int:
 
 def training_rank(pid: int) -> tuple[int, int] | None:
     """(RANK, LOCAL_RANK) of a torchrun worker (not of a process the worker started), else None: how
-    the fleets that pause and fence a job's workers tell them from their launchers and helpers."""
-    own = _environ(pid)
-    if "RANK" not in own or "LOCAL_RANK" not in own:
+    the fleets that pause and fence a job's workers tell them from their launchers and helpers. A
+    worker started by torchrun has them in its environment; one forked from torchrun's agent (the
+    bundled trainer's ranks) has an environment of the agent's and says them in its name instead."""
+    own = _rank_of(pid)
+    if own is None:
         return None
     try:
         with open(f"/proc/{pid}/stat") as f:
             ppid = int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
         return None
-    if "RANK" in _environ(ppid):  # a data loader worker or another child of a rank
+    if _rank_of(ppid) is not None:  # a data loader worker or another child of a rank
         return None
-    return int(own["RANK"]), int(own["LOCAL_RANK"])
+    return own
+
+
+def name_forked_rank(rank: int, local_rank: int) -> None:
+    """Name this process for ``training_rank``: a rank forked from its agent, which /proc shows with
+    the agent's environment (the name also tells the ranks apart in ``ps`` and ``top``)."""
+    Path("/proc/self/comm").write_text(f"rank{rank}:{local_rank}")
+
+
+def _rank_of(pid: int) -> tuple[int, int] | None:
+    own = _environ(pid)
+    if "RANK" in own and "LOCAL_RANK" in own:
+        return int(own["RANK"]), int(own["LOCAL_RANK"])
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    forked = _FORKED_RANK.fullmatch(name)
+    return (int(forked.group(1)), int(forked.group(2))) if forked else None
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rankscope.agent.host_relay import requested
-from rankscope.common import torchrun_launcher
+from rankscope.trainer import torchrun_launcher
 from rankscope.common.processes import terminate_tree
 
 __all__ = ["RDZV_CONF", "RDZV_PORT", "RendezvousError", "agent_command", "relay_socket", "start_rendezvous"]
@@ -47,6 +47,7 @@ def agent_command(
             f"--nnodes={nnodes}", f"--nproc-per-node={ranks_per_host}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}", f"--rdzv-conf={','.join(f'{k}={v}' for k, v in rdzv_conf.items())}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *program,
+            fork_trainer=max_restarts == 0,  # a job that restarts: fresh ranks (torchrun_launcher says why)
         ),
     ]  # fmt: skip
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from rankscope.agent.autoload import forbid
-from rankscope.common import torchrun_launcher
+from rankscope.trainer import torchrun_launcher
 from rankscope.trainer.train_config import ConfigError, TrainConfig, parse_args, rank_argv
 
 
