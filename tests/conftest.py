@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from rankscope.harness.orchestration import CLI, free_port, listen_address, metrics_url
-from rankscope.trainer import torchrun_launcher
 from rankscope.common.processes import terminate_tree
 from rankscope.testbed.hosts import Testbed
+from rankscope.trainer import torchrun_launcher
 
 pytest_plugins = ("pytester", "suite_clock", "suite_lanes")  # pytester: tests/test_infra.py runs pytest inside a test
 

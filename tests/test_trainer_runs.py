@@ -219,3 +219,27 @@ def test_straggler_compute_really_slows(module_runner: ProcRunner, tmp_path: Pat
     # compute; other processes on a busy machine dilute it, so "measurably" is 1.5x here.
     before, after = statistics.median(times[1:5]), statistics.median(times[6:10])
     assert after > 1.5 * before, times
+
+
+def test_forked_ranks_are_found_as_ranks_by_the_fleets(module_runner: ProcRunner, tmp_path: Path) -> None:
+    """The trainer's ranks are forks of torchrun's agent (rankscope.trainer.torchrun_launcher), whose /proc environment
+    is the agent's: the fleets that pause and fence a node's workers find each by its name, with its RANK and LOCAL_RANK,
+    and nothing else of the job (the agent, its children) as a rank."""
+    from rankscope.common.processes import process_tree
+    from rankscope.healing import node_workers
+
+    flags = [*layout(1, 1, 2), *TINY, "--timeout", "60", "--inject", "hang:rank=1,step=2"]  # both ranks stay, waiting
+    proc = start(module_runner, "forked", flags, tmp_path / "m.jsonl")
+    deadline = time.monotonic() + 90
+    while len(found := {pid: r for pid, r in node_workers.ranks().items() if pid in process_tree(proc.pid)}) < 2:
+        assert time.monotonic() < deadline and proc.popen.poll() is None, f"ranks found: {found}\n{proc.output()}"
+        time.sleep(0.2)
+    assert sorted(found.values()) == [(0, 0), (1, 1)], found
+    for pid, (rank, local) in found.items():
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not any(item.startswith(b"RANK=") for item in environ), "a fresh interpreter, not a fork of the agent"
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == f"rank{rank}:{local}"
+    parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in found}
+    assert len(parents) == 1 and not parents & set(node_workers.ranks()), parents  # one agent, itself no rank
+    proc.popen.terminate()  # torchrun's agent stops its ranks
+    assert proc.wait(60) != 0

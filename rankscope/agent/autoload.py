@@ -131,9 +131,7 @@ def forked_rank() -> bool:
             return False
         _forked = _tried = False
         api._may_start = os.environ.get("RANKSCOPE_ENABLE") == "1"
-    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
-        return activate()
-    return active()
+    return activate() if _torchrun_rank() else active()
 
 
 def _stay_off() -> bool:
@@ -175,8 +173,13 @@ def _on_torch(torch: ModuleType) -> None:
     distributed = getattr(torch, "distributed", None)
     if distributed is not None and hasattr(distributed, "init_process_group"):
         _patch_init_process_group(distributed)
-    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
+    if _torchrun_rank():
         activate()
+
+
+def _torchrun_rank() -> bool:
+    """Whether torchrun launched this process as a rank: it starts the agent at once, before the rendezvous."""
+    return bool(os.environ.get("RANK") and os.environ.get("WORLD_SIZE"))
 
 
 def _patch_init_process_group(distributed: ModuleType) -> None:

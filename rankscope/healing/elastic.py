@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rankscope.agent.host_relay import requested
-from rankscope.trainer import torchrun_launcher
 from rankscope.common.processes import terminate_tree
+from rankscope.trainer import torchrun_launcher
 
 __all__ = ["RDZV_CONF", "RDZV_PORT", "RendezvousError", "agent_command", "relay_socket", "start_rendezvous"]
 

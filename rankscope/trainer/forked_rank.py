@@ -1,8 +1,8 @@
 """One rank of the bundled trainer forked from torchrun's agent (``rankscope.trainer.torchrun_launcher``):
 what ``python -m rankscope.trainer`` does as a fresh interpreter, with torch already imported.
 
-A fork starts as a copy of the agent: its name and, in /proc, its environment (``name_forked_rank``), torch elastic's signal handlers, the agent's decision not to
-record (it is no rank), the interpreter's intra-op thread count from before torchrun set
+A fork starts as a copy of the agent: its name and, in /proc, its environment (``name_forked_rank``),
+torch elastic's signal handlers, the agent's decision not to record (it is no rank), the interpreter's intra-op thread count from before torchrun set
 ``OMP_NUM_THREADS``. Each is made what a new process would have. It ends as an interpreter would:
 an uncaught exception through ``sys.excepthook`` (printed; the rankscope agent records it),
 ``sys.exit``'s code, the ``atexit`` functions (the agent's last word) run; then a non-zero status ends
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from rankscope.common.processes import name_forked_rank
+from rankscope.trainer.train import main  # imported once, by the agent that forks the ranks
 
 __all__ = ["run"]
 
@@ -29,8 +30,6 @@ _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 def run(*argv: str) -> None:
     """The rank: ``rankscope.trainer``'s main with ``argv``, started and ended as its own process."""
     _as_new_process(argv)
-    from rankscope.trainer.train import main
-
     try:
         code = _exit_code(main(list(argv)))
     except SystemExit as end:
