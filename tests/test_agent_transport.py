@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import textwrap
 import threading
@@ -657,9 +658,14 @@ def test_forked_child_sends_nothing(collector: Collector, proc_runner: ProcRunne
         os.waitpid(pid, 0)
         t.submit(span_batch(1))
         t.close(timeout_s=30)
-        print("parent acked", t.stats().acked, flush=True)
+        s = t.stats()
+        print("parent acked", s.acked, "dropped", s.dropped, flush=True)
     """)
     proc = proc_runner.start([sys.executable, "-c", script], name="fork")
     assert proc.wait(60) == 0, proc.output()
-    assert "child accepted False" in proc.stdout and "parent acked 2" in proc.stdout, proc.output()
+    # Acknowledged: the registration and the parent's batch (a registration whose first call timed
+    # out under load is acknowledged twice: re-sent as the probe and replayed from the spool).
+    parent = re.search(r"parent acked (\d+) dropped (\d+)", proc.stdout)
+    assert "child accepted False" in proc.stdout and parent is not None, proc.output()
+    assert int(parent[1]) >= 2 and parent[2] == "0", proc.output()
     assert collector.query("SELECT DISTINCT step FROM spans WHERE run_id = {run:String}", run=run_id) == [{"step": 1}]
