@@ -257,7 +257,7 @@ def test_too_few_hosts_left_hands_the_job_back_to_its_scheduler_when_the_policy_
     cluster.rows[INCIDENTS_SQL] = [{"incident_id": "lost:host=node1", "kind": "lost_host", "hosts": ["node1"], "summary": "every rank of node1 went silent"}]
     heal.poll()
     assert cluster.fenced == ["node1"] and requeued == [True] and heal.requeued  # drained first: the scheduler places the job elsewhere
-    assert [a for a, *_ in cluster.actions] == ["incident", "evict", "requeue"]
+    assert [a for a, *_ in cluster.actions] == ["incident", "evict", "fenced", "requeue"]
     assert cluster.reasons == ["rankscope: lost_host lost:host=node1: every rank of node1 went silent"]
 
 

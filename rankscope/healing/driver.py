@@ -288,14 +288,17 @@ class Driver:
         spares = len(self.spares) if self.join is not None else 0
         requeue = self.requeue is not None and self.policy.requeue and self.policy.short(len(self._active), len(hosts), spares)
         for host in hosts:
-            told, decided_ns = reason or f"rankscope: {why}", time.time_ns()  # stored at the decision: fencing may outlast the restart
-            done = self.fleet.fence(host, told)
+            told = reason or f"rankscope: {why}"
             self.evicted.append(host)
             self._active.remove(host)
             self._hot.discard(host)  # its launcher is fenced with it: a spare again (a re-check) starts it anew
+            # stored before the fence: the crash detector leaves the ranks it kills to this incident, even
+            # when the survivors restart before the fence returns
+            self._act("evict", [host], incident_id, why, {"remaining": self.remaining})
+            done = self.fleet.fence(host, told)
             self._drained[host] = time.monotonic()
             self._node(host, DRAINED, incident_id, told)
-            self._act("evict", [host], incident_id, why, {"fenced": done, "remaining": self.remaining}, time_ns=decided_ns)
+            self._act("fenced", [host], incident_id, done)
             beside = f" and {', '.join(waiting)}, waiting in its rendezvous" if (waiting := self._waiting()) else ""
             goes = "goes back to its scheduler" if requeue else f"goes on with {', '.join(self.remaining)}{beside}"
             self.log(f"[rankscope launch] evicted {host} ({why}); the job {goes}")

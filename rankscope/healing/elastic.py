@@ -47,7 +47,6 @@ def agent_command(
             f"--nnodes={nnodes}", f"--nproc-per-node={ranks_per_host}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}", f"--rdzv-conf={','.join(f'{k}={v}' for k, v in rdzv_conf.items())}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *program,
-            fork_trainer=max_restarts == 0,  # a job that restarts: fresh ranks (torchrun_launcher says why)
         ),
     ]  # fmt: skip
 

@@ -8,10 +8,9 @@ rank starts with them imported instead of importing them again. An 8-rank ``rank
 steps on 2 cores: 15.9 s of wall and 28.7 s of CPU as fresh interpreters, 4.4 s and 5.0 s forked. Any
 other program runs as torchrun runs it, a fresh interpreter a rank; a user's own ``torchrun`` is theirs.
 
-The agents of a job that restarts (``rankscope launch``'s healed jobs: ``fork_trainer=False``) start
-their ranks as fresh interpreters still. Forked, the survivors of a lost host restart with a waiting spare within the
-collector's ``--silent-after``, and the crash detector, which judges the newest attempt, then never
-names the host that was lost: the driver does not fence it (seen on docs/healing.md's Slurm drill).
+A job that restarts (``rankscope launch``) restarts its ranks as forks too, faster than the collector's
+``--silent-after``: the crash detector judges the attempt before the newest as it ended, so that the
+host lost just before a restart is still named (``collector.diagnosis.crash.previous_attempt``).
 """
 
 from __future__ import annotations
@@ -23,14 +22,12 @@ __all__ = ["FORKED_MODULE", "command"]
 
 #: the program whose ranks are forked: ``-m rankscope.trainer``
 FORKED_MODULE = "rankscope.trainer"
-#: this launcher's own first argument (torchrun's come after it): every rank a fresh interpreter
-_NO_FORK = "--no-fork"
 
 
-def command(*args: str, fork_trainer: bool = True) -> list[str]:
-    """The command line that runs torchrun with ``args`` in this interpreter; ``fork_trainer``: the
-    bundled trainer's ranks forked from the agent (else started as torchrun starts any program)."""
-    return [sys.executable, "-m", "rankscope.trainer.torchrun_launcher", *([] if fork_trainer else [_NO_FORK]), *args]
+def command(*args: str) -> list[str]:
+    """The command line that runs torchrun with ``args`` in this interpreter (the bundled trainer's
+    ranks forked from the agent, any other program started as torchrun starts it)."""
+    return [sys.executable, "-m", "rankscope.trainer.torchrun_launcher", *args]
 
 
 def _config_from_args(original: Any) -> Any:
@@ -57,9 +54,6 @@ if __name__ == "__main__":
 
     with frozen_imports():
         from torch.distributed import run as torchrun
-    if sys.argv[1:2] == [_NO_FORK]:
-        del sys.argv[1]
-    else:
-        torchrun.config_from_args = _config_from_args(torchrun.config_from_args)
+    torchrun.config_from_args = _config_from_args(torchrun.config_from_args)
     sys.argv[0] = "torchrun"
     sys.exit(torchrun.main())

@@ -63,10 +63,14 @@ class RunContext:
     until_ns: int | None = None
 
     @classmethod
-    def load(cls, run_id: str, query: Query, settings: Settings, seen: dict[tuple[str, int], dict[str, Any]] | None = None) -> RunContext:
-        """The run's latest attempt and its topology; ``seen``: (run, attempt) -> what passes keep of
-        it, shared with this context (an entry is made for a new attempt)."""
-        attempt = int(query(ATTEMPT_SQL, {"run": run_id}).to_pylist()[0]["attempt"] or 0)
+    def load(
+        cls, run_id: str, query: Query, settings: Settings, seen: dict[tuple[str, int], dict[str, Any]] | None = None,
+        attempt: int | None = None,
+    ) -> RunContext:  # fmt: skip
+        """The run's latest attempt (or ``attempt``) and its topology; ``seen``: (run, attempt) -> what
+        passes keep of it, shared with this context (an entry is made for a new attempt)."""
+        if attempt is None:
+            attempt = int(query(ATTEMPT_SQL, {"run": run_id}).to_pylist()[0]["attempt"] or 0)
         kept = seen.setdefault((run_id, attempt), {}) if seen is not None else {}
         ctx = cls(run_id, lambda sql, params: query(sql, {"attempt": attempt, **params}), settings, attempt, seen=kept)
         for r in ctx.query(

@@ -9,12 +9,18 @@ panic, network gone): every rank of a host going silent together names the host 
 rank silent while another rank of its host ended after it lost its process (a crash).
 After a hang, the ranks that time out and the hung rank killed by the launcher are the hang's
 consequences, so no crash incident is opened for them.
+
+A restart faster than ``silent_after_s`` (torchrun's elastic agents with a spare waiting, or ranks
+forked from the agent) begins a new attempt before the rank that died was silent long enough to be
+named, and the new attempt alone never shows it. So the attempt before the newest is judged too, as
+it ended (``previous_attempt``).
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 
 from rankscope.collector.diagnosis.context import RunContext, died_at
 from rankscope.collector.diagnosis.detector import FunctionDetector
@@ -24,7 +30,8 @@ from rankscope.common.incidents import Finding
 KINDS = ("crash", "lost_rank", "lost_host")
 #: urgent, after the hang detector: the hang of this pass is handed to ``detect``
 DETECTOR = FunctionDetector(
-    "crash", KINDS, "urgent", lambda scan: detect(scan.ctx, now_ns=scan.now_ns, hang=next(iter(scan.heeded), None), heard=scan.heard),
+    "crash", KINDS, "urgent",
+    lambda scan: detect(scan.ctx, now_ns=scan.now_ns, hang=next(iter(scan.heeded), None), heard=scan.heard) + previous_attempt(scan.ctx),
     heeds=("hang",),
 )
 EXITS_SQL = (
@@ -44,17 +51,41 @@ SILENCE_EVIDENCE_SQL = (
     "GROUP BY rank ORDER BY last_heartbeat"
 )
 
+#: when an attempt's ranks registered: the next attempt's start is the end of the one before
+BEGAN_SQL = "SELECT toUnixTimestamp64Nano(min(registered)) AS ns FROM ranks WHERE run_id = {run:String} AND attempt = {attempt:UInt16}"
+#: the self-healing driver's evictions during an attempt: it fences the hosts itself (their ranks
+#: killed, with no last word) on an incident already raised, and stores each before it fences. One
+#: decided after the next attempt began followed the end: what it acted on is the attempt's to name.
+EVICTED_SQL = (
+    "SELECT host, toUnixTimestamp64Nano(min(time)) AS time_ns FROM actions ARRAY JOIN hosts AS host WHERE run_id = {run:String} "
+    "AND action = 'evict' AND time >= fromUnixTimestamp64Nano({since:Int64}) AND time < fromUnixTimestamp64Nano({until:Int64}) GROUP BY host"
+)
+#: what ``previous_attempt`` keeps in the newest attempt's ``RunContext.seen``
+PREVIOUS = "crash:previous_attempt"
+
 LAUNCHER_SIGNALS = (int(signal.SIGTERM), int(signal.SIGINT))
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How an attempt ended: when the next one began, the hosts the self-healing driver fenced and when
+    it first decided to, and the hosts of the next attempt (a host there was up)."""
+
+    at_ns: int
+    fenced: Mapping[str, int]
+    rejoined: Collection[str]
 TIMEOUT_WORDS = ("timed out", "timeout", "watchdog", "connection reset", "connection closed", "aborted")
 
 
-def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: Mapping[int, int] | None = None) -> list[Finding]:
+def detect(
+    ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: Mapping[int, int] | None = None, ended: Ending | None = None
+) -> list[Finding]:
     """``now_ns``: the collector's clock (live) or when the live passes last looked at the run (offline).
 
     ``hang``: the hang found in this pass, if any: ends after it are its consequences, and its
     roots that went silent are its own (frozen, not lost). ``heard``: rank -> when the collector
     last heard from it (live): a rank is silent by that, not by its newest stored heartbeat, which
-    a collector that lags stores late.
+    a collector that lags stores late. ``ended``: the attempt is over (``previous_attempt``).
     """
     after_hang_ns = hang.first_seen_ns if hang is not None else None
     exits = {r["rank"]: r for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
@@ -71,29 +102,59 @@ def detect(ctx: RunContext, *, now_ns: int, hang: Finding | None = None, heard: 
     if culprits:
         first = culprits[0]
         findings.append(_crash(ctx, first, [r for r in abnormal if r is not first]))
-    silent = _silent(ctx, exits, last_beat, now_ns)
+    silent = _silent(ctx, exits, last_beat, now_ns, over=ended is not None)
     if hang is not None:
         silent = {r: t for r, t in silent.items() if r not in hang.ranks}
-    cutoff = culprits[0]["time_ns"] if culprits else after_hang_ns
+    cutoffs = [culprits[0]["time_ns"] if culprits else after_hang_ns]
+    if ended is not None:  # the driver fenced them itself, and what went silent after its first fence followed from it
+        silent = {r: t for r, t in silent.items() if ctx.host.get(r) not in ended.fenced}
+        cutoffs.append(min(ended.fenced.values(), default=None))
+    cutoff = min((c for c in cutoffs if c is not None), default=None)
     if cutoff is not None:  # silence after the job started failing is a consequence
         silent = {r: t for r, t in silent.items() if t < cutoff}
-    findings += _lost(ctx, _settled(ctx, silent, exits, now_ns), exits, own)
+    settled = _settled(ctx, silent, exits, now_ns, over=ended is not None)
+    findings += _lost(ctx, settled, exits, own, rejoined=ended.rejoined if ended is not None else ())
     return findings
 
 
-def _settled(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], now_ns: int) -> dict[int, int]:
+def previous_attempt(ctx: RunContext) -> list[Finding]:
+    """The crashes and lost ranks of the attempt before ``ctx``'s, judged as it ended (a restarted
+    run's: none before its second attempt). Every rank of it without a last word had gone silent;
+    those whose death the others' ends soon after confirm are named (a silence that others waited
+    on was the hang detector's, in its attempt). Its findings last until the newest attempt began,
+    which is when a postmortem takes the newest attempt's incidents from."""
+    if ctx.attempt == 0:
+        return []
+    kept = ctx.seen.get(PREVIOUS)
+    if kept is None:  # an attempt's topology and start do not change once a newer one began
+        before = RunContext.load(ctx.run_id, ctx.query, ctx.settings, attempt=ctx.attempt - 1)
+        began = int(ctx.query(BEGAN_SQL, {"run": ctx.run_id}).to_pylist()[0]["ns"] or 0)
+        since = int(before.query(BEGAN_SQL, {"run": ctx.run_id}).to_pylist()[0]["ns"] or 0)
+        kept = ctx.seen[PREVIOUS] = (before, began, since)
+    before, began, since = kept
+    if not began:
+        return []
+    fenced = {r["host"]: r["time_ns"] for r in ctx.query(EVICTED_SQL, {"run": ctx.run_id, "since": since, "until": began}).to_pylist()}
+    ended = Ending(began, fenced, frozenset(ctx.ranks_of_host))
+    return [replace(f, last_seen_ns=max(f.last_seen_ns, began)) for f in detect(before, now_ns=began, ended=ended)]
+
+
+def _settled(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], now_ns: int, *, over: bool = False) -> dict[int, int]:
     """The silent ranks whose fate is known. Silence alone does not tell a dead process or host from a
     frozen one (``died_at``); around a frozen one the others wait, and the hang detector names it
     once the run has stalled for ``hang_after_s``. Until ranks end, or well past that (a hang that
     was never named), silence is left undecided, whether others are still heard or not: a silence
     of every rank at once is as much the collector's (starved of CPU, the calls waiting unread in
     its sockets: seen, four hosts named lost while the calls waited 15 s, which shows only once they
-    are taken up) or the network's as the hosts'."""
+    are taken up) or the network's as the hosts'. ``over``: the attempt ended, so a silence that
+    lasted is one the passes of its time judged; only deaths are left to name."""
     if not silent:
         return silent
     since = min(silent.values())
     if died_at(since, (e["time_ns"] for e in exits.values()), ctx.settings):
         return silent
+    if over:
+        return {}
     patience_ns = (ctx.settings.hang_after_s + ctx.settings.silent_after_s) * 1e9
     return silent if now_ns - since > patience_ns else {}
 
@@ -141,17 +202,19 @@ def _crash(ctx: RunContext, first: dict, others: list[dict]) -> Finding:
     )
 
 
-def _silent(ctx: RunContext, exits: dict[int, dict], last_beat: dict[int, int], now_ns: int) -> dict[int, int]:
-    """rank -> last heartbeat, for ranks without a last word whose heartbeats stopped."""
+def _silent(ctx: RunContext, exits: dict[int, dict], last_beat: dict[int, int], now_ns: int, *, over: bool = False) -> dict[int, int]:
+    """rank -> last heartbeat, for ranks without a last word whose heartbeats stopped (every one of
+    them, once the attempt is ``over``)."""
     limit = ctx.settings.silent_after_s * 1e9
-    return {r: t for r, t in last_beat.items() if r not in exits and now_ns - t > limit}
+    return {r: t for r, t in last_beat.items() if r not in exits and (over or now_ns - t > limit)}
 
 
-def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], own: dict[int, int]) -> list[Finding]:
+def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], own: dict[int, int], rejoined: Collection[str] = ()) -> list[Finding]:
     """Silent ranks: a lost host when all of a host's ranks went silent; a crash when another rank of
-    the host ended after the silent one went quiet (the machine was up and its launcher stopped the
-    others: the process died, killed by SIGKILL or the kernel's OOM killer, which leave no last
-    word); else a lost rank (a frozen process is the hang detector's: its host-mates wait on).
+    the host ended after the silent one went quiet, or the host is in the next attempt (``rejoined``)
+    (the machine was up and its launcher stopped the others: the process died, killed by SIGKILL or
+    the kernel's OOM killer, which leave no last word); else a lost rank (a frozen process is the
+    hang detector's: its host-mates wait on).
     "After" by the host's own clock (``own``: each rank's newest stored heartbeat), never by when the
     collector heard it: a last heartbeat that reached a lagging collector after the host-mate's end
     turned the crash into a lost rank live, and offline, which has no such time, said crash
@@ -165,21 +228,22 @@ def _lost(ctx: RunContext, silent: dict[int, int], exits: dict[int, dict], own: 
     findings = []
     for host, ranks in sorted(by_host.items()):
         ranks.sort()
-        whole_host = host in lost_hosts
+        up = bool(host) and host in rejoined
+        whole_host = host in lost_hosts and not up
         since = min(silent[r] for r in ranks)
         quiet_since = min(own.get(r, silent[r]) for r in ranks)
         stopped = [o for o in ctx.ranks_of_host.get(host, []) if o in exits and exits[o]["time_ns"] > quiet_since] if host else []
         names = ", ".join(ctx.who(r) for r in ranks)
         # a lost host or a crash continues the incident of the rank that fell silent first (heartbeats are
         # staggered; the lost rank was named before its host-mates' ends came)
-        absorbs = tuple(f"lost:rank={r}" for r in sorted(ranks, key=lambda r: silent[r])) if whole_host or stopped else ()
+        absorbs = tuple(f"lost:rank={r}" for r in sorted(ranks, key=lambda r: silent[r])) if whole_host or stopped or up else ()
         if whole_host:
             kind, key = "lost_host", f"lost:host={host}"
             summary = f"lost host: every rank of {host} ({', '.join(map(str, ranks))}) went silent without a last word"
-        elif stopped:
+        elif stopped or up:
             kind, key = "crash", f"crash:rank={ranks[0]}"
-            summary = (f"crash: {names} died without a last word (SIGKILL or the OOM killer) while its host {host} "
-                       f"was up (rank {', '.join(map(str, stopped))} ended after it)")  # fmt: skip
+            how = f"rank {', '.join(map(str, stopped))} ended after it" if stopped else "it is in the next attempt"
+            summary = f"crash: {names} died without a last word (SIGKILL or the OOM killer) while its host {host} was up ({how})"
         else:
             kind, key = "lost_rank", f"lost:rank={ranks[0]}"
             summary = f"lost rank: {names} went silent without a last word (process killed or host unreachable)"
