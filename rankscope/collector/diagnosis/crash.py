@@ -64,17 +64,16 @@ EVICTED_SQL = (
 PREVIOUS = "crash:previous_attempt"
 
 LAUNCHER_SIGNALS = (int(signal.SIGTERM), int(signal.SIGINT))
+TIMEOUT_WORDS = ("timed out", "timeout", "watchdog", "connection reset", "connection closed", "aborted")
 
 
 @dataclass(frozen=True)
 class Ending:
-    """How an attempt ended: when the next one began, the hosts the self-healing driver fenced and when
-    it first decided to, and the hosts of the next attempt (a host there was up)."""
+    """How an attempt ended: the hosts the self-healing driver fenced during it (-> when it first
+    decided to), and the hosts of the next attempt (a host there was up)."""
 
-    at_ns: int
     fenced: Mapping[str, int]
     rejoined: Collection[str]
-TIMEOUT_WORDS = ("timed out", "timeout", "watchdog", "connection reset", "connection closed", "aborted")
 
 
 def detect(
@@ -135,7 +134,7 @@ def previous_attempt(ctx: RunContext) -> list[Finding]:
     if not began:
         return []
     fenced = {r["host"]: r["time_ns"] for r in ctx.query(EVICTED_SQL, {"run": ctx.run_id, "since": since, "until": began}).to_pylist()}
-    ended = Ending(began, fenced, frozenset(ctx.ranks_of_host))
+    ended = Ending(fenced, frozenset(ctx.ranks_of_host))
     return [replace(f, last_seen_ns=max(f.last_seen_ns, began)) for f in detect(before, now_ns=began, ended=ended)]
 
 
