@@ -62,7 +62,7 @@ class Policy:
         if kind not in self.act_on:
             return Verdict.IGNORE, [], f"the policy does not act on {kind} incidents"
         if not suspects:
-            return Verdict.IGNORE, [], "it names no host that is still in the job"
+            return Verdict.IGNORE, [], f"{kind} of {', '.join(hosts) or 'no host'}: no host it names is still in the job"
         if kind == "straggler" and steps_since < self.straggler_steps:
             return Verdict.WAIT, suspects, f"a straggler is acted on after {self.straggler_steps} slow steps ({steps_since} so far)"
         short = self.short(len(remaining), len(suspects), spares)
