@@ -32,6 +32,7 @@ pytest_plugins = ("pytester", "suite_clock", "suite_lanes")  # pytester: tests/t
 
 TERM_GRACE_S = 5.0
 ROOT = Path(__file__).resolve().parent.parent
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 #: what a source copy for a wheel leaves out: version control, environments, build outputs, local data, the tests
 WHEEL_SOURCE_SKIP = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
@@ -262,6 +263,42 @@ def proc_runner(tmp_path: Path) -> Iterator[ProcRunner]:
 def torchrun(proc_runner: ProcRunner) -> Callable[..., Proc]:
     """``torchrun(args, nproc, env=None) -> Proc``: ProcRunner.torchrun bound to this test."""
     return proc_runner.torchrun
+
+
+@pytest.fixture
+def starve() -> Iterator[Callable[[int, float], Path]]:
+    """``starve(pid, share)``: the process's CPU cut to ``share`` of a core, from outside (a cpu cgroup
+    nested in its own, whose quota a sibling of it on the host would not feel); undone at teardown, or
+    before by ``release_starved``. Returns the cgroup (its ``cpu.stat`` tells how often the quota held
+    the process back)."""
+    made: list[Path] = []
+
+    def cut(pid: int, share: float) -> Path:
+        own = next((line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                    if "cpu" in line.split(":", 2)[1].split(",")), None)  # fmt: skip
+        if own is None or not os.access(CPU_CGROUPS, os.W_OK):
+            pytest.skip("no writable cpu cgroup (v1) here")
+        group = CPU_CGROUPS / own.lstrip("/") / f"starved-{pid}"
+        group.mkdir()
+        made.append(group)
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(share * 100000))))  # the kernel's least quota: 1 ms
+        (group / "cgroup.procs").write_text(str(pid))
+        return group
+
+    yield cut
+    for group in made:
+        release_starved(group)
+        group.rmdir()
+
+
+def release_starved(group: Path) -> None:
+    """The processes of a starving cgroup back into its parent: their CPU is theirs again."""
+    for pid in (group / "cgroup.procs").read_text().split():
+        try:
+            (group.parent / "cgroup.procs").write_text(pid)
+        except ProcessLookupError:
+            pass
 
 
 def make_testbed(hosts: int, ranks_per_host: int = 1) -> Iterator[Testbed]:

@@ -13,12 +13,12 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from conftest import CLI, Proc, ProcRunner, Running, incidents, start_collector
+from conftest import CLI, Proc, ProcRunner, Running, incidents, release_starved, start_collector
 from rankscope.common.incidents import from_rows
 from rankscope.common.processes import process_tree, training_rank
 from rankscope.harness import ddp_job
@@ -27,7 +27,6 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_plain.py"
 FAST = {"RANKSCOPE_FLUSH_S": "0.5", "RANKSCOPE_HEARTBEAT_S": "1"}
-CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 #: the starved rank's share of a CPU (cgroup quota): its peers, 3 ranks on 2 cores, have about 0.67
 #: each, less on a busy machine (at a quarter of a core, the others' noise once hid it)
 STARVED_CPU = 0.1
@@ -141,41 +140,6 @@ def _ended(collector: Running, run: str, world: int = 4, timeout_s: float = 60) 
         time.sleep(0.5)
 
 
-@pytest.fixture
-def starve() -> Iterator[Callable[[int], Path]]:
-    """``starve(pid)``: the process's CPU cut to ``STARVED_CPU`` of a core, from outside (a cpu cgroup
-    nested in its own, whose quota a sibling of it on the host would not feel); undone at teardown.
-    Returns the cgroup (its ``cpu.stat`` tells how often the quota held the process back)."""
-    made: list[Path] = []
-
-    def cut(pid: int) -> Path:
-        own = next((line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-                    if "cpu" in line.split(":", 2)[1].split(",")), None)  # fmt: skip
-        if own is None or not os.access(CPU_CGROUPS, os.W_OK):
-            pytest.skip("no writable cpu cgroup (v1) here")
-        group = CPU_CGROUPS / own.lstrip("/") / f"starved-{pid}"
-        group.mkdir()
-        made.append(group)
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(int(STARVED_CPU * 100000)))
-        (group / "cgroup.procs").write_text(str(pid))
-        return group
-
-    yield cut
-    for group in made:
-        _release(group)
-        group.rmdir()
-
-
-def _release(group: Path) -> None:
-    """The processes of a starving cgroup back into its parent: their CPU is theirs again."""
-    for pid in (group / "cgroup.procs").read_text().split():
-        try:
-            (group.parent / "cgroup.procs").write_text(pid)
-        except ProcessLookupError:
-            pass
-
-
 def _offline(collector: Running, run: str, *thresholds: str) -> list[dict]:
     done = subprocess.run([*CLI, "diagnose", "--run", run, "--collector", collector.target, "--format", "json", *thresholds],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -185,7 +149,7 @@ def _offline(collector: Running, run: str, *thresholds: str) -> list[dict]:
 
 @pytest.mark.foreground
 def test_a_rank_starved_of_cpu_from_outside_is_named_by_its_late_arrivals(
-    collector: Running, torchrun: Callable[..., Proc], starve: Callable[[int], Path], tmp_path: Path
+    collector: Running, torchrun: Callable[..., Proc], starve: Callable[[int, float], Path], tmp_path: Path
 ) -> None:
     """A rank of a 4-rank DDP job put in a cpu cgroup of a tenth of a core arrives last at DDP's
     gradient all-reduces: named live and by ``rankscope diagnose``, with its host, and nobody else."""
@@ -197,7 +161,7 @@ def test_a_rank_starved_of_cpu_from_outside_is_named_by_its_late_arrivals(
     while _stored_step(collector, run) < 1:  # training (its start-up at a tenth of a core would take minutes)
         assert time.monotonic() < deadline and proc.returncode is None, proc.output()
         time.sleep(0.5)
-    group = starve(pid)
+    group = starve(pid, STARVED_CPU)
 
     def named(found: list[dict], _: object) -> bool:
         return any(i["kind"] == "straggler" and STARVED_RANK in i["ranks"] for i in found)
@@ -205,7 +169,7 @@ def test_a_rank_starved_of_cpu_from_outside_is_named_by_its_late_arrivals(
     live = incidents(collector.target, run, named, timeout_s=120)
     stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
     assert int(stat["nr_throttled"]) > 0, (pid, stat, (group / "cgroup.procs").read_text())  # the quota bit
-    _release(group)  # the rest of the run at full speed: the episode closes, and is still named offline
+    release_starved(group)  # the rest of the run at full speed: the episode closes, and is still named offline
     assert proc.wait(240) == 0, proc.output()
     _ended(collector, run)
     stragglers = [(i["ranks"], i["hosts"]) for i in live if i["kind"] == "straggler"]

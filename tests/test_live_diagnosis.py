@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import replace
 
@@ -282,6 +283,47 @@ def test_the_time_the_collector_stalled_is_no_rank_s_silence(migrated: Store) ->
     for second in range(20, -1, -1):
         steady.listening(tick - second * 10**9)
     assert _lost(migrated, steady) == ["lost_host"]
+
+
+def test_the_time_the_collector_waited_for_a_cpu_between_its_ticks_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811
+    """Heard 20 s ago, then a loop that ticked every second on time but waited 0.9 s of each for a CPU (a
+    collector at a low priority beside a busy job: a tick is cheap, the calls queued in its sockets are
+    not): nobody is silent; a loop that waited 0.2 s of each second (a busy machine) hears silence."""
+    heard_ns, tick = time.time_ns() - 20 * 10**9, time.monotonic_ns()
+    beats = _two_ranks_stored_until(migrated, heard_ns)
+
+    def ticked_on_time(waited_each_s: float) -> LastHeard:
+        waited = itertools.count(0, int(waited_each_s * 1e9))
+        heard = LastHeard(stale_ns=5 * 10**9, started_ns=heard_ns - 10**9, cpu_wait=lambda: next(waited))
+        heard.listening(tick - 21 * 10**9)
+        heard.sent(heard_ns, heard_ns, "job-0")
+        heard.note(Decoded("heartbeats", {"heartbeats": beats}), heard_ns)
+        for second in range(20, -1, -1):
+            heard.listening(tick - second * 10**9)
+        return heard
+
+    assert _lost(migrated, ticked_on_time(0.9)) == []
+    assert _lost(migrated, ticked_on_time(0.2)) == ["lost_host"]
+
+
+def test_after_a_long_deafness_the_ranks_have_the_time_an_agent_takes_to_come_back(migrated: Store) -> None:  # noqa: F811
+    """Heard 60 s ago, then the collector stalled 40 s and has listened on time for 10 s since, hearing
+    nobody: their calls may have outlived their deadline (30 s), and an agent comes back by its next
+    probe, so nobody is lost before REJOIN_S has passed. After a stall of 10 s, they are."""
+    heard_ns, tick = time.time_ns() - 60 * 10**9, time.monotonic_ns()
+    beats = _two_ranks_stored_until(migrated, heard_ns)
+
+    def stalled_for(stall_s: int) -> LastHeard:
+        heard = LastHeard(stale_ns=5 * 10**9, started_ns=heard_ns - 10**9, cpu_wait=lambda: None)
+        heard.listening(tick - (stall_s + 11) * 10**9)
+        heard.sent(heard_ns, heard_ns, "job-0")
+        heard.note(Decoded("heartbeats", {"heartbeats": beats}), heard_ns)
+        for second in range(10, -1, -1):  # the first tick after the stall, then on time
+            heard.listening(tick - second * 10**9)
+        return heard
+
+    assert _lost(migrated, stalled_for(40)) == []
+    assert _lost(migrated, stalled_for(10)) == ["lost_host"]
 
 
 def test_the_time_calls_wait_for_a_collector_behind_them_is_no_rank_s_silence(migrated: Store) -> None:  # noqa: F811

@@ -24,6 +24,19 @@ log = logging.getLogger("rankscope.collector")
 #: how long after a collector's start a live agent may take to reach it: its call's deadline, then its
 #: next probe (``rankscope.agent.transport``)
 REJOIN_S = CALL_TIMEOUT_S + BACKOFF_MAX_S
+#: a deafness this long may have made the agents' calls outlive their deadline (the calls queued before it
+#: waited longer): they spool, and come back one by one over the next ``REJOIN_S``
+LONG_DEAF_S = CALL_TIMEOUT_S / 2
+
+
+def cpu_wait_ns() -> int | None:
+    """How long the calling thread has waited for a CPU while it could run (ns since it began: the kernel's
+    ``run_delay``, throttling by a cgroup's CPU quota included); None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as stats:
+            return int(stats.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class LastHeard:
@@ -40,7 +53,18 @@ class LastHeard:
     process stopped, or starved of CPU) the ranks' calls wait unread in its sockets, so a stall is
     added to every rank's last-heard time: ``listening()``, called by the loop every ``tick_s``,
     counts a tick that came more than a tick late as a stall, and ``of`` counts the stall in
-    progress too (a diagnosis pass can run before the loop catches up). Nor does the time before
+    progress too (a diagnosis pass can run before the loop catches up). A loop that ticks on time can
+    still be starved between its ticks: a collector at a low priority beside a busy job gets a few
+    milliseconds a second, enough to tick, not to take up the calls queued in its sockets (seen: a
+    collector at nice 10 beside 16 training processes on 2 cores heard nobody for over a minute and
+    named every host lost). So a tick also reads how long the loop's thread waited for a CPU since the
+    last (``cpu_wait``, the kernel's run delay): more than half the time between them, and that wait is
+    time it could not listen (the longer of the wait and the tick's lateness: a late tick waited too).
+    A rank need not be back the moment the collector listens again after a deafness of over ``LONG_DEAF_S``:
+    its agent's call may have outlived its deadline, and it comes back by its spool's next probe. So
+    after such a deafness no rank is silent before ``REJOIN_S`` has passed (seen: a collector starved for
+    a minute beside CPU hogs, seven ranks back 35 s after their calls failed, the eighth 13 s after
+    them, and named lost). Nor does the time before
     this collector started count (it was down, or killed and restarted): ``of`` hears no rank of
     the run earlier than the start, whatever the store's heartbeats or a replayed spool say, so a
     rank silent since is named lost ``silent_after`` after the start.
@@ -74,13 +98,19 @@ class LastHeard:
     that went silent *without* a last word.
     """
 
-    def __init__(self, stale_ns: int, tick_s: float = 1.0, started_ns: int | None = None) -> None:
+    def __init__(self, stale_ns: int, tick_s: float = 1.0, started_ns: int | None = None,
+                 cpu_wait: Callable[[], int | None] = cpu_wait_ns) -> None:  # fmt: skip
         self.stale_ns = stale_ns
         self._heard: dict[tuple[str, int], dict[int, int]] = {}
         self._ended: dict[tuple[str, int], set[int]] = {}  # (run, attempt) -> ranks whose end arrived
         self._tick_ns = int(tick_s * 1e9)
         self._ticked_ns: int | None = None  # monotonic: the loop's last tick
         self._deaf_ns = 0  # the stalls so far; heard times are kept less the stalls before them
+        self._cpu_wait = cpu_wait
+        self._waited_ns: int | None = None  # the loop's thread's wait for a CPU at its last tick (None: not known)
+        self._said_starved_ns = -(10**12)  # monotonic: when a starved loop was last said (once a minute at most)
+        self._deaf_for_ns = 0  # how long the collector has been deaf without a break, by its ticks
+        self._rejoin_ns = 0  # wall clock: when the last deafness of over LONG_DEAF_S ended (0: none)
         self._started_ns = time.time_ns() if started_ns is None else started_ns  # when the collector began to listen
         self._behind_ns = 0  # how long the calls of the last second with any waited for the loop (their least)
         self._second: tuple[int, int] = (0, 0)  # (the second in progress, its least wait so far)
@@ -93,8 +123,37 @@ class LastHeard:
         """The event loop's tick (``now_ns``: monotonic): the time since the last one beyond a tick's
         lateness was time the collector could not listen."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
-        self._deaf_ns += self._stalled(now_ns)
+        deaf = max(self._stalled(now_ns), self._starved_for(now_ns))
+        self._deaf_ns += deaf
+        self._deafness(now_ns, deaf > 0 or self.behind_ns() > 0 or self.kept_waiting_ns() > self.stale_ns)
         self._ticked_ns = now_ns
+
+    def _deafness(self, now_ns: int, deaf: bool) -> None:
+        """A tick's interval counted into the deafness without a break, or the end of it: past ``LONG_DEAF_S``,
+        the ranks have ``REJOIN_S`` from now to come back."""
+        if deaf:
+            self._deaf_for_ns += 0 if self._ticked_ns is None else now_ns - self._ticked_ns
+            return
+        if self._deaf_for_ns > LONG_DEAF_S * 1e9:
+            self._rejoin_ns = time.time_ns()
+            log.warning("rankscope collector: it could not listen for %.0f s; a rank silent since is judged so only %.0f s "
+                        "from now (its agent's call may have failed: it comes back by its next probe)", self._deaf_for_ns / 1e9, REJOIN_S)  # fmt: skip
+        self._deaf_for_ns = 0
+
+    def _starved_for(self, now_ns: int) -> int:
+        """How long the loop waited for a CPU since its last tick, when that was most of the time (0 if not)."""
+        was, self._waited_ns = self._waited_ns, self._cpu_wait()
+        if was is None or self._waited_ns is None or self._ticked_ns is None:
+            return 0
+        waited = self._waited_ns - was
+        if 2 * waited <= now_ns - self._ticked_ns:
+            return 0
+        if now_ns - self._said_starved_ns > 60 * 10**9:
+            self._said_starved_ns = now_ns
+            log.warning("rankscope collector: its event loop waited %.1f s of the last %.1f s for a CPU (short of CPU? see "
+                        "--nice): a rank's silence counts only the time it could listen", waited / 1e9,
+                        (now_ns - self._ticked_ns) / 1e9)  # fmt: skip
+        return waited
 
     def sent(self, sent_ns: int, received_ns: int, run_id: str = "") -> None:
         """A batch of ``run_id`` sent at ``sent_ns`` (this collector's clock; 0: the sender did not say)
@@ -192,13 +251,15 @@ class LastHeard:
 
     def of(self, run_id: str, attempt: int, ranks: Iterable[int] = (), now_ns: int | None = None) -> dict[int, int]:
         """rank -> when it was last heard (ns, collector clock), for one attempt of a run and at least
-        ``ranks`` (its registered ranks), none before the run's agents could be back (see the class),
-        moved later by the stalls since (``now_ns``: monotonic, for the stall in progress)."""
+        ``ranks`` (its registered ranks), none before the run's agents could be back (see the class: after
+        the collector's start, or a long deafness), moved later by the stalls since (``now_ns``: monotonic,
+        for the stall in progress)."""
         deaf = self._deaf_ns + self._stalled(time.monotonic_ns() if now_ns is None else now_ns) + self.behind_ns() + self.kept_waiting_ns()
         heard = {**dict.fromkeys(ranks, 0), **self._heard.get((run_id, attempt), {})}
         ended, now = self._ended.get((run_id, attempt), ()), time.time_ns()
         back = self._back.get(run_id, self._started_ns + int(REJOIN_S * 1e9))
-        return {rank: now if rank in ended else max(at, back) + deaf for rank, at in heard.items()}
+        rejoin = self._rejoin_ns + int(REJOIN_S * 1e9) if self._rejoin_ns else 0
+        return {rank: now if rank in ended else max(max(at, back) + deaf, rejoin) for rank, at in heard.items()}
 
     def forget(self, run_id: str) -> None:
         """Drop every rank of ``run_id``: the diagnosis has let the run go."""
