@@ -32,6 +32,7 @@ pytest_plugins = ("pytester", "suite_clock", "suite_lanes")  # pytester: tests/t
 
 TERM_GRACE_S = 5.0
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"  # training scripts that know nothing about rankscope
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 #: what a source copy for a wheel leaves out: version control, environments, build outputs, local data, the tests
 WHEEL_SOURCE_SKIP = shutil.ignore_patterns(

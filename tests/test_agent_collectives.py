@@ -22,13 +22,12 @@ from typing import Any
 
 import pytest
 
-from conftest import CLI, Proc, ProcRunner, Running, free_port, start_collector
+from conftest import CLI, SCRIPTS, Proc, ProcRunner, Running, free_port, start_collector
 from rankscope.collector.client import Client
 from rankscope.collector.diagnosis.crash import TIMEOUT_WORDS
 
 pytestmark = pytest.mark.slow
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 NOT_LAUNCHED = {"RANK": "", "WORLD_SIZE": "", "LOCAL_RANK": "", "TORCHELASTIC_RUN_ID": ""}
 
 

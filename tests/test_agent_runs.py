@@ -131,7 +131,7 @@ def test_a_stragglers_peer_keeps_its_own_compute_time(
         # is the least disturbed measure of it (CI of 9fdbeb6: rank 1's forward 36.9 ms before, against
         # rank 0's 25.7, then 63.4: 1.72x its own, 2.47x the pair's least).
         grew = {r: after[r] - before[r] for r in (0, 1)}
-        assert 1.8 < after[1] / min(before.values()) < 8, (name, before, after)
+        assert 1.8 < after[1] / min(before.values()) and after[1] / before[1] < 7, (name, before, after)
         assert grew[0] < 0.4 * grew[1], (name, before, after)  # the peer's waits are not in its compute
         assert after[1] > 1.8 * after[0], (name, before, after)
 

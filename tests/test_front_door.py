@@ -15,12 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ProcRunner, incidents, release_starved, start_collector
+from conftest import SCRIPTS, ProcRunner, incidents, release_starved, start_collector
 
 from rankscope.agent.spool import leftovers
 
 RUNS_SQL = "SELECT DISTINCT run_id FROM runs"
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TINY = ["--nproc", "2", "--tp", "1", "--pp", "1", "--dp", "2", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
         "--vocab", "64", "--micro-batch", "2", "--global-batch", "4", "--steps", "3"]  # fmt: skip
 

@@ -29,8 +29,8 @@ STARTUP_BOUND = {"testbed-kill-rank", "testbed-freeze-rank", "testbed-ddp-freeze
 RUN_ELSEWHERE = {
     "testbed-throttle-host": "docs/testbed.md's page throttles node2's CPU and `rankscope diagnose` names its two ranks (tests/test_docs.py)",
     "testbed-freeze-host": "the healing drill freeze-host freezes node1 and evicts it on the hang naming it (tests/test_healing.py)",
-    "testbed-kill-host": "docs/healing.md's test-bed drill kills node1 of the trainer's job and its actions name the lost_host "
-                         "incident that evicted it (tests/test_docs.py)",
+    "testbed-kill-host": "docs/healing.md's test-bed drill kills node1 of the trainer's job and its actions name its lost_host "
+                         "incident and its eviction (tests/test_docs.py)",
     "testbed-clean": "every other scenario asserts that nothing but its fault is named; clean runs: the local clean scenario "
                      "(test_diagnosis_scenarios.py) and a clean DDP job (test_diagnosis_plain.py)",
     "testbed-slow-link": "testbed-delay-link is a slow link on the test bed; tbf itself is tests/test_testbed.py's limited link",
