@@ -57,9 +57,11 @@ class LastHeard:
     still be starved between its ticks: a collector at a low priority beside a busy job gets a few
     milliseconds a second, enough to tick, not to take up the calls queued in its sockets (seen: a
     collector at nice 10 beside 16 training processes on 2 cores heard nobody for over a minute and
-    named every host lost). So a tick also reads how long the loop's thread waited for a CPU since the
-    last (``cpu_wait``, the kernel's run delay): more than half the time between them, and that wait is
-    time it could not listen (the longer of the wait and the tick's lateness: a late tick waited too).
+    named every host lost): what that costs is measured where it shows, in the calls (below). How long
+    the loop's thread waited for a CPU (``cpu_wait``, the kernel's run delay) is said once a minute when
+    it was most of a tick, and is no deafness by itself: a collector at nice 10 beside a busy job waits
+    0.5-0.9 s of each second and still takes up its calls on time, and counting that wait slowed every
+    silence it had to name (CI of 8be0cf5: a host killed under Slurm not named before Slurm's own 60 s).
     A rank need not be back the moment the collector listens again after a deafness of over ``LONG_DEAF_S``:
     its agent's call may have outlived its deadline, and it comes back by its spool's next probe. So
     after such a deafness no rank is silent before ``REJOIN_S`` has passed (seen: a collector starved for
@@ -123,7 +125,8 @@ class LastHeard:
         """The event loop's tick (``now_ns``: monotonic): the time since the last one beyond a tick's
         lateness was time the collector could not listen."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
-        deaf = max(self._stalled(now_ns), self._starved_for(now_ns))
+        self._say_starved(now_ns)
+        deaf = self._stalled(now_ns)
         self._deaf_ns += deaf
         self._deafness(now_ns, deaf > 0 or self.behind_ns() > 0 or self.kept_waiting_ns() > self.stale_ns)
         self._ticked_ns = now_ns
@@ -140,20 +143,16 @@ class LastHeard:
                         "from now (its agent's call may have failed: it comes back by its next probe)", self._deaf_for_ns / 1e9, REJOIN_S)  # fmt: skip
         self._deaf_for_ns = 0
 
-    def _starved_for(self, now_ns: int) -> int:
-        """How long the loop waited for a CPU since its last tick, when that was most of the time (0 if not)."""
+    def _say_starved(self, now_ns: int) -> None:
+        """Say (once a minute at most) that the loop waited for a CPU most of the time since its last tick."""
         was, self._waited_ns = self._waited_ns, self._cpu_wait()
         if was is None or self._waited_ns is None or self._ticked_ns is None:
-            return 0
+            return
         waited = self._waited_ns - was
-        if 2 * waited <= now_ns - self._ticked_ns:
-            return 0
-        if now_ns - self._said_starved_ns > 60 * 10**9:
+        if 2 * waited > now_ns - self._ticked_ns and now_ns - self._said_starved_ns > 60 * 10**9:
             self._said_starved_ns = now_ns
             log.warning("rankscope collector: its event loop waited %.1f s of the last %.1f s for a CPU (short of CPU? see "
-                        "--nice): a rank's silence counts only the time it could listen", waited / 1e9,
-                        (now_ns - self._ticked_ns) / 1e9)  # fmt: skip
-        return waited
+                        "--nice): a rank's silence is judged by how late its calls are taken up", waited / 1e9, (now_ns - self._ticked_ns) / 1e9)  # fmt: skip
 
     def sent(self, sent_ns: int, received_ns: int, run_id: str = "") -> None:
         """A batch of ``run_id`` sent at ``sent_ns`` (this collector's clock; 0: the sender did not say)

@@ -206,7 +206,9 @@ def _watch(scenario: Scenario, run_id: str, client: object, training: subprocess
         if scenario.kind == "hang" and score.expected:
             break  # found: the run would otherwise sit out its --timeout
         if ended_at is not None and time.monotonic() - ended_at > 6:
-            break  # the last data is in and a few diagnosis passes saw it
+            await_diagnosis(metrics)  # the last data is in: a few diagnosis passes see it, however slow they are
+            look()
+            break
         time.sleep(0.5)
     return score
 

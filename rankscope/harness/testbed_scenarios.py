@@ -261,5 +261,9 @@ def _watch(score: Score, client: object, job: Job, fault_ns: int, metrics: str, 
         if done and quiet_since is None:
             quiet_since = time.monotonic()
         if quiet_since is not None and time.monotonic() - quiet_since > settle_s:
+            # The settling time is wall time: a loaded collector may not have passed over the end yet
+            # (CI of 8be0cf5: a crash logged live after the scorer's last look, and found by the postmortem).
+            await_diagnosis(metrics)
+            look()
             return
         time.sleep(0.5)
