@@ -278,6 +278,29 @@ def test_a_relays_late_rows_keep_the_attempt_of_the_process_that_recorded_them()
     assert parts["exits"]["attempt"].to_pylist() == [0, 0] and "runs" not in parts and not worker.has_ended("s", 0)
 
 
+def test_a_restarted_ranks_rows_that_overtake_its_registration_are_refused_until_it_registered() -> None:
+    """torchrun restarts rank 1 on another host, and its new process's first heartbeat arrives before its
+    registration (CI of c2895eb). Taken for the earlier attempt's, on the old host, it had a killed host
+    heard again at the restart; refused as unregistered (the agent sends it again after the retry delay),
+    it is stored as the new attempt's, on the new host, once the registration came. The earlier process's
+    own rows keep its attempt, and a sender that names no world is taken at its word as before."""
+    registry = RunRegistry()
+    first = [register("r", rank, 2, host=f"node-{rank}", world="10.0.0.1:5000/2") for rank in range(2)]
+    for batch in first:
+        _decode(batch, registry)
+    again = register("r", 1, 2, host="node-2", world="10.0.0.2:6000/2")
+    beat = _from(again, heartbeats("r", 1))
+    with pytest.raises(UnregisteredRun, match=r"rank 1 of run 'r': the process that sent this batch is not registered"):
+        _decode(beat, registry)
+    assert _decode(_from(first[1], heartbeats("r", 1)), registry).parts["heartbeats"].to_pylist()[0]["attempt"] == 0
+    _decode(again, registry)
+    assert [(row["attempt"], row["host"]) for row in _decode(beat, registry).parts["heartbeats"].to_pylist()] == [(1, "node-2")]
+
+    worldless = RunRegistry()
+    _decode(register("s", 0, 1), worldless)
+    assert _decode(heartbeats("s", 0), worldless).parts["heartbeats"].num_rows == 1
+
+
 def test_run_level_records_store_a_drivers_actions_and_a_hosts_self_check() -> None:
     from rankscope.healing.record import Figure, action_batch, selfcheck_batch
 
@@ -370,8 +393,9 @@ def test_one_batch_speaks_for_several_ranks_when_its_rows_name_them() -> None:
     from rankscope.collector.liveness import LastHeard
 
     registry = RunRegistry()
-    for rank in range(4):
-        _decode(register("r", rank, 4, host=f"node-{rank // 2}", world="10.0.0.1:5000/4"), registry)
+    first = [register("r", rank, 4, host=f"node-{rank // 2}", world="10.0.0.1:5000/4") for rank in range(4)]
+    for batch in first:
+        _decode(batch, registry)
     _decode(register("r", 3, 4, host="node-9", world="10.0.0.2:6000/4"), registry)  # rank 3 restarted: attempt 1
     batch = spans("r", 0, 6)
     batch.spans.rank = np.array([1, 1, 3, 3, 2, 1], "<i4").tobytes()
@@ -379,7 +403,7 @@ def test_one_batch_speaks_for_several_ranks_when_its_rows_name_them() -> None:
     rows = decoded.parts["spans"].to_pydict()
     assert rows["rank"] == [1, 1, 3, 3, 2, 1] and rows["attempt"] == [0, 0, 1, 1, 0, 0]
     assert decoded.ranks == (1, 2, 3)
-    assert _decode(spans("r", 2, 2), registry).ranks == (2,)  # no rank column: the envelope's rank
+    assert _decode(_from(first[2], spans("r", 2, 2)), registry).ranks == (2,)  # no rank column: the envelope's rank
     now = time.time_ns()
     beats = [telemetry_pb2.Heartbeat(time_ns=now - k, step=1, phase="forward", status="running") for k in range(3)]
     decoded = _decode(envelope("r", 0, heartbeats=telemetry_pb2.HeartbeatBatch(heartbeats=beats, ranks=[2, 0, 3])), registry)
@@ -678,8 +702,9 @@ def test_rows_dated_after_their_runs_end_are_refused_and_late_true_ones_are_stor
         assert refused.value.reason == "ended"
     assert (dict(registry.run("r").exits), registry.run("r").end_ns) == before
     assert _decode(spans("r", 0, 2, t0=ended + 10**9), registry).parts["spans"].num_rows == 2  # within the skew
-    _decode(register("r", 0, 2, start_ns=after, world="second"), registry)  # a new attempt: the run runs again
-    assert registry.run("r").end_ns == 0 and _decode(spans("r", 0, 2, t0=after), registry).parts["spans"].num_rows == 2
+    second = register("r", 0, 2, start_ns=after, world="second")
+    _decode(second, registry)  # a new attempt: the run runs again
+    assert registry.run("r").end_ns == 0 and _decode(_from(second, spans("r", 0, 2, t0=after)), registry).parts["spans"].num_rows == 2
 
 
 @pytest.mark.timeout(30)

@@ -161,6 +161,22 @@ def test_a_spare_the_job_never_needed_is_stopped_when_the_job_ends_and_its_exit_
     assert [a for a, *_ in cluster.actions][-1] == "finished"
 
 
+def test_a_spare_that_joined_while_a_fence_held_the_driver_is_the_jobs_when_it_ends() -> None:
+    """The survivors restarted with the waiting spare and finished while the driver's loop was held by a
+    fence (11 s under Slurm): at the end the spare is one of the job's hosts, its exit the job's, not a
+    spare it never needed (the Slurm drill: "the job did not need node3: stopped", "finished on node0, node2")."""
+    cluster = Cluster(exits={"node0": 0, "node1": -9, "node2": 0, "node3": 0})
+    heal = _driver(cluster)
+    cluster.rows[driver.ATTEMPTS_SQL] = [{**_attempt(0, HOSTS), "registered_ns": time.time_ns()}]
+    heal.poll()
+    assert cluster.joined == ["node3"]
+    cluster.rows[driver.ATTEMPTS_SQL].append({**_attempt(1, ["node0", "node2", "node3"]), "registered_ns": time.time_ns()})
+    cluster.rows[driver.STEPS_SQL] = [{"attempt": 1, "first_step": 11, "last_step": 24, "first_step_ns": time.time_ns()}]
+    cluster.done = True
+    assert heal.run() == {"node0": 0, "node1": -9, "node2": 0, "node3": 0} and cluster.stopped == []
+    assert [hosts for action, hosts, _ in cluster.actions if action == "finished"] == [["node0", "node2", "node3"]]
+
+
 def test_a_waiting_spare_whose_launcher_failed_is_started_again_only_in_an_evicted_hosts_place() -> None:
     """Not in a loop while it waits (a broken spare would fail again, and a job's end closes the rendezvous);
     its exit is not the job's."""

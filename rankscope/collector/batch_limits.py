@@ -44,14 +44,17 @@ class IngestError(ValueError):
 
 
 class UnregisteredRun(IngestError):
-    """Rows of a run no rank has registered (gRPC FAILED_PRECONDITION): its ranks register first."""
+    """Rows of a run no rank has registered, or (``rank``) of a process that has not registered while
+    an earlier one of its rank did (gRPC FAILED_PRECONDITION): they register first."""
 
-    def __init__(self, run_id: str) -> None:
-        super().__init__(
-            f"run {shown(run_id)} is not registered: its ranks send a Register before their rows (healing's"
-            " actions and self-checks need none)",
-            "unregistered",
-        )
+    def __init__(self, run_id: str, rank: int | None = None) -> None:
+        if rank is None:
+            message = (f"run {shown(run_id)} is not registered: its ranks send a Register before their rows (healing's"
+                       " actions and self-checks need none)")  # fmt: skip
+        else:
+            message = (f"rank {rank} of run {shown(run_id)}: the process that sent this batch is not registered, and the"
+                       " rank's registration is an earlier process's: a restarted rank sends its Register before its rows")  # fmt: skip
+        super().__init__(message, "unregistered")
 
 
 def shown(text: str, limit: int = 64) -> str:

@@ -398,6 +398,8 @@ def decode(batch: ingest_pb2.Batch, registry: RunRegistry, now_ns: int, window: 
         ctx.after_start(run.start_ns, window)
         ctx.before_end(run.end_ns, window)
     parts = _PAYLOADS[kind](ctx, getattr(batch, kind), registry)
+    if kind not in REGISTRATIONS and kind not in RUN_LEVEL and not ctx.ranks and ctx.run.unregistered_sender(batch):
+        raise UnregisteredRun(batch.run_id, batch.rank)  # rows of the envelope's rank (rows that name theirs: ``row_ranks``)
     if kind in REGISTRATIONS:  # accepted: its world keeps the number it was given
         registry.run(batch.run_id).note_world(batch, ctx.attempt)
     return Decoded(kind, parts, ctx.ranks or (() if kind in RUN_LEVEL else (batch.rank,)))

@@ -83,7 +83,7 @@ def _registrations(
     alive = late = False
     for (rank, reg), (start, at_ns), group_keys in zip(regs, times, keys):
         ended = run.ended_since(rank, at_ns)
-        version = run.register(rank, reg.start_time_ns, reg.time_ns, at_ns, ctx.attempt)
+        version = run.register(rank, reg.start_time_ns, reg.time_ns, at_ns, ctx.attempt, ctx.sender if len(ctx.parts) <= 1 else b"")
         if version is None:
             continue  # an older registration than the rank's newest (or than its end), delivered late
         rows.append((rank, reg, version))

@@ -30,6 +30,8 @@ class Registration:
     version: int
     #: the attempt (restart) of the run the registering process belongs to
     attempt: int = 0
+    #: the agent instance that registered (``sender``; empty: read back from the store, or one sender for several ranks)
+    instance: bytes = b""
 
     def newer(self, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> bool | None:
         """Whether a registration (its attempt, its process's start and time on the rank's clock, its
@@ -124,6 +126,18 @@ class RunInfo:
             return held
         return self.attempt(batch.rank) if batch.rank in self.registered else batch.attempt
 
+    def unregistered_sender(self, batch: ingest_pb2.Batch) -> bool:
+        """Whether rows ``batch`` carries come from a process that has not registered, while its rank's
+        newest registration is another process's that registered in a world this collector saw: a
+        restarted rank's first heartbeats can overtake its registration, and would be taken for the
+        earlier attempt's, on the host it had then (CI of c2895eb: a host killed under Slurm heard
+        "again" as the survivors restarted, and never named lost)."""
+        if len(batch.parts) > 1:
+            return False
+        process = sender(batch)
+        held = self.registered.get(batch.rank)
+        return process not in self.processes and held is not None and held.instance != process and held.instance in self.processes
+
     def part_attempts(self, parts: Iterable[ingest_pb2.BatchPart]) -> list[int]:
         """The attempt of the process behind each of a relay's batch's ``parts``, -1 where this collector
         has not seen it register (it restarted since, or the agent sends no world): a relay's spool
@@ -139,7 +153,7 @@ class RunInfo:
             for process in [_instance(p.batch_id) for p in batch.parts] or [sender(batch)]:
                 self.processes[process] = attempt
 
-    def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0) -> int | None:
+    def register(self, rank: int, start_ns: int, time_ns: int, at_ns: int, attempt: int = 0, instance: bytes = b"") -> int | None:
         """Note a registration of ``rank`` (its process's start and its time on the rank's clock,
         ``at_ns`` on the collector's); the version to store its rows with, or None when it is older
         than the rank's newest registration: one delivered late (a retry, a spool replay) must not
@@ -156,7 +170,7 @@ class RunInfo:
             version = held.version  # the same registration again: its rows keep their version
         else:  # above the rank's earlier versions even when the agent's clock offset was corrected in between
             version = max(at_ns, held.version + 1)
-        self.registered[rank] = Registration(start_ns, time_ns, version, attempt)
+        self.registered[rank] = Registration(start_ns, time_ns, version, attempt, instance)
         return version
 
 

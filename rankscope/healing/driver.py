@@ -136,11 +136,16 @@ class Driver:
         self._safely(self._first_launch)
         self._act("launched", self._active, reason=f"{len(self._active)} hosts, {len(self.spares)} spares",
                   evidence={"spares": self.spares, "policy": vars(self.policy)})  # fmt: skip
-        while not self.job.finished(but=self._waiting()):
-            self._safely(self.poll)
-            if self.requeued:  # the scheduler ends this allocation: the run goes on in the next one
-                return self.job.exited()
-            time.sleep(self.poll_s)
+        while True:
+            while not self.job.finished(but=self._waiting()):
+                self._safely(self.poll)
+                if self.requeued:  # the scheduler ends this allocation: the run goes on in the next one
+                    return self.job.exited()
+                time.sleep(self.poll_s)
+            # a spare that joined while a fence held the loop (seconds under Slurm) is the job's, not one it did not need
+            self._safely(lambda: self._seat_spares(self._read_attempts()))
+            if self.job.finished(but=self._waiting()):
+                break
         if unused := self._waiting():  # spares the job never needed: their launchers would wait on a closed rendezvous
             self.job.stop(hosts=unused)
             self.log(f"[rankscope launch] the job did not need {', '.join(unused)}: stopped")
@@ -376,6 +381,12 @@ class Driver:
     # --- attempts ----------------------------------------------------------------------------
 
     def _watch_attempts(self) -> None:
+        self._seat_spares(self._read_attempts())
+        self._warm_spares()
+
+    def _read_attempts(self) -> dict[int, dict[str, Any]]:
+        """The run's attempts as stored (each restart recorded once, and how it resumed); returns each
+        attempt's steps."""
         steps = {r["attempt"]: r for r in self._query(STEPS_SQL)}
         for row in self._query(ATTEMPTS_SQL):
             attempt = row["attempt"]
@@ -387,8 +398,7 @@ class Driver:
                 self._act("restart", sorted(row["hosts"]), reason=f"attempt {attempt}: {row['ranks']} ranks on {', '.join(sorted(row['hosts']))}",
                           evidence={"world_size": row["ranks"]}, attempt=attempt, time_ns=row["registered_ns"])  # fmt: skip
                 self._resume(attempt, steps)
-        self._seat_spares(steps)
-        self._warm_spares()
+        return steps
 
     def _waiting(self) -> list[str]:
         """The spares whose launcher runs, not in the job yet."""
