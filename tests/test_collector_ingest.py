@@ -266,8 +266,15 @@ def test_a_relays_late_rows_keep_the_attempt_of_the_process_that_recorded_them()
     assert {(row["rank"], row["attempt"]) for row in late} == {(0, 0), (1, 0)} and len(late) == 6
     mixed = _relayed("heartbeats", [_from(first[0], heartbeats("r", 0)), _from(again[1], heartbeats("r", 1))])
     assert [(row["rank"], row["attempt"]) for row in _decode(mixed, registry).parts["heartbeats"].to_pylist()] == [(0, 0), (1, 1)]
-    unknown = _relayed("heartbeats", [heartbeats("r", 0), heartbeats("r", 1)])  # processes this collector never saw register
-    assert [row["attempt"] for row in _decode(unknown, registry).parts["heartbeats"].to_pylist()] == [1, 1]
+    unknown = _relayed("heartbeats", [heartbeats("r", 0), heartbeats("r", 1)])  # processes a restarted collector never saw register
+    restarted = RunRegistry()
+    restarted.merge_loaded("r", registry.run("r"), 0.0)
+    assert [row["attempt"] for row in _decode(unknown, restarted).parts["heartbeats"].to_pylist()] == [1, 1]
+    # where this collector saw the ranks' newest registrations, an unregistered process's part is held
+    # back as the rank's own batch would be (the server stores the batch's other parts meanwhile)
+    with pytest.raises(UnregisteredRun, match="rank 0 of run 'r'") as refused:
+        _decode(_relayed("heartbeats", [heartbeats("r", 0), _from(again[1], heartbeats("r", 1))]), registry)
+    assert len(refused.value.parts) == 1
 
     worker = RunRegistry()
     old = _registers("s", [0, 1], 2, world="10.0.0.1:5000/2")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 import pytest
-from test_collector_ingest import collectives, end, envelope, heartbeats, metrics, register, spans, stack, step_metrics
+from test_collector_ingest import _from, _relayed, collectives, end, envelope, heartbeats, metrics, register, spans, stack, step_metrics
 
 from rankscope.collector import server
 from rankscope.collector.client import Client, QueryRefused, ResultTooLarge, Unauthenticated
@@ -115,6 +115,31 @@ def test_a_duplicated_batch_is_acknowledged_and_stored_once(ingest: ingest_pb2_g
     assert not send(ingest, batch).duplicate
     assert send(ingest, batch).duplicate
     assert one(client, "SELECT count() AS n FROM spans WHERE run_id = 'dup'") == [{"n": 10}]
+
+
+def test_a_relays_batch_stores_its_registered_ranks_rows_and_holds_a_restarted_ranks_until_it_registers(
+    ingest: ingest_pb2_grpc.IngestStub, client: Client
+) -> None:
+    """A host's relay merges the heartbeats of rank 0 and of rank 1's new process, which torchrun
+    restarted and whose first beats overtook its registration. Taken for the earlier attempt's, on the old
+    host, they would have a dead host heard again. The batch is refused for rank 1's part alone (retry
+    after): rank 0's beats are stored at once, so its host is not silent while rank 1 registers, and
+    the relay's next send of the same batch stores rank 1's as the new attempt's, rank 0's not twice."""
+    run = "relay-restart"
+    first = [register(run, rank, 2, host="node-0", world="10.0.0.1:5000/2") for rank in range(2)]
+    for batch in first:
+        send(ingest, batch)
+    again = register(run, 1, 2, host="node-1", world="10.0.0.2:6000/2")
+    relayed = _relayed("heartbeats", [_from(first[0], heartbeats(run, 0)), _from(again, heartbeats(run, 1))])
+    error = refusal(ingest, relayed)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "rank 1 of run 'relay-restart'" in error.details()
+    assert int(dict(error.trailing_metadata())["retry-after-ms"]) > 0
+    beats = "SELECT rank, attempt, host FROM heartbeats WHERE run_id = {run:String} ORDER BY rank"
+    assert one(client, beats, run=run) == [{"rank": 0, "attempt": 0, "host": "node-0"}]
+    send(ingest, again)
+    assert not send(ingest, relayed).duplicate
+    assert send(ingest, relayed).duplicate
+    assert one(client, beats, run=run) == [{"rank": 0, "attempt": 0, "host": "node-0"}, {"rank": 1, "attempt": 1, "host": "node-1"}]
 
 
 def test_every_service_wants_the_token(collector: Running, ingest: ingest_pb2_grpc.IngestStub) -> None:

@@ -21,7 +21,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rankscope.collector.batch_limits import MAX_ID_CHARS, STRING_EXPANSION, IngestError, check_count, check_repeated, shown
+from rankscope.collector.batch_limits import (
+    MAX_ID_CHARS, STRING_EXPANSION, IngestError, UnregisteredRun, check_count, check_repeated, shown,
+)
 from rankscope.collector.run_registry import RunInfo, sender
 from rankscope.collector.store import schema
 from rankscope.collector.store.base import arrow_schema, arrow_type
@@ -325,13 +327,18 @@ def timestamps(values: np.ndarray) -> pa.Array:
 def row_ranks(ctx: BatchContext, ranks: np.ndarray, where: str) -> np.ndarray:
     """Check the ranks rows name (``check_ranks``) and note them in ``ctx``: the batch speaks for them,
     and its rows take the attempt of the process that recorded them where the collector saw it
-    register, else their rank's newest (``BatchContext.row_attempts``)."""
+    register, else their rank's newest (``BatchContext.row_attempts``). A relay's part from a process
+    that has not registered while its rank's newest registration is another's is refused
+    (``RunInfo.unregistered_parts``): its rows would be taken for the earlier attempt's."""
     check_ranks(ctx.run, ranks, where)
     unique, where_in = np.unique(ranks, return_inverse=True)
     ctx.ranks = tuple(unique.tolist())
     newest = np.array(ctx.run.attempts(ctx.ranks), dtype=np.int64)[where_in]
     counts = [p.count for p in ctx.parts]
     if len(counts) > 1:  # a relay's batch: a process per part (counted in its rows; held_parts checks)
+        if unregistered := ctx.run.unregistered_parts(ctx.parts):
+            rank = next(p.rank for p in ctx.parts if p.batch_id in unregistered)
+            raise UnregisteredRun(ctx.run_id, rank, unregistered)
         known = np.repeat(ctx.run.part_attempts(ctx.parts), counts) if sum(counts) == len(ranks) else np.full(len(ranks), -1)
     else:  # one process that speaks for several ranks (a simulator's worker)
         known = np.full(len(ranks), ctx.run.processes.get(ctx.sender, -1))

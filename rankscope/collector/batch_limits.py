@@ -47,7 +47,9 @@ class UnregisteredRun(IngestError):
     """Rows of a run no rank has registered, or (``rank``) of a process that has not registered while
     an earlier one of its rank did (gRPC FAILED_PRECONDITION): they register first."""
 
-    def __init__(self, run_id: str, rank: int | None = None) -> None:
+    def __init__(self, run_id: str, rank: int | None = None, parts: frozenset[bytes] = frozenset()) -> None:
+        #: in a relay's batch, the ids of the parts whose process is not registered (the others can be stored)
+        self.parts = parts
         if rank is None:
             message = (f"run {shown(run_id)} is not registered: its ranks send a Register before their rows (healing's"
                        " actions and self-checks need none)")  # fmt: skip

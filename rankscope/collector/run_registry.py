@@ -132,11 +132,19 @@ class RunInfo:
         restarted rank's first heartbeats can overtake its registration, and would be taken for the
         earlier attempt's, on the host it had then (CI of c2895eb: a host killed under Slurm heard
         "again" as the survivors restarted, and never named lost)."""
-        if len(batch.parts) > 1:
-            return False
-        process = sender(batch)
-        held = self.registered.get(batch.rank)
+        return len(batch.parts) <= 1 and self.unregistered(sender(batch), batch.rank)
+
+    def unregistered(self, process: bytes, rank: int) -> bool:
+        """Whether ``process`` has not registered while ``rank``'s newest registration is another
+        process's that registered in a world this collector saw (``unregistered_sender``)."""
+        held = self.registered.get(rank)
         return process not in self.processes and held is not None and held.instance != process and held.instance in self.processes
+
+    def unregistered_parts(self, parts: Iterable[ingest_pb2.BatchPart]) -> frozenset[bytes]:
+        """The ids of a relay's batch's ``parts`` whose process is :meth:`unregistered` for the part's
+        rank: a restarted rank's first rows, merged by its host's relay with its peers' (whose rows
+        are stored meanwhile: ``server``)."""
+        return frozenset(p.batch_id for p in parts if self.unregistered(_instance(p.batch_id), p.rank))
 
     def part_attempts(self, parts: Iterable[ingest_pb2.BatchPart]) -> list[int]:
         """The attempt of the process behind each of a relay's batch's ``parts``, -1 where this collector

@@ -256,20 +256,39 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
                 commands.append(command)
         return commands
 
-    async def _store(self, batch: ingest_pb2.Batch, received_ns: int, arrived: Callable[[], None]) -> tuple[bool, tuple[int, ...]]:
+    async def _store(
+        self, batch: ingest_pb2.Batch, received_ns: int, arrived: Callable[[], None], alone: bool = False,
+    ) -> tuple[bool, tuple[int, ...]]:
         """Decode and write ``batch``: whether it was written (not a duplicate), and the ranks it speaks for;
         ``arrived()`` once its rows are handed to the writer. A relay's batch is stored without the
-        parts its ranks stored themselves before (decoded again without them)."""
+        parts its ranks stored themselves before (decoded again without them). ``alone``: under its
+        parts' ids, not its own (what a relay's batch holds from registered processes, stored while the
+        batch is refused for its other parts: the relay sends it whole again, and then only those)."""
         ranks = tuple(dict.fromkeys(p.rank for p in batch.parts))
         while True:
             try:
-                return await self._store_once(batch, received_ns, arrived)
+                return await self._store_once(batch, received_ns, arrived, alone)
             except PartsStored as e:
                 batch = leave_out(batch, batch.WhichOneof("payload"), e.stored)
                 if not batch.parts:
                     return False, ranks
 
-    async def _store_once(self, batch: ingest_pb2.Batch, received_ns: int, arrived: Callable[[], None]) -> tuple[bool, tuple[int, ...]]:
+    async def _store_registered(
+        self, batch: ingest_pb2.Batch, kind: str, unregistered: frozenset[bytes], received_ns: int, arrived: Callable[[], None],
+    ) -> None:
+        """Store the parts of a relay's ``batch`` but the ``unregistered`` processes' (``alone``): the
+        host's other ranks are heard while a restarted rank registers. Parts that do not hold together
+        split nothing (the batch is refused whole, as before)."""
+        try:
+            held_parts(batch, kind)
+        except IngestError:
+            return
+        if (registered := leave_out(batch, kind, unregistered)).parts:
+            await self._store(registered, received_ns, arrived, alone=True)
+
+    async def _store_once(
+        self, batch: ingest_pb2.Batch, received_ns: int, arrived: Callable[[], None], alone: bool,
+    ) -> tuple[bool, tuple[int, ...]]:
         c = self.c
         try:
             kind = check_envelope(batch)
@@ -284,6 +303,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         except IngestError as e:
             c.telemetry.refused.labels(e.reason).inc()
             if isinstance(e, UnregisteredRun):  # its registration may be in a call of its own still on the way (a replay)
+                if e.parts and not alone:
+                    await self._store_registered(batch, kind, e.parts, received_ns, arrived)
                 raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"batch refused: {e}", [("retry-after-ms", str(UNREGISTERED_RETRY_MS))]) from None
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"batch refused: {e}") from None
         except StoreError as e:
@@ -298,7 +319,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         c.telemetry.batches_received.labels(decoded.kind).inc()
         for table, rows in decoded.parts.items():
             c.telemetry.rows_received.labels(table).inc(rows.num_rows)
-        key = BatchKey(batch.run_id, batch.rank, batch.batch_id, decoded.kind)
+        key = held[0] if alone else BatchKey(batch.run_id, batch.rank, batch.batch_id, decoded.kind)
+        held = held[1:] if alone else held
         c.heard.note(decoded, received_ns)
         try:
             arrived()  # no await before the writer takes the rows
