@@ -295,6 +295,23 @@ def test_a_rank_blocked_with_its_frozen_tensor_parallel_peer_out_of_sight_waits_
     assert ("heard again without moving" in found.summary) == thawed, found.summary
 
 
+def test_a_frozen_hosts_rank_that_nobody_is_seen_to_wait_on_is_in_its_hang(migrated: Store) -> None:  # noqa: F811
+    """A 2 x 2 mesh, node-0 (ranks 0, 1) frozen from 4 s: rank 3 waits on rank 1 in dp1, rank 2 waits on rank 3
+    in their tensor-parallel group, so nobody is seen to wait on rank 0. The hang is node-0's, both ranks
+    (campaign seed 365879949: rank 1 named alone, rank 0 lost beside it, live only)."""
+    run = "frozen-mesh"
+    _job(migrated, run, {"tp0": [0, 1], "tp1": [2, 3], "dp0": [0, 2], "dp1": [1, 3]})
+    waits_in = {2: ("tp1", 5, 6), 3: ("dp1", 5, 6)}
+    _heartbeats(
+        migrated, run, [(r, t) for t in range(21) for r in RANKS if r > 1 or t < 4], step=lambda t: 3 if t < 5 else 4,
+        progress=lambda r, t: min(t, 5 if r > 1 else 3), wait=lambda r, t: waits_in[r] if r in waits_in and t >= 6 else None,
+    )  # fmt: skip
+    _collectives(migrated, run, [(r, g, seq, T0 + seq * S // 2, T0 + seq * S // 2 + S // 4, 3)
+                                 for r in RANKS for g in (f"dp{r % 2}", f"tp{r // 2}") for seq in range(1, 5)])  # fmt: skip
+    (found,) = hang.detect(RunContext.load(run, migrated.query_arrow, Settings(hang_after_s=6, silent_after_s=10)))
+    assert (found.ranks, found.hosts) == ((0, 1), ("node-0",)) and found.summary.startswith("hang: host node-0 ("), found.summary
+
+
 @pytest.mark.parametrize("entered_s", [30, 3], ids=["entered-after", "stopped-inside"])
 def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_mate_attached(migrated: Store, entered_s: int) -> None:  # noqa: F811
     """Rank 2 stopped (SIGSTOP) in step 4: its last heartbeat said step 3, its stored backward of step 4

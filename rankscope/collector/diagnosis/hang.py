@@ -197,6 +197,7 @@ def detect(ctx: RunContext) -> list[Finding]:
     # process or host, or one cut off the network. A rank not heard since the stall but not
     # silent may be blocked too: its report is not in yet.
     silent = {r for r in roots if r in st.row and not alive[st.row[r]]}
+    silent |= _silent_host_mates(ctx, st, alive, silent)
     if silent:
         exits = {r["rank"]: r["time_ns"] for r in ctx.query(EXITS_SQL, {"run": ctx.run_id}).to_pylist()}
         if silent & set(exits) or died_at(min(int(st.time_ns[st.row[r]]) for r in silent), exits.values(), s):
@@ -289,6 +290,20 @@ def stall_after_ns(s: Settings, step: int, began_ns: int | None, prior: tuple[in
         return int(s.hang_after_s * (s.hang_first_step_factor if step <= 1 else 1.0) * 1e9)
     pace = (began_ns - prior[1]) / (step - prior[0])
     return int(max(s.hang_after_s * 1e9, STALL_STEPS * pace))
+
+
+def _silent_host_mates(ctx: RunContext, st: _States, alive: np.ndarray, silent: set[int]) -> set[int]:
+    """The other ranks of a silent root's host that went silent within ``silent_after_s`` of it: the host
+    stopped, whether or not anyone is seen to wait on them (campaign seed 365879949: node0 of a 2 x 2
+    FSDP2 mesh frozen, rank 2 waiting on its tensor-parallel peer, which waited on rank 1; node0's rank 0,
+    waited on by nobody, was named lost beside a hang of rank 1 alone)."""
+    gap_ns = ctx.settings.silent_after_s * 1e9
+    mates: set[int] = set()
+    for host in ctx.hosts_of(sorted(silent)):
+        went_quiet = min(int(st.time_ns[st.row[r]]) for r in silent if ctx.host.get(r) == host)
+        mates.update(r for r in ctx.ranks_of_host.get(host, ()) if r not in silent and r in st.row and not alive[st.row[r]]
+                     and abs(int(st.time_ns[st.row[r]]) - went_quiet) < gap_ns)  # fmt: skip
+    return mates
 
 
 def _beside_silent(ctx: RunContext, rank: int, silent: set[int]) -> bool:
