@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import sys
 import textwrap
 import threading
@@ -619,6 +620,45 @@ def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tm
     # the two urgent calls are in flight together: the server may take either first
     assert gate.kinds[0] == "spans" and sorted(gate.kinds[1:3]) == ["end", "heartbeats"], gate.kinds
     assert gate.kinds[3:] == ["spans"] * 3, gate.kinds
+
+
+#: a rank that raises at once, its agent on (its collector and spool from the environment)
+RAISES = """
+import rankscope.agent as agent
+assert agent.init()
+raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_ended_by_sigterm_while_its_last_word_waits_on_the_collector_leaves_it_on_disk(proc_runner: ProcRunner, tmp_path: Path) -> None:
+    """A rank raised; its end is in flight to a collector that does not answer yet (starved of CPU) when
+    torchrun's SIGTERM comes and ends the process. The end, lost with the process before, is on disk, for
+    the next agent or ``rankscope spool replay`` to deliver (campaign seed 1841970453: three ranks' ends lost,
+    named dead without a last word offline)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    gate = _Gate()
+    ingest_pb2_grpc.add_IngestServicer_to_server(gate, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": f"127.0.0.1:{port}", "RANKSCOPE_TOKEN": TOKEN,
+               "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool"), "RANKSCOPE_RUN_ID": run_name()}  # fmt: skip
+        proc = proc_runner.start([sys.executable, "-c", RAISES], env=env, name="raises")
+        wait_until(lambda: "end" in gate.kinds, 60, "the rank's end in flight")
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) in (1, -signal.SIGTERM), proc.output()  # the exception's code, or the signal that came first
+    finally:
+        gate.open.set()
+        server.stop(0)
+    spool = Spool(tmp_path / "spool", "reader", 1 << 30)
+    assert spool.adopt_leftovers() >= 1, proc.output()
+    ends = []
+    while (record := spool.pop()) is not None:
+        batch = ingest_pb2.Batch.FromString(record.data)
+        if batch.WhichOneof("payload") == "end":
+            ends.append((batch.end.reason, batch.end.message))
+    assert ends == [(telemetry_pb2.EndOfRank.REASON_EXCEPTION, "RuntimeError: boom")], proc.output()
 
 
 def test_a_registration_goes_ahead_of_the_timelines_submitted_before_it(tmp_path: Path) -> None:

@@ -229,15 +229,16 @@ class Agent:
 
         A second caller on another thread (SIGTERM arriving while the script exits, or the
         reverse) waits for the first, up to ``timeout_s``: it would otherwise end the process
-        in the middle of the first one's flush."""
+        in the middle of the first one's flush. If that is not done by then, what it has handed
+        the Transport is spooled before the process ends (``Transport.cut_short``)."""
         with self._finished:
             first = not self._done
             self._done = True
             if first:
                 self._finisher = threading.get_ident()
         if not first:
-            if self._finisher != threading.get_ident():
-                self._ended.wait(timeout_s)
+            if self._finisher != threading.get_ident() and not self._ended.wait(timeout_s) and self.transport is not None:
+                self.transport.cut_short()  # the process ends when this returns: what the first one sends goes to disk
             return
         try:
             self._finish(reason, exit_code, signum, message, timeout_s)

@@ -255,6 +255,17 @@ class Transport:
         if self._thread is not None:
             self._thread.join(timeout_s + 2.0)
 
+    def cut_short(self, timeout_s: float = 1.0) -> None:
+        """Spool what is not acknowledged yet, now, from any thread: the process is about to end (SIGTERM
+        while its last word waits on a collector that is slow to answer). A call in flight is lost with
+        the process; on disk, the batch (the rank's end above all) is replayed later (campaign seed
+        1841970453: three ranks' ends lost, and named dead without a last word offline)."""
+        if self._forked or self._thread is None or not self._thread.is_alive():
+            return
+        self._accepting = False
+        self._inbox.put((_CLOSE, time.monotonic()))
+        self._thread.join(timeout_s)
+
     @property
     def clock_offset_ns(self) -> int:
         """Collector clock minus this rank's clock (0 until the first acknowledgement)."""
@@ -340,7 +351,7 @@ class Transport:
             if isinstance(item, _Done):
                 self._completed(item)
             elif item[0] is _CLOSE:
-                self._closing_at = item[1]
+                self._closing_at = item[1] if self._closing_at is None else min(self._closing_at, item[1])
                 # Believed down? Ask once more before giving up: "down" may only have meant slow
                 # acknowledgements, and the last batches (the rank's last word) matter most.
                 self._close_probe = self._down
