@@ -232,8 +232,11 @@ def report(records: list[dict[str, Any]]) -> list[str]:
 
 
 def _effect(record: dict[str, Any]) -> str:
-    """What a slowdown did to its job's step time, where the trial measured it (``fault_effect``)."""
-    return "" if record.get("slowdown") is None else f", step time x{record['slowdown']:g}"
+    """Where a fault set from outside landed, and what a slowdown did to its job's step time, where the
+    trial measured them (``fault_effect``)."""
+    landed = record.get("landed_step")
+    where = "" if landed is None or landed == record["step"] else f", landed in step {landed}"
+    return where + ("" if record.get("slowdown") is None else f", step time x{record['slowdown']:g}")
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:

@@ -25,7 +25,7 @@ from rankscope.cli import source
 from rankscope.cli.main import build_parser
 from rankscope.collector.client import StoreReader
 from rankscope.collector.compare import CompareError, Side, compare, parse_steps
-from rankscope.harness.fault_effect import slowdown
+from rankscope.harness.fault_effect import landed_step, slowdown
 from rankscope.harness.orchestration import CLI
 from rankscope.collector.store.base import arrow_schema
 from rankscope.collector.store.chdb import EmbeddedStore
@@ -289,6 +289,11 @@ def test_a_slowdown_s_effect_is_the_step_time_after_it_over_before_it(query):
     assert slowdown(query, "base", 3) == 1.0
     assert slowdown(query, "slow", 2) is None  # no step before it but the warm-up
     assert slowdown(query, "nosuch", 3) is None
+    # a fault set from outside lands in the first step begun after it was set, counted from there
+    began = query("SELECT toUnixTimestamp64Nano(min(start_time)) AS ns FROM spans WHERE run_id = 'slow' AND step = 5", {}).to_pylist()[0]["ns"]
+    assert landed_step(query, "slow", began) == 5 and landed_step(query, "slow", began + 1) == 6
+    assert landed_step(query, "slow", began + 3600 * S) is None  # after the job
+    assert slowdown(query, "slow", 3, landed=5) == pytest.approx(430 / 330, abs=1e-3)
 
 
 def test_step_ranges_parse_or_say_why_not():

@@ -111,6 +111,11 @@ class Score:
     slowdown: float | None = None
 
     @property
+    def landed_step(self) -> int | None:
+        """The step the fault started in: the rank injects it itself, at its step."""
+        return self.scenario.fault_step if self.scenario.inject else None
+
+    @property
     def expected(self) -> list[dict]:
         return [i for i in self.incidents if i["kind"] == self.scenario.kind]
 

@@ -23,7 +23,7 @@ from rankscope.common.agent_env import agent_environment
 from rankscope.collector.client import Reader
 from rankscope.collector.progress import wait_for_step
 from rankscope.common.incidents import INCIDENTS_SQL
-from rankscope.harness.fault_effect import SLOWDOWNS, slowdown
+from rankscope.harness.fault_effect import SLOWDOWNS, landed_step, slowdown
 from rankscope.harness.local_scenarios import SMALL_MODEL, verdict
 from rankscope.harness.orchestration import (
     CLI,
@@ -136,6 +136,8 @@ class Score:
     offline: Postmortem | None = None
     #: a slowdown's effect: the job's step time after the fault over before it (``fault_effect``)
     slowdown: float | None = None
+    #: the first step the job began after the fault was set (None: it ended first, or no fault)
+    landed_step: int | None = None
 
     @property
     def expected(self) -> list[dict]:
@@ -219,8 +221,10 @@ def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, l
             if applied is not None:
                 applied.undo()
             job.stop()
-        if scenario.kind in SLOWDOWNS and scenario.apply is not None:
-            score.slowdown = slowdown(client.query, run_id, scenario.fault_step)
+        if applied is not None:
+            score.landed_step = landed_step(client.query, run_id, applied.at_ns)
+        if scenario.kind in SLOWDOWNS and applied is not None:
+            score.slowdown = slowdown(client.query, run_id, scenario.fault_step, score.landed_step)
     score.offline = postmortem(address, run_id, "--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S))
     return score
 
