@@ -223,7 +223,7 @@ def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, l
             job.stop()
         if applied is not None:
             score.landed_step = landed_step(client.query, run_id, applied.at_ns)
-        if scenario.kind in SLOWDOWNS and applied is not None:
+        if scenario.kind in SLOWDOWNS and score.landed_step is not None:  # else it landed after the job
             score.slowdown = slowdown(client.query, run_id, scenario.fault_step, score.landed_step)
     score.offline = postmortem(address, run_id, "--hang-after", str(HANG_AFTER_S), "--silent-after", str(SILENT_AFTER_S))
     return score
