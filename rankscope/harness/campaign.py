@@ -230,7 +230,7 @@ def _testbed_scenario(trial: Trial, job: Job) -> testbed_scenarios.Scenario:
     size = trial.size
     apply: dict[str, testbed_scenarios.Apply] = {
         # a cut of what the host used (a cut of what it has may not bind), measured over the half second
-        # before: the job's steps take 0.1-0.5 s, and it has 40 after the fault's
+        # before: the job's steps take 0.1-0.5 s, and it has 40 or 100 after the fault's (below)
         "throttle": lambda bed, _, r: host_faults.slow_cpu(bed, r.host, size, over_s=0.5),
         "freeze_rank": lambda bed, _, r: host_faults.freeze_rank(r),
         "freeze_host": lambda bed, _, r: host_faults.freeze_host(r.host),
@@ -247,8 +247,10 @@ def _testbed_scenario(trial: Trial, job: Job) -> testbed_scenarios.Scenario:
     # seconds late under load (testbed-delay-link: the delay landed 7 steps late at load 30, 14 at load 71;
     # seed 555533734's replay at load 20-35: node1 frozen at step 44 of the DDP job's 45). A CPU cut lands
     # after that and a measurement: seeds 1143207437 and 955132934, jobs of 21 steps of 0.1-0.25 s cut "at
-    # step 5", were no slower (`landed_step` says where each fault landed)
-    steps = trial.step + {"throttle": 40, "delay": 28, "freeze_rank": 100, "freeze_host": 100, "kill_rank": 100, "kill_host": 100}.get(trial.fault, 8)
+    # step 5", were no slower; replayed with 45 steps, 1143207437's cut landed in step 43 (FSDP2, 0.1 s a
+    # step). The trainer's steps take 0.3-0.9 s: 40 steps leave it most of them
+    throttled = 40 if job.program.startswith("trainer") else 100
+    steps = trial.step + {"throttle": throttled, "delay": 28, "freeze_rank": 100, "freeze_host": 100, "kill_rank": 100, "kill_host": 100}.get(trial.fault, 8)
     return testbed_scenarios.Scenario(name, trial.describe(), EXPECTED[trial.fault], apply[trial.fault], rank=trial.rank, names=NAMES[trial.fault],
                                       fault_step=trial.step, steps=steps, program=program, ends=not frozen, hosts=hosts)  # fmt: skip
 
