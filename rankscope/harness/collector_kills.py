@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rankscope.agent.spool import leftovers
 from rankscope.collector.client import Client
-from rankscope.harness.orchestration import CLI, agent_env, free_port, start, stop, wait_for_address
+from rankscope.harness.orchestration import CLI, agent_env, free_port, replay_spool, start, stop, wait_for_address
 
 #: what the ranks send and count, by the table each kind is stored in (a simulated run sends no metrics)
 TABLES = {"spans": "spans", "collectives": "collectives", "heartbeats": "heartbeats", "step_metrics": "step_metrics",
@@ -138,7 +138,7 @@ def run_with_kills(
         outcome.rc = running.wait(steps * step_time_s + 600)
         sent, outcome.dropped = run.sent((workdir / f"{job}.log").read_text(errors="replace"))
         outcome.left = len(leftovers(workdir / "spool")) if (workdir / "spool").is_dir() else 0
-        _replay(workdir / "spool", address, workdir / "replay.log")
+        replay_spool(workdir / "spool", address, workdir / "replay.log")
         with Client(address) as client:
             _wait_for(client, outcome.run_id, "exits", sent.get("end", 0), 120)  # the spools are replayed by then (the ends come last)
             time.sleep(1.0)  # the last flush cycle
@@ -177,17 +177,6 @@ def _collector(workdir: Path, address: str, n: int) -> subprocess.Popen[bytes]:
         stop(proc, 5)
         raise
     return proc
-
-
-def _replay(spool: Path, address: str, log: Path, tries: int = 3) -> None:
-    """``rankscope spool replay`` of what the launcher left, again while segments are left: one replay
-    gives up after its 300 s, and a collector behind a run's diagnosis at a low priority on a loaded
-    machine took longer (seed 32: 6 of 10 segments left, counted as lost though still in the spool)."""
-    for _ in range(tries):
-        if not spool.is_dir() or not leftovers(spool):
-            return
-        with log.open("a") as out:
-            subprocess.run([*CLI, "spool", "replay", str(spool), "--collector", address], stdout=out, stderr=out, timeout=900, check=False)
 
 
 def _simulated_sent(log: str) -> dict[str, int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankscope.agent.config import render_host
+from rankscope.agent.spool import leftovers
 from rankscope.common.agent_env import agent_environment
 from rankscope.common.processes import terminate_tree
 
@@ -165,6 +166,17 @@ def await_diagnosis(url: str, passes: int = 3, timeout_s: float = 180) -> None:
             raise TimeoutError(f"the collector's diagnosis did not finish {passes} more passes per lane in {timeout_s:g} s: "
                                f"{done} of {wanted} ({url})")  # fmt: skip
         time.sleep(0.2)
+
+
+def replay_spool(spool: Path, address: str, log: Path, tries: int = 3) -> None:
+    """``rankscope spool replay`` of what the launcher left, again while segments are left: one replay
+    gives up after its 300 s, and a collector behind a run's diagnosis at a low priority on a loaded
+    machine took longer (seed 32: 6 of 10 segments left, counted as lost though still in the spool)."""
+    for _ in range(tries):
+        if not spool.is_dir() or not leftovers(spool):
+            return
+        with log.open("a") as out:
+            subprocess.run([*CLI, "spool", "replay", str(spool), "--collector", address], stdout=out, stderr=out, timeout=900, check=False)
 
 
 def start_collector(store: Path, log_path: Path, *flags: str, timeout_s: float = 120) -> tuple[subprocess.Popen[bytes], str]:

@@ -31,6 +31,7 @@ from rankscope.harness.orchestration import (
     await_diagnosis,
     metrics_url,
     postmortem,
+    replay_spool,
     start,
     stop,
     wait_for_address,
@@ -216,7 +217,8 @@ def _play(scenario: Scenario, bed: hosts.Testbed, address: str, workdir: Path, l
                 applied = scenario.apply(bed, job, target)
                 score.fault = applied.what
                 log(f"{scenario.name}: {applied.what}")
-            _watch(score, client, job, applied.at_ns if applied else time.time_ns(), metrics_of(workdir), log)
+            _watch(score, client, job, applied.at_ns if applied else time.time_ns(), metrics_of(workdir), log,
+                   ended=lambda: replay_spool(workdir / "spool", address, workdir / "replay.log"))
         finally:
             if applied is not None:
                 applied.undo()
@@ -238,9 +240,14 @@ def _wait_for_step(client: Reader, run_id: str, step: int, job: Job, timeout_s: 
         raise RuntimeError(f"the job ended before step {step}\n{job.output()}")
 
 
-def _watch(score: Score, client: object, job: Job, fault_ns: int, metrics: str, log: Callable[[str], None]) -> None:
+def _watch(
+    score: Score, client: object, job: Job, fault_ns: int, metrics: str, log: Callable[[str], None], ended: Callable[[], None],
+) -> None:
     """Poll incidents until the job ended and the diagnosis had its last passes, or the fault was found
-    (and some time more, for a second incident that should not come)."""
+    (and some time more, for a second incident that should not come). ``ended`` runs once the job has
+    ended: what its ranks left in their spool is sent, as ``rankscope train`` sends it (campaign seed
+    1696581934: a collector too busy to take calls for 71 s, every rank's end spooled, every host named
+    lost)."""
     s = score.scenario
     settle_s = 8.0
     deadline = time.monotonic() + 90 + 8 * s.steps
@@ -252,7 +259,11 @@ def _watch(score: Score, client: object, job: Job, fault_ns: int, metrics: str, 
             log(f"{s.name}: {score.expected[0]['summary']} ({score.seconds_to_detect:.1f} s after the fault)")
 
     quiet_since: float | None = None
+    spooled_sent = False
     while time.monotonic() < deadline:
+        if job.finished() and not spooled_sent:
+            spooled_sent = True
+            ended()
         if job.finished() and set(job.exited().values()) == {0}:
             # Every rank ended well and sent its last rows first: the diagnosis passes over them are
             # what is left, awaited (a job that failed, or one that does not end, gets a settling time:
