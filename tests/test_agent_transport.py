@@ -585,20 +585,30 @@ class _Gate(ingest_pb2_grpc.IngestServicer):
 
 
 @contextlib.contextmanager
-def _gated(tmp_path: Path) -> Iterator[tuple[_Gate, Transport]]:
-    """A transport of one call's window to a ``_Gate`` collector; the gate opened and both stopped at the end."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+def _gate_server() -> Iterator[tuple[_Gate, str]]:
+    """A ``_Gate`` collector and its address; the gate opened and the server stopped at the end."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     gate = _Gate()
     ingest_pb2_grpc.add_IngestServicer_to_server(gate, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    t = Transport(agent_config(f"127.0.0.1:{port}", tmp_path / "spool"), run_name(), 0, window=1)
     try:
-        yield gate, t
+        yield gate, f"127.0.0.1:{port}"
     finally:
         gate.open.set()
-        t.close(timeout_s=5)
         server.stop(0)
+
+
+@contextlib.contextmanager
+def _gated(tmp_path: Path) -> Iterator[tuple[_Gate, Transport]]:
+    """A transport of one call's window to a ``_Gate`` collector; the gate opened and both stopped at the end."""
+    with _gate_server() as (gate, address):
+        t = Transport(agent_config(address, tmp_path / "spool"), run_name(), 0, window=1)
+        try:
+            yield gate, t
+        finally:
+            gate.open.set()
+            t.close(timeout_s=5)
 
 
 def test_a_heartbeat_and_the_end_go_ahead_of_the_timelines_queued_before_them(tmp_path: Path) -> None:
@@ -636,21 +646,13 @@ def test_a_rank_ended_by_sigterm_while_its_last_word_waits_on_the_collector_leav
     torchrun's SIGTERM comes and ends the process. The end, lost with the process before, is on disk, for
     the next agent or ``rankscope spool replay`` to deliver (campaign seed 1841970453: three ranks' ends lost,
     named dead without a last word offline)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    gate = _Gate()
-    ingest_pb2_grpc.add_IngestServicer_to_server(gate, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": f"127.0.0.1:{port}", "RANKSCOPE_TOKEN": TOKEN,
+    with _gate_server() as (gate, address):
+        env = {"RANKSCOPE_ENABLE": "1", "RANKSCOPE_COLLECTOR": address, "RANKSCOPE_TOKEN": TOKEN,
                "RANKSCOPE_SPOOL_DIR": str(tmp_path / "spool"), "RANKSCOPE_RUN_ID": run_name()}  # fmt: skip
         proc = proc_runner.start([sys.executable, "-c", RAISES], env=env, name="raises")
         wait_until(lambda: "end" in gate.kinds, 60, "the rank's end in flight")
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(30) in (1, -signal.SIGTERM), proc.output()  # the exception's code, or the signal that came first
-    finally:
-        gate.open.set()
-        server.stop(0)
     spool = Spool(tmp_path / "spool", "reader", 1 << 30)
     assert spool.adopt_leftovers() >= 1, proc.output()
     ends = []

@@ -141,6 +141,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
     migrate(opened, "rankscope", None)
     write_run(opened, "base")
     write_run(opened, "slow", compute=straggler(3))
+    # the same straggler set "at step 3" from outside, landed in step 7
+    write_run(opened, "landed-late", compute=straggler(3, from_step=7))
     # every rank's backward 50 ms longer: a slower kernel, not a straggler
     write_run(opened, "kernel", compute=lambda rank, step, name: {"forward": 100, "backward": 250}[name])
     # twice the data-parallel replicas: rank 5 has rank 3's coordinates (tp 0, pp 1, dp 1)
@@ -293,7 +295,9 @@ def test_a_slowdown_s_effect_is_the_step_time_after_it_over_before_it(query):
     began = query("SELECT toUnixTimestamp64Nano(min(start_time)) AS ns FROM spans WHERE run_id = 'slow' AND step = 5", {}).to_pylist()[0]["ns"]
     assert landed_step(query, "slow", began) == 5 and landed_step(query, "slow", began + 1) == 6
     assert landed_step(query, "slow", began + 3600 * S) is None  # after the job
-    assert slowdown(query, "slow", 3, landed=5) == pytest.approx(430 / 330, abs=1e-3)
+    # landed in step 7: steps 5-6 (what the guess of two steps counts from) were not slowed
+    assert slowdown(query, "landed-late", 3) == pytest.approx(380 / 330, abs=1e-3)
+    assert slowdown(query, "landed-late", 3, landed=7) == pytest.approx(430 / 330, abs=1e-3)
 
 
 def test_step_ranges_parse_or_say_why_not():
