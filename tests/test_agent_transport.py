@@ -9,6 +9,7 @@ that stalls (refuses a call, then holds the next ones without answering).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -31,6 +32,7 @@ from rankscope.agent.clock import ClockEstimator
 from rankscope.agent.config import AgentConfig, load_config
 from rankscope.agent.spool import Spool, leftovers
 from rankscope.agent.transport import MAX_ATTEMPTS, Transport
+from rankscope.cli import launch
 from rankscope.collector.client import Client
 from rankscope.protos.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 
@@ -375,6 +377,21 @@ def test_spool_replay_command_and_duplicates(collector: Collector, proc_runner: 
     assert collector.count("spans", run_id) == 3 * EVENTS  # written once
     assert leftovers(spool) == [] and leftovers(copy) == []
 
+
+
+def test_rankscope_launch_sends_what_its_ranks_left_in_its_workdirs_spool(
+    collector: Collector, proc_runner: ProcRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The spool ``rankscope launch`` gives its hosts' ranks (``--workdir``/spool) is sent once the job
+    ended, as ``rankscope train`` sends its ranks': a postmortem right after reads the whole run."""
+    run_id = run_name()
+    spool_producer(proc_runner, tmp_path / "spool", run_id, batches=3)
+    monkeypatch.setenv("RANKSCOPE_TOKEN", TOKEN)
+    launch._replay_leftovers(argparse.Namespace(collector=collector.address, workdir=tmp_path))
+    out = capsys.readouterr().out
+    assert "rankscope launch: the ranks left 1 spool segment file(s)" in out and "replayed 4 batches (0 already stored" in out, out
+    assert collector.count("spans", run_id) == 3 * EVENTS
+    assert leftovers(tmp_path / "spool") == []
 
 
 def test_diagnose_says_when_telemetry_waits_in_this_hosts_spool(collector: Collector, proc_runner: ProcRunner, tmp_path: Path) -> None:

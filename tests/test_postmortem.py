@@ -312,6 +312,54 @@ def test_a_frozen_hosts_rank_that_nobody_is_seen_to_wait_on_is_in_its_hang(migra
     assert (found.ranks, found.hosts) == ((0, 1), ("node-0",)) and found.summary.startswith("hang: host node-0 ("), found.summary
 
 
+def _in_transit(into: Store, run: str, *, mb_s: float, ends_s: int | None) -> None:
+    """Four ranks (node-0: 0, 1; node-1: 2, 3), steps of 2 s until step 4 begins at 6 s: ranks 0 and 2 then
+    enter pair #9 together and stay in it (their data on the wire), ranks 1 and 3 wait on them in
+    default_pg #5. Each host's first rank reports its network counters every 2 s, moving ``mb_s`` MB/s from
+    6 s (2 MB/s before). ``ends_s``: when pair #9 completes and step 5 begins (None: never)."""
+    _job(into, run, {"default_pg": RANKS, "pair": [0, 2]})
+    end = ends_s or 10**6
+    step = lambda t: 1 + t // 2 if t < 6 else 4 if t < end else 5  # noqa: E731
+    _heartbeats(
+        into, run, [(r, t) for t in range(min(end + 3, 41)) for r in RANKS], step=step,
+        progress=lambda r, t: t if t < 6 or t >= end else 6,
+        wait=lambda r, t: (("pair", 9, 6) if r % 2 == 0 else ("default_pg", 5, 6)) if 6 <= t < end else None,
+    )  # fmt: skip
+    pair = [(r, "pair", seq, T0 + seq * S // 2, T0 + seq * S // 2 + S // 4, 1 + seq // 4) for r in (0, 2) for seq in range(1, 9)]
+    pair += [(r, "pair", 9, T0 + 6 * S, T0 + end * S if ends_s else 0, 4) for r in (0, 2)]
+    world = [(r, "default_pg", seq, T0 + seq * S, 0 if seq == 5 else T0 + seq * S + S // 4, min(seq, 4)) for r in RANKS for seq in range(1, 5)]
+    world += [(r, "default_pg", 5, T0 + 6 * S, T0 + (end + 1) * S if ends_s else 0, 4) for r in (1, 3)]
+    _collectives(into, run, pair + world)
+    times = range(0, min(end + 3, 41), 2)
+    counted = [int(2e6 * min(t, 6) + mb_s * 1e6 * max(0, min(t, end) - 6) + 2e6 * max(0, t - end)) for t in times]
+    into.insert_arrow("metrics", rows(
+        "metrics", 4 * len(counted), run_id=run, rank=[r for r in (0, 2) for _ in range(2) for _ in counted],
+        host=[f"node-{r // 2}" for r in (0, 2) for _ in range(2) for _ in counted], device="eth0",
+        name=[n for _ in (0, 2) for n in ("system.network.io.receive", "system.network.io.transmit") for _ in counted],
+        time=[T0 + t * S for _ in range(4) for t in times], value=[float(v / 2) for _ in range(4) for v in counted],
+    ))  # fmt: skip
+
+
+def test_a_slow_transfer_is_not_a_hang_until_it_outlasts_three_stalls_and_a_dead_one_is_named_at_once(migrated: Store) -> None:  # noqa: F811
+    """Ranks inside an operation every member entered wait on nobody: their data is on the wire. While
+    their hosts still move bytes the stall is a slow transfer (campaign seed 1880171644: a host's link at
+    9 Mbit/s, its first slow step 17 s, its ranks in their gradient all-reduce named hung 10 s in, live only),
+    named a hang only past three times hang_after; a link that moves nothing is named at hang_after."""
+    settings = Settings(hang_after_s=6, silent_after_s=10)
+    _in_transit(migrated, "slow-wire", mb_s=1.0, ends_s=None)
+    ctx = RunContext.load("slow-wire", migrated.query_arrow, settings)
+    assert [hang.detect(replace(ctx, until_ns=T0 + t * S)) for t in (14, 20, 23)] == [[]] * 3
+    (stuck,) = hang.detect(replace(ctx, until_ns=T0 + 26 * S))
+    assert stuck.ranks == (0, 2) and stuck.evidence["hosts_moving_bytes_s"] == {"node-0": 1_000_000, "node-1": 1_000_000}, stuck.evidence
+    assert "inside operations every member entered for 20 s while their hosts still move 1.00 MB/s or more" in stuck.summary, stuck.summary
+    _in_transit(migrated, "dead-wire", mb_s=0.0, ends_s=None)
+    (dead,) = hang.detect(replace(RunContext.load("dead-wire", migrated.query_arrow, settings), until_ns=T0 + 14 * S))
+    assert dead.ranks == (0, 2) and "hosts_moving_bytes_s" not in dead.evidence, dead.evidence
+    _in_transit(migrated, "slow-step", mb_s=1.0, ends_s=20)  # the transfer done in 14 s: no hang, live or replayed
+    ctx = RunContext.load("slow-step", migrated.query_arrow, settings)
+    assert [hang.detect(replace(ctx, until_ns=T0 + t * S)) for t in range(13, 20)] == [[]] * 7
+    assert [i for i in postmortem.replay("slow-step", migrated.query_arrow, settings, over=True) if i.finding.kind == "hang"] == []
+
 @pytest.mark.parametrize("entered_s", [30, 3], ids=["entered-after", "stopped-inside"])
 def test_a_stopped_rank_is_placed_by_its_rows_and_its_stack_taken_by_its_host_mate_attached(migrated: Store, entered_s: int) -> None:  # noqa: F811
     """Rank 2 stopped (SIGSTOP) in step 4: its last heartbeat said step 3, its stored backward of step 4

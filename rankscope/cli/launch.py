@@ -5,12 +5,14 @@ on, and a driver acts on the collector's incidents: a lost host is evicted, a cr
 or lasting straggler's host is self-checked against the others and evicted when it fails, and the
 job restarts from its last complete checkpoint without it. Every decision is stored (``actions``).
 Under Slurm the driver acts through Slurm alone: a condemned node is drained with the incident as
-its reason (``rankscope.healing.slurm_job``).
+its reason (``rankscope.healing.slurm_job``). When the job ends, what its ranks could not send in
+time is sent from the spool in ``--workdir``, so the run is whole in the store when the command returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -72,10 +74,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    _replay_leftovers(args)
     survivors = {h: c for h, c in exits.items() if h not in evicted}
     for host, code in exits.items():
         print(f"  {host}: exit {code}{' (evicted)' if host in evicted else ''}")
     return 0 if survivors and all(c == 0 for c in survivors.values()) else 1
+
+
+def _replay_leftovers(args: argparse.Namespace) -> None:
+    """Send what the job's ranks left in the spool they shared (the hosts' ``--workdir``), as ``rankscope train`` does."""
+    from rankscope.cli.spool import replay_after_job
+    from rankscope.common.agent_env import agent_environment
+
+    replay_after_job({**os.environ, **agent_environment(args.collector, spool_dir=args.workdir / "spool")}, "rankscope launch")
 
 
 class _Refused(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from rankscope.agent.config import AgentConfig
 
 HELP = "replay telemetry that agents spooled to disk while the collector was unreachable"
+#: how long a launcher spends sending what its job's ranks left in their spool
+AFTER_JOB_TIMEOUT_S = 120.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -62,3 +65,22 @@ def replay(config: AgentConfig, timeout_s: float, who: str) -> bool:
     if left:
         print(f"{who}: `rankscope spool replay {config.spool_dir}` sends them once the collector can take them", file=sys.stderr)
     return not left
+
+
+def replay_after_job(environ: Mapping[str, str], who: str) -> None:
+    """Send the spool segments a job's ranks left behind (the collector too busy to acknowledge in
+    time, or away), when the agent was on and left some: the run is then whole in the store when the
+    launcher returns, so ``rankscope diagnose`` right after reads all of it."""
+    from rankscope.agent.config import load_config
+    from rankscope.agent.spool import leftovers
+
+    if environ.get("RANKSCOPE_ENABLE") != "1":
+        return
+    config = load_config(environ)  # the ranks warned about any bad variable already
+    if config is None or not config.spool_dir.is_dir():
+        return
+    left = leftovers(config.spool_dir)
+    if left:
+        print(f"{who}: the ranks left {len(left)} spool segment file(s) in {config.spool_dir}; "
+              f"sending them to {config.collector} (up to {AFTER_JOB_TIMEOUT_S:.0f} s)", flush=True)  # fmt: skip
+        replay(config, AFTER_JOB_TIMEOUT_S, who)

@@ -16,13 +16,12 @@ import os
 
 HELP = "run the bundled trainer (all arguments go to it: see `rankscope train --help`)"
 PASSTHROUGH = True
-#: how long the launcher spends sending what the ranks left in their spool
-REPLAY_TIMEOUT_S = 120.0
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `rankscope --help` never imports torch.
     from rankscope.agent import host_relay
+    from rankscope.cli.spool import replay_after_job
     from rankscope.trainer.torchrun import main as launch_main
 
     relay = host_relay.start(os.environ, "rankscope train")
@@ -30,23 +29,6 @@ def run(args: argparse.Namespace) -> int:
         status = launch_main(list(args.argv))
     finally:
         host_relay.stop(relay)
-    _replay_leftovers()
+    replay_after_job(os.environ, "rankscope train")
     return status
 
-
-def _replay_leftovers() -> None:
-    """Send the spool segments the ranks left behind, when the agent was on and left some."""
-    from rankscope.agent.config import load_config
-    from rankscope.agent.spool import leftovers
-    from rankscope.cli.spool import replay
-
-    if os.environ.get("RANKSCOPE_ENABLE") != "1":
-        return
-    config = load_config(os.environ)  # the ranks warned about any bad variable already
-    if config is None or not config.spool_dir.is_dir():
-        return
-    left = leftovers(config.spool_dir)
-    if left:
-        print(f"rankscope train: the ranks left {len(left)} spool segment file(s) in {config.spool_dir}; "
-              f"sending them to {config.collector} (up to {REPLAY_TIMEOUT_S:.0f} s)", flush=True)  # fmt: skip
-        replay(config, REPLAY_TIMEOUT_S, "rankscope train")

@@ -110,6 +110,18 @@ MAX_NAMED = 8
 EVIDENCE_RANKS = 64
 #: a rank is heard as stuck when its heartbeat says nothing ended for this long (or a quarter of hang-after)
 QUIET_S = 5.0
+#: a stall whose roots are all inside operations every member entered, while each root's host moves at
+#: least ``MOVING_BYTES_S`` over the network, is a transfer in progress (a slow link), named a hang only
+#: once it has lasted this many times as long as a stall must (``stall_after_ns``)
+MOVING_FACTOR = 3.0
+#: bytes a second (sent and received, every interface but loopback) a host moves while its transfer is alive
+MOVING_BYTES_S = 128 * 1024
+#: the host network counters a stall's roots' hosts report (``metrics``, every few seconds, cumulative)
+MOVED_SQL = (
+    "SELECT host, rank, device, name, toUnixTimestamp64Nano(time) AS ns, value FROM metrics WHERE run_id = {run:String} "
+    "AND attempt = {attempt:UInt16} AND name IN ('system.network.io.receive', 'system.network.io.transmit') "
+    "AND host IN {hosts:Array(String)} AND time >= fromUnixTimestamp64Nano({since:Int64}) ORDER BY ns"
+)
 #: what a pass keeps in ``ctx.seen`` of the stall it named: a ``Named``
 NAMED = "hang.named"
 
@@ -134,7 +146,7 @@ class Wait(NamedTuple):
 
 # What a pass reads as of a moment (``RunContext.until_ns``, the postmortem's replay of a stall): each
 # table's rows recorded by then, each rollup made again from those rows by its own view.
-_AS_OF = {"heartbeats": "time", "exits": "time", "spans": "end_time", "collectives": "issue_time", "stacks": "time"}
+_AS_OF = {"heartbeats": "time", "exits": "time", "spans": "end_time", "collectives": "issue_time", "stacks": "time", "metrics": "time"}
 _ROLLUPS = {"rank_state": "heartbeats", "entered": "collectives"}
 _TABLE = re.compile(r"\bFROM (" + "|".join([*_AS_OF, *_ROLLUPS]) + r")\b")
 
@@ -168,7 +180,8 @@ def detect(ctx: RunContext) -> list[Finding]:
     began = dict(zip(steps_heard["step"], steps_heard["ns"]))
     advanced = int(began.get(step) or last_heartbeat)
     prior = max((b for b in began if b < step and began[b]), default=None)
-    if last_heartbeat - advanced < stall_after_ns(s, step, began.get(step), None if prior is None else (prior, began[prior])):
+    after_ns = stall_after_ns(s, step, began.get(step), None if prior is None else (prior, began[prior]))
+    if last_heartbeat - advanced < after_ns:
         return []
     st = _States(ctx.query(STATE_SQL, {"run": ctx.run_id}))
     quiet_ns = min(QUIET_S, s.hang_after_s / 4) * 1e9
@@ -210,6 +223,9 @@ def detect(ctx: RunContext) -> list[Finding]:
     roots = {r for r in roots if r in st.row and heard[st.row[r]] and not _beside_silent(ctx, r, silent)} | silent
     if not roots:
         return []
+    moving = {} if silent else _moving_bytes(ctx, st, waits, roots, advanced)
+    if moving and last_heartbeat - advanced < MOVING_FACTOR * after_ns:
+        return []
     root_list = sorted(roots)
     on_roots = edges[edges["on"].isin(root_list)]
     direct = np.unique(on_roots["rank"].to_numpy())
@@ -250,6 +266,10 @@ def detect(ctx: RunContext) -> list[Finding]:
         "silent_roots": sorted(silent),
         "not_heard_since_stall": int(alive.sum() - heard.sum()),
     }
+    if moving:
+        evidence["hosts_moving_bytes_s"] = moving
+        summary += (f"; inside operations every member entered for {(last_heartbeat - advanced) / 1e9:.0f} s while their hosts "
+                    f"still move {min(moving.values()) / 1e6:.2f} MB/s or more (a transfer stuck or very slow)")  # fmt: skip
     before = ctx.seen.get(NAMED)
     progress_ns = {r: int(st.progress_ns[st.row[r]]) for r in root_list if r in st.row}
     ctx.seen[NAMED] = Named(advanced, progress_ns, before.resumed_ns if before and before.advanced == advanced else None)
@@ -290,6 +310,32 @@ def stall_after_ns(s: Settings, step: int, began_ns: int | None, prior: tuple[in
         return int(s.hang_after_s * (s.hang_first_step_factor if step <= 1 else 1.0) * 1e9)
     pace = (began_ns - prior[1]) / (step - prior[0])
     return int(max(s.hang_after_s * 1e9, STALL_STEPS * pace))
+
+
+def _moving_bytes(ctx: RunContext, st: _States, waits: pd.DataFrame, roots: set[int], advanced: int) -> dict[str, float]:
+    """host -> bytes a second it moved during the stall, when every root is blocked inside an operation
+    that every member (or its peer) entered and each root's host moved at least ``MOVING_BYTES_S``
+    between its two newest network readings since the stall began; else {}. Such roots wait on nobody
+    because their data is still on the wire: a host's link at 9 Mbit/s made the first slow step 17 s,
+    its ranks inside their gradient all-reduce named hung 10 s in, live only (campaign seed 1880171644).
+    A link that is down moves nothing, and is named at once."""
+    blocked = set(waits["rank"].to_numpy().tolist())
+    if not roots <= blocked:
+        return {}
+    hosts = sorted(ctx.hosts_of(sorted(roots)))
+    if not hosts:
+        return {}
+    rows = ctx.query(MOVED_SQL, {"run": ctx.run_id, "hosts": hosts, "since": advanced}).to_pylist()
+    readings: dict[tuple[str, int, str, str], list[tuple[int, float]]] = {}  # a counter's readings, oldest first
+    for row in rows:
+        readings.setdefault((row["host"], row["rank"], row["device"], row["name"]), []).append((row["ns"], row["value"]))
+    by_reporter: dict[tuple[str, int], float] = {}  # (host, the rank that reports it) -> its counters' rates summed
+    for (host, rank, _, _), series in readings.items():
+        if len(series) >= 2 and series[-1][0] > series[-2][0]:
+            (t0, v0), (t1, v1) = series[-2:]
+            by_reporter[host, rank] = by_reporter.get((host, rank), 0.0) + max(v1 - v0, 0.0) * 1e9 / (t1 - t0)
+    moving = {host: max((rate for (h, _), rate in by_reporter.items() if h == host), default=0.0) for host in hosts}
+    return {host: round(rate) for host, rate in moving.items()} if all(r >= MOVING_BYTES_S for r in moving.values()) else {}
 
 
 def _silent_host_mates(ctx: RunContext, st: _States, alive: np.ndarray, silent: set[int]) -> set[int]:
