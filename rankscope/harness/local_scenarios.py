@@ -72,6 +72,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "straggler:rank=5,factor=1.3,from_step=5", "straggler", (5,), 5, in_tests=False),  # fmt: skip
         Scenario("straggler-1.15", "rank 2's compute 1.15x slower from step 5 (benchmark only)",
                  "straggler:rank=2,factor=1.15,from_step=5", "straggler", (2,), 5, steps=20, in_tests=False),  # fmt: skip
+        Scenario("straggler-pipeline", "rank 1's compute 1.4x slower from step 5, alone in its stage of a four-stage pipeline (tp1 pp4 dp1)",
+                 "straggler:rank=1,factor=1.4,from_step=5", "straggler", (1,), 5, train_flags=("--tp", "1", "--pp", "4", "--dp", "1")),  # fmt: skip
         Scenario("hang-tp", "rank 1 stops before a tensor-parallel all-reduce at step 5", "hang:rank=1,step=5",
                  "hang", (1,), 5, steps=10, train_flags=("--timeout", "60")),  # fmt: skip
         Scenario("hang-pp", "rank 6 stops before its pipeline receive at step 5 (a stage boundary)", "hang:rank=6,step=5",

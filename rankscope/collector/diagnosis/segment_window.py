@@ -75,7 +75,7 @@ class Cell:
     cpu: np.ndarray | None
     #: some piece had its CPU time measured
     some_cpu: bool
-    #: per measure (wall time or not), its points and what each is compared with (``_stage_medians``),
+    #: per measure (wall time or not), its points and what each is compared with (``stage_medians``),
     #: the ranks ordered by stage: computed once per cell, not once a pass
     rows: dict[bool, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
@@ -88,7 +88,7 @@ class Cell:
             out = np.full(len(ns), np.nan)
             for cols in stage_cols.values():
                 inside = cols[cols < len(ns)]
-                out[inside] = _stage_medians(ns[inside][None, :])[0]
+                out[inside] = stage_medians(ns[inside][None, :])[0]
             self.rows[wall] = (_padded(ns, len(order))[order], _padded(out, len(order))[order])
         return self.rows[wall]
 
@@ -192,7 +192,7 @@ class SegmentWindow:
         series = [self._step_compute(len(stages), order, edges)] if wall else self._segments(order, stage_cols)
         found: list[Series] = []
         for name, steps, ns, median, wall_only in series:
-            for x in _slow(name, steps, ns, median, edges, wall_only=wall_only, min_excess_ns=min_excess_ns, excess=excess,
+            for x in slow_columns(name, steps, ns, median, edges, wall_only=wall_only, min_excess_ns=min_excess_ns, excess=excess,
                            window=window, min_steps=min_steps):  # fmt: skip
                 x.rank = int(order[x.rank])
                 found.append(x)
@@ -236,7 +236,7 @@ class SegmentWindow:
                 seen |= ~np.isnan(wall)
             total[~seen] = np.nan
             ns = total[order][None, :]
-            median = np.hstack([_stage_medians(ns[:, lo:hi]) for lo, hi in zip(edges[:-1], edges[1:])])
+            median = np.hstack([stage_medians(ns[:, lo:hi]) for lo, hi in zip(edges[:-1], edges[1:])])
             self.step_rows[s] = (pieces, ns[0], median[0])
         ns = np.vstack([self.step_rows[s][1] for s in steps])
         median = np.vstack([self.step_rows[s][2] for s in steps])
@@ -269,7 +269,7 @@ def _padded(values: np.ndarray, size: int) -> np.ndarray:
     return values if len(values) == size else np.concatenate([values, np.full(size - len(values), np.nan)])
 
 
-def _slow(name: str, steps: np.ndarray, ns: np.ndarray, median: np.ndarray, edges: np.ndarray, *, wall_only: bool,
+def slow_columns(name: str, steps: np.ndarray, ns: np.ndarray, median: np.ndarray, edges: np.ndarray, *, wall_only: bool,
           min_excess_ns: float, excess: float, window: int, min_steps: int) -> list[Series]:  # fmt: skip
     """The slow series of one segment (``rank``: the column); ``ns`` and ``median``: steps x ranks
     (NaN: no point), the ranks of a stage in the columns ``edges[i]:edges[i + 1]``."""
@@ -318,7 +318,7 @@ def _newest(counted: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-def _stage_medians(ns: np.ndarray) -> np.ndarray:
+def stage_medians(ns: np.ndarray) -> np.ndarray:
     """Per point (steps x the stage's ranks), the median it is compared with; NaN where its cell has
     fewer than two points. Cells of up to ``SMALL_CELL`` points: the median of the others."""
     present = ~np.isnan(ns)

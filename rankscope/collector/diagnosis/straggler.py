@@ -28,7 +28,7 @@ import numpy as np
 from rankscope.collector.anatomy.path import incident_cost, whole_steps
 from rankscope.collector.diagnosis.context import RunContext
 from rankscope.collector.diagnosis import arrivals as late_arrivals
-from rankscope.collector.diagnosis import segment_window
+from rankscope.collector.diagnosis import lone_stages, segment_window
 from rankscope.collector.diagnosis.detector import FunctionDetector
 from rankscope.collector.diagnosis.segment_window import STEP_COMPUTE, SegmentWindow, Series
 from rankscope.common.incidents import Finding
@@ -79,10 +79,15 @@ def detect(ctx: RunContext) -> list[Finding]:
     series = _slow_series(ctx, window, s, step_s, wall=False)
     if window.cpu_measured:
         series += _slow_series(ctx, window, s, step_s, wall=True)
+    lone = lone_stages.slow_series(ctx, window, min_excess_ns=_min_excess_ns(s, step_s), excess=s.straggler_excess,
+                                   window_steps=s.straggler_window, min_steps=_min_steps(s, False))  # fmt: skip
+    series += [(x, False) for x in lone]
     slow: dict[int, dict] = {}
     started = window.started(ctx, first_step, last_step, {x.rank for x, _ in series}) if series else {}
     for x, wall in series:
         info = _slow_episode(x, wall, started, s)
+        if info is not None and any(x is y for y in lone):
+            info = {**info, "text": lone_stages.describe(info["ratio"]), "compared_with": lone_stages.COMPARED_WITH}
         if info is not None and (x.rank not in slow or info["ratio"] > slow[x.rank]["ratio"]):
             slow[x.rank] = {**info, "segments": window.names if x.segment == STEP_COMPUTE else [x.segment]}
     slow = _waited_for(ctx, slow, last_step, step_s)
@@ -100,11 +105,16 @@ def _slow_series(ctx: RunContext, window: SegmentWindow, s: Settings, step_s: fl
     wall time even where CPU time was measured, with the higher bar ``straggler_wall_excess`` met at
     all steps of the window but one (its noise comes in runs of steps); ``step_s``: the median step."""
     found = window.slow_series(
-        ctx.stage, wall=wall, window=s.straggler_window, min_steps=_min_steps(s, wall),
-        min_excess_ns=max(s.straggler_min_excess_s, s.straggler_step_share * step_s) * 1e9,
+        ctx.stage, wall=wall, window=s.straggler_window, min_steps=_min_steps(s, wall), min_excess_ns=_min_excess_ns(s, step_s),
         excess=max(s.straggler_excess, s.straggler_wall_excess) if wall else s.straggler_excess,
     )  # fmt: skip
     return [(x, wall) for x in found]
+
+
+def _min_excess_ns(s: Settings, step_s: float) -> float:
+    """How much slower (ns) a point must be to count at all: ``straggler_min_excess_s``, and
+    ``straggler_step_share`` of the median step ``step_s``."""
+    return max(s.straggler_min_excess_s, s.straggler_step_share * step_s) * 1e9
 
 
 def _min_steps(s: Settings, wall: bool) -> int:
@@ -147,12 +157,18 @@ def _waited_for(ctx: RunContext, slow: dict[int, dict], last_step: int, step_s: 
     under the suite had ranks 0 and 2 spend 50% more CPU time a step than 1 and 3 (65 against 44 ms)
     while their groups waited 1-4 ms a step for them; after a starved rank's release two ranks spent
     23% more, held 5-9 ms of 170 ms steps; a rank 1.7x slower held its groups 390-1190 ms a step. A
-    rank in no group of two or more has nobody to hold back, and is kept."""
+    rank alone in its pipeline stage holds back the neighbours that receive from it (``lone_stages.held_back``).
+    A rank in no group of two or more has nobody to hold back, and is kept."""
     cpu = sorted(r for r, info in slow.items() if info["measure"] == "CPU time")
     if not cpu:
         return slow
     first = min(p["step"] for r in cpu for p in slow[r]["steps"])
     waits = late_arrivals.held_back(ctx, cpu, first, last_step)
+    lone = [r for r in cpu if "compared_with" in slow[r]]
+    for rank, steps in lone_stages.held_back(ctx, lone, first, last_step).items():
+        at = waits.setdefault(rank, {})
+        for step, ns in steps.items():
+            at[step] = at.get(step, 0) + ns
     kept = dict(slow)
     for rank in cpu:
         if rank not in waits:
@@ -239,6 +255,8 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
         "stage_ranks": stage_ranks,
         "arrived_last": {str(r): {"collectives": arrivals[r][0], "last": arrivals[r][1]} for r in ranks if r in arrivals},
     }
+    if "compared_with" in info:
+        evidence["compared_with"] = info["compared_with"]
     if "waited_ms_per_step" in info:
         evidence["groups_waited_for_it_ms_per_step"] = info["waited_ms_per_step"]
     if segments == [late_arrivals.SEGMENT]:
@@ -246,7 +264,8 @@ def _finding(ctx: RunContext, key: str, ranks: list[int], info: dict, arrivals: 
         sql = ctx.literal_sql(late_arrivals.EVIDENCE_SQL, first_step=info["since_step"], last_step=info["steps"][-1]["step"])
     else:
         sql = ctx.literal_sql(EVIDENCE_SQL, segments=segments, ranks=stage_ranks)
-    cost = _cost(ctx, [p["step"] for p in info["steps"]], ranks, costs)
+    # a link's cost on the critical path is its excess over its stage peers': a lone rank has none to cost
+    cost = None if "compared_with" in info else _cost(ctx, [p["step"] for p in info["steps"]], ranks, costs)
     if cost is not None:
         evidence["critical_path_cost"] = cost
         summary = f"{summary}; {cost['text']}"
